@@ -1,0 +1,60 @@
+// Scalar helpers shared by every kernel: exp2 on the SFU, warp reductions, 16-bit float conversions.
+// NVRTC-safe: no CUDA toolkit header is included; fp16/bf16 are carried as raw 16-bit patterns.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+namespace fav {
+
+__forceinline__ __device__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// Base-2 exponential on the special-function unit; ex2(-inf) = +0, which masking relies on.
+__forceinline__ __device__ float exp2f_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__forceinline__ __device__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__forceinline__ __device__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// 16-bit float formats as tag types: Half (IEEE fp16) and BFloat16. Each knows how to convert to and
+// from fp32, one value or two packed in a 32-bit register (the layout mma.sync fragments use).
+struct Half {
+    static constexpr bool is_bf16 = false;
+    __forceinline__ __device__ static float to_float(u16 x) {
+        float f;
+        asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
+        return f;
+    }
+    __forceinline__ __device__ static u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+struct BFloat16 {
+    static constexpr bool is_bf16 = true;
+    __forceinline__ __device__ static float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
+    __forceinline__ __device__ static u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+__forceinline__ __device__ u16 low16(u32 x) { return (u16)(x & 0xffffu); }
+
+}  // namespace fav

@@ -1,0 +1,162 @@
+"""Input checking and conversion: NumPy, CuPy and DLPack / ``__cuda_array_interface__`` producers.
+
+Every misuse is reported here, as a ``TypeError`` or ``ValueError`` naming the argument and what is accepted,
+before anything is copied to the GPU or launched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import numbers
+
+import numpy as np
+
+NAMES = ("q", "k", "v")
+
+
+def _cupy():
+    try:
+        import cupy
+        return cupy
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+@dataclasses.dataclass
+class Inputs:
+    """q, k, v as arrays of one library (NumPy or CuPy), plus how to hand results back to the caller."""
+    q: object
+    k: object
+    v: object
+    on_gpu: bool          # CuPy arrays (possibly zero-copy views of torch/JAX memory)
+    wrap: object          # callable turning a result array into the caller's array type
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.q.dtype)
+
+    @property
+    def shape(self):
+        """(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim)."""
+        b, nq, h, d = self.q.shape
+        return b, nq, self.k.shape[1], h, self.k.shape[2], d
+
+
+def _framework_wrap(x):
+    """Return a function mapping a CuPy result back to ``x``'s framework through DLPack (zero-copy)."""
+    root = type(x).__module__.split(".")[0]
+    if root in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+        return jnp.from_dlpack
+    mod = importlib.import_module(root)
+    if hasattr(mod, "from_dlpack"):
+        return mod.from_dlpack
+    return lambda a: a  # a bare __cuda_array_interface__ producer: give back CuPy
+
+
+def _import_one(name: str, x):
+    """(array as NumPy or CuPy, on_gpu, wrap) for one input, or a TypeError naming it."""
+    cp = _cupy()
+    if isinstance(x, np.ndarray):
+        return x, False, lambda a: a
+    if cp is not None and isinstance(x, cp.ndarray):
+        return x, True, lambda a: a
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        dev = getattr(x, "__dlpack_device__", lambda: (2, 0))()
+        if dev[0] == 1:  # kDLCPU: a CPU torch tensor or JAX array
+            arr = np.from_dlpack(x)
+            return arr, False, _framework_wrap(x)
+        if cp is None:
+            raise TypeError(f"{name} is a GPU array ({type(x).__name__}) but CuPy is not installed; "
+                            "install fa-variants[cuda12] or [cuda13]")
+        arr = cp.from_dlpack(x) if hasattr(x, "__dlpack__") else cp.asarray(x)
+        return arr, True, _framework_wrap(x)
+    raise TypeError(f"{name} must be a NumPy or CuPy array, or a DLPack / __cuda_array_interface__ producer "
+                    f"(torch.Tensor, jax.Array), got {type(x).__name__}")
+
+
+def import_arrays(q, k, v) -> Inputs:
+    imported = [_import_one(n, x) for n, x in zip(NAMES, (q, k, v))]
+    arrays = [a for a, _, _ in imported]
+    on_gpu = [g for _, g, _ in imported]
+    if len(set(on_gpu)) != 1:
+        where = ", ".join(f"{n} on {'GPU' if g else 'host'}" for n, g in zip(NAMES, on_gpu))
+        raise ValueError(f"q, k and v must be on the same device, got {where}")
+    if on_gpu[0]:
+        devs = [a.device.id for a in arrays]
+        if len(set(devs)) != 1:
+            raise ValueError(f"q, k and v must be on the same device, got devices {dict(zip(NAMES, devs))}")
+    return Inputs(*arrays, on_gpu=on_gpu[0], wrap=imported[0][2])
+
+
+def check_shapes(inp: Inputs, variant) -> None:
+    """Rank, sizes, GQA divisibility, dtypes and layout, against what ``variant`` accepts."""
+    for n in NAMES:
+        a = getattr(inp, n)
+        if a.ndim != 4:
+            raise ValueError(f"{n} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {tuple(a.shape)}")
+        if 0 in a.shape:
+            raise ValueError(f"{n} has a zero-size dimension, shape {tuple(a.shape)}; every dimension must be >= 1")
+    q, k, v = inp.q, inp.k, inp.v
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"head_dim differs: q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}; all three must match")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k and v must have the same (seqlen_k, heads_kv), got {tuple(k.shape[1:3])} and {tuple(v.shape[1:3])}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v ({k.shape[2]}) for MQA/GQA")
+    dts = [dtype_name(a.dtype) for a in (q, k, v)]
+    if len(set(dts)) != 1:
+        raise TypeError(f"q, k and v must share one dtype, got q {dts[0]}, k {dts[1]}, v {dts[2]}")
+    if dts[0] not in variant.dtypes:
+        raise TypeError(f"variant {variant.name!r} accepts dtypes {list(variant.dtypes)}, got {dts[0]}")
+    d = q.shape[3]
+    if variant.head_dims is not None and d not in variant.head_dims:
+        raise ValueError(f"variant {variant.name!r} accepts head_dim in {list(variant.head_dims)}, got {d}")
+    for n in NAMES:
+        a = getattr(inp, n)
+        item = a.dtype.itemsize
+        if a.strides[3] != item and a.shape[3] > 1:
+            raise ValueError(f"{n} must be contiguous in its last dimension (stride {item} bytes), "
+                             f"got strides {tuple(a.strides)}")
+        if any(s < 0 for s in a.strides):
+            raise ValueError(f"{n} has negative strides {tuple(a.strides)}; pass a copy")
+
+
+def check_scalars(causal, softmax_scale, return_lse, head_dim: int | None = None) -> float | None:
+    """Validate the scalar arguments; returns the softmax scale to use (1/sqrt(d) by default)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if softmax_scale is None:
+        return None if head_dim is None else 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def to_numpy(a):
+    cp = _cupy()
+    if cp is not None and isinstance(a, cp.ndarray):
+        return cp.asnumpy(a)
+    return np.asarray(a)
+
+
+def to_cupy(a):
+    import cupy
+    return cupy.asarray(a)
+
+
+def aligned_for_vector_loads(a, elements: int = 8) -> bool:
+    """True when base pointer and the three outer strides allow 16-byte (8 x fp16) vector loads."""
+    item = a.dtype.itemsize
+    return a.data.ptr % (elements * item) == 0 and all(s % (elements * item) == 0 for s in a.strides[:3])
