@@ -1,0 +1,56 @@
+// Inline-PTX wrappers used by every tensor-core kernel: shared-memory addresses, cp.async, ldmatrix, mma.sync.
+// Each is a small __forceinline__ function; the fragment layouts they produce are documented once, here.
+#pragma once
+#include "math.cuh"
+
+namespace fav {
+
+// 32-bit shared-memory address of a generic pointer into shared memory (what ldmatrix / cp.async take).
+__forceinline__ __device__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// ---- cp.async: 16-byte global -> shared copies that bypass the register file and L1 ----------------------
+// With valid == false nothing is read and the 16 bytes are zero-filled: ragged tile edges load zeros, so the
+// math never sees uninitialized (possibly NaN) shared memory.
+__forceinline__ __device__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__forceinline__ __device__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>  // wait until at most N committed groups are still in flight
+__forceinline__ __device__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// ---- ldmatrix: four 8x8 b16 matrices from shared memory into registers --------------------------------------
+// Lane l gives the address of row (l % 8) of matrix (l / 8). Without .trans, lane l then holds, of each
+// matrix r[i], the pair (row l/4, cols 2(l%4), 2(l%4)+1); with .trans the same pair of the transpose.
+__forceinline__ __device__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__forceinline__ __device__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// ---- mma.sync m16n8k16, fp16/bf16 inputs, fp32 accumulate: D = A B + D --------------------------------------
+// With g = lane / 4 and t = lane % 4:
+//   A (16x16, row-major), 4 regs of 2 halves: a0 = A[g][2t..2t+1],   a1 = A[g+8][2t..],
+//                                             a2 = A[g][2t+8..2t+9], a3 = A[g+8][2t+8..]
+//   B (16x8, k-major "col"), 2 regs:          b0 = B[2t..2t+1][g],   b1 = B[2t+8..2t+9][g]
+//   C/D (16x8 fp32), 4 regs:                  c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
+template <class T>
+__forceinline__ __device__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (T::is_bf16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+}  // namespace fav

@@ -1,0 +1,86 @@
+// The softmax pieces shared by the FA1 and FA2 kernels, on mma.sync accumulator fragments.
+//
+// A warp's S block is float s[MT][NT][4]: MT m-tiles of 16 rows, NT n-tiles of 8 keys (layout of mma_16816's C).
+// Thread (g = lane/4, t = lane%4) holds rows g and g+8 of each m-tile: s[mt][nt][0..1] are row g, keys
+// 8nt+2t, 8nt+2t+1; s[mt][nt][2..3] row g+8. A row is spread over the 4 threads of a quad: reduce with shfl 1, 2.
+#pragma once
+#include "math.cuh"
+
+namespace fav {
+
+__forceinline__ __device__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__forceinline__ __device__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Set to -inf every score whose key is past the end (>= seqlen_k) or, with causal, right of the bottom-right
+// aligned diagonal (key > query + diag, diag = seqlen_k - seqlen_q). row0: this warp's first query row;
+// key0: the block's first key. Called only on blocks that straddle an edge.
+template <int MT, int NT>
+__forceinline__ __device__ void mask_scores(float (&s)[MT][NT][4], int row0, int key0, int seqlen_k, int diag,
+                                            bool causal) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + mt * 16 + g + 8 * (e / 2), key = key0 + nt * 8 + 2 * t + (e % 2);
+                if (key >= seqlen_k || (causal && key > row + diag)) s[mt][nt][e] = neg_inf();
+            }
+}
+
+// Row maxima of a block (over the quad too), one per (m-tile, half): max[mt][0] row g, max[mt][1] row g+8.
+template <int MT, int NT>
+__forceinline__ __device__ void row_max(const float (&s)[MT][NT][4], float (&mx)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float x = mx[mt][h];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+            mx[mt][h] = quad_max(x);
+        }
+}
+
+// The reference point subtracted before exponentiating, in log2 units: m * scale * log2(e). A row whose scores
+// are all -inf so far uses 0 instead, so that exp2(-inf - ref) = 0 rather than NaN.
+__forceinline__ __device__ float exp2_ref(float m, float scale_log2) {
+    return m == neg_inf() ? 0.f : m * scale_log2;
+}
+
+// s <- exp2(s * scale_log2 - ref) in place (P~), and this thread's partial row sums added to sum[mt][h]
+// (not reduced over the quad: the row sum is only needed at the end, so FA2 reduces it once there).
+template <int MT, int NT>
+__forceinline__ __device__ void exponentiate(float (&s)[MT][NT][4], const float (&ref)[MT][2], float scale_log2,
+                                             float (&sum)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f_approx(fmaf(s[mt][nt][e], scale_log2, -ref[mt][e / 2]));
+                s[mt][nt][e] = p;
+                sum[mt][e / 2] += p;
+            }
+}
+
+// Multiply every row of an accumulator (C layout, MT x NT' x 4) by a per-row factor.
+template <int MT, int NT>
+__forceinline__ __device__ void scale_rows(float (&acc)[MT][NT][4], const float (&f)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= f[mt][e / 2];
+}
+
+}  // namespace fav

@@ -1,0 +1,173 @@
+// FlashAttention-2 forward (Dao, 2023), on mma.sync tensor cores.
+//
+//   grid: (Q block i, head, batch)    one CTA owns Q_i (BM rows) and loops over every K/V block j
+//   warps: split-Q                    warp w owns rows [w*WM, (w+1)*WM) of Q_i: no inter-warp reduction
+//   normalization: deferred           O accumulates unnormalized in registers; one division by l at the end
+//   pipeline: K/V double-buffered     cp.async of block j+1 is in flight while block j is computed
+//
+// Read beside fa1_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
+#include "common/fragments.cuh"
+#include "common/softmax.cuh"
+
+template <class T, int D, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
+        u16* __restrict__ O, float* __restrict__ LSE,
+        i64 q_b, i64 q_n, i64 q_h, i64 k_b, i64 k_n, i64 k_h, i64 v_b, i64 v_n, i64 v_h,
+        int seqlen_q, int seqlen_k, int heads, int group, float scale_log2, int causal) {
+    using namespace fav;
+    constexpr int THREADS = NWARPS * 32;
+    constexpr int WM = BM / NWARPS, MT = WM / 16;  // rows per warp, m-tiles per warp
+    constexpr int NT = BN / 8, DT = D / 8;          // n-tiles of S, n-tiles of O
+    // Q fragments stay in registers for the whole loop when they fit; at d >= 96 they would crowd out the
+    // O accumulator, so they are re-read from shared memory (ldmatrix) each block, as FlashAttention-2 does.
+    constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
+    using TQ = Tile<BM, D>;
+    using TKV = Tile<BN, D>;
+    static_assert(WM % 16 == 0 && BN % 16 == 0 && D % 16 == 0, "tile sizes must be multiples of 16");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 sQ = smem_u32(smem);
+    // Shared memory: Q_i, then two stages of (K_j, V_j).
+    auto sK = [&](int stage) { return sQ + TQ::BYTES + stage * 2 * TKV::BYTES; };
+    auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
+
+    // Causal CTAs near the bottom do the most work: launch them first so the tail of the grid is short.
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;  // row0: first row of this warp in Q_i
+    const int diag = seqlen_k - seqlen_q;  // key j is visible to query i iff j <= i + diag
+    int n_blocks = (seqlen_k + BN - 1) / BN;
+    if (causal) n_blocks = min(n_blocks, max(0, m0 + BM + diag + BN - 1) / BN);  // blocks wholly above: skipped
+
+    const u16* Qi = Q + b * q_b + h * q_h + m0 * q_n;
+    const u16* Kb = K + b * k_b + h_kv * k_h;
+    const u16* Vb = V + b * v_b + h_kv * v_h;
+    auto load_kv = [&](int j, int stage) {
+        load_tile_async<BN, D, THREADS>(sK(stage), Kb + (i64)j * BN * k_n, k_n, seqlen_k - j * BN);
+        cp_async_commit();
+        load_tile_async<BN, D, THREADS>(sV(stage), Vb + (i64)j * BN * v_n, v_n, seqlen_k - j * BN);
+        cp_async_commit();
+    };
+
+    load_tile_async<BM, D, THREADS>(sQ, Qi, q_n, seqlen_q - m0);  // Q_i: loaded once, with K_0's group
+    if (n_blocks > 0) load_kv(0, 0);
+    else cp_async_commit();
+
+    float o[MT][DT][4] = {};                 // unnormalized O_i rows of this warp
+    float m[MT][2], l[MT][2] = {};           // running row max (raw score units) and this thread's partial sums
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = neg_inf();
+    u32 q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? D / 16 : 1][4];
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = j % 2;
+        if (j + 1 < n_blocks) {
+            load_kv(j + 1, stage ^ 1);
+            cp_async_wait<3>();  // K_j landed (V_j, K_j+1, V_j+1 may still fly)
+        } else {
+            cp_async_wait<1>();
+        }
+        __syncthreads();
+        if (Q_IN_REGS && j == 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) load_a<TQ>(q_frag[mt][kk], sQ, row0 + mt * 16, kk * 16);
+
+        // S = Q_i K_j^T (fp32 accumulate)
+        float s[MT][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kk][r];
+                } else {
+                    load_a<TQ>(a[mt], sQ, row0 + mt * 16, kk * 16);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                u32 bk[4];
+                load_b_rows<TKV>(bk, sK(stage), nt * 8, kk * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(s[mt][nt], a[mt], bk[0], bk[1]);
+                    mma_16816<T>(s[mt][nt + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+        const int key0 = j * BN;
+        if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
+            mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
+
+        // Online softmax, deferred normalization: rescale O and l by exp(m_old - m_new), never divide here.
+        float m_new[MT][2], ref[MT][2], alpha[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
+        row_max(s, m_new);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                ref[mt][r] = exp2_ref(m_new[mt][r], scale_log2);
+                alpha[mt][r] = exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]);
+                l[mt][r] *= alpha[mt][r];
+                m[mt][r] = m_new[mt][r];
+            }
+        scale_rows(o, alpha);
+        exponentiate(s, ref, scale_log2, l);
+
+        if (j + 1 < n_blocks) cp_async_wait<2>();  // V_j landed
+        else cp_async_wait<0>();
+        __syncthreads();
+
+        // O += P~ V_j, with P~ taken straight from the S registers as the A operand.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) repack_a<T>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                u32 bv[4];
+                load_b_cols<TKV>(bv, sV(stage), kk * 16, dt * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(o[mt][dt], a[mt], bv[0], bv[1]);
+                    mma_16816<T>(o[mt][dt + 1], a[mt], bv[2], bv[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before block j+2 is loaded into it
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: the one division by l; LSE = m * scale + ln l; O through shared memory for 16-byte stores.
+    // Each warp reuses only its own rows of the Q tile, which only it has read: no CTA barrier needed.
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const float ln2 = 0.6931471805599453f;
+    u16* sO = reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = quad_sum(l[mt][r]);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that saw no key: O = 0, LSE = -inf
+            const int row = mt * 16 + g + 8 * r;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<u32*>(sO + row * TQ::STRIDE + dt * 8 + 2 * t) =
+                    T::pack(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+            const int q_row = m0 + row0 + row;
+            if (LSE != nullptr && t == 0 && q_row < seqlen_q)
+                LSE[((i64)b * heads + h) * seqlen_q + q_row] =
+                    sum > 0.f ? (m[mt][r] * scale_log2 + __log2f(sum)) * ln2 : neg_inf();
+        }
+    __syncwarp();
+    const i64 o_n = (i64)heads * D;
+    store_rows_warp<WM, D>(O + ((i64)b * seqlen_q + m0 + row0) * o_n + (i64)h * D, o_n, sO,
+                           seqlen_q - m0 - row0);
+}
