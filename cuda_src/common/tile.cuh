@@ -58,4 +58,17 @@ __forceinline__ __device__ void store_rows_warp(u16* __restrict__ g, i64 ld, con
     }
 }
 
+// ROWS contiguous rows of D fp32 values (a workspace in global memory, no ragged edge) into shared memory with
+// a row stride of STRIDE floats, 16 bytes per cp.async. Not committed: the caller groups.
+template <int ROWS, int D, int STRIDE, int THREADS>
+__forceinline__ __device__ void load_f32_rows_async(u32 dst, const float* __restrict__ g) {
+    constexpr int CHUNKS = D / 4;
+#pragma unroll
+    for (int i = 0; i < (ROWS * CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int c = i * THREADS + threadIdx.x;
+        if (ROWS * CHUNKS % THREADS == 0 || c < ROWS * CHUNKS)
+            cp_async_16(dst + ((c / CHUNKS) * STRIDE + (c % CHUNKS) * 4) * 4, g + (i64)c * 4, true);
+    }
+}
+
 }  // namespace fav
