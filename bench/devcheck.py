@@ -1,0 +1,134 @@
+"""One GPU call per development iteration: check every GPU variant on odd shapes, then time a sweep.
+
+    PYTHONPATH=. python3 bench/devcheck.py [--check] [--time SHAPE_SET] [--variants fa1,fa2]
+
+The check compares against a float64 reference computed on the GPU (CuPy einsum), so it is cheap enough to
+run on every iteration; the full correctness suite is `pytest -m gpu tests`. Timing uses fa_variants.timing
+(CUDA events, warm-up, L2-busting input rotation, medians) with torch SDPA in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+from tabulate import tabulate
+
+from fa_variants import attention, registry
+from fa_variants.timing import (Shape, cast_half, gpu_input_sets, to_float64, median, time_cuda, torch_sdpa_fn, torch_sdpa_unsupported,
+                                torch_status, as_torch_bhnd)
+
+CHECK_SHAPES = [  # (B, Nq, Nk, H, Hkv, d, causal)
+    (1, 1, 1, 2, 2, 64, False), (2, 37, 37, 3, 3, 64, True), (1, 1000, 1000, 2, 1, 128, True),
+    (1, 37, 1000, 8, 1, 128, True), (1, 1000, 37, 4, 2, 96, True), (2, 4097, 4097, 2, 2, 128, False),
+    (1, 300, 500, 2, 2, 32, True), (1, 513, 513, 2, 2, 256, True), (1, 64, 64, 16, 2, 128, False),
+]
+
+# The issue's matrix: B*N = 16K tokens, heads*d = 2048, N from 1K to 16K; plus FA1's small-grid case.
+ISSUE = [Shape(16384 // n, 2048 // d, n, d, dt, c) for dt in ("bfloat16", "float16") for d in (64, 128)
+         for n in (1024, 2048, 4096, 8192, 16384) for c in (False, True)]
+SETS = {
+    "quick": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", True),
+              Shape(8, 32, 2048, 64, "float16", False), Shape(2, 8, 8192, 256, "bfloat16", False)],
+    "issue": ISSUE,
+    "small-grid": [Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True)],
+}
+
+
+def reference64(q, k, v, causal, scale):
+    import cupy
+    q64, k64, v64 = (to_float64(a) for a in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k64, v64 = cupy.repeat(k64, g, axis=2), cupy.repeat(v64, g, axis=2)
+    s = cupy.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+    nq, nk = q.shape[1], k.shape[1]
+    if causal:
+        i = cupy.arange(nq)[:, None]
+        j = cupy.arange(nk)[None, :]
+        s = cupy.where(j <= i + nk - nq, s, -cupy.inf)
+    m = s.max(-1, keepdims=True)
+    m = cupy.where(cupy.isfinite(m), m, 0)
+    p = cupy.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    o = cupy.einsum("bhqk,bkhd->bqhd", p / cupy.where(l > 0, l, 1), v64)
+    lse = cupy.where(l[..., 0] > 0, cupy.log(l[..., 0]) + m[..., 0], -cupy.inf)
+    return o, lse
+
+
+def check(names):
+    import cupy
+    rows, bad = [], 0
+    for (b, nq, nk, h, hkv, d, causal) in CHECK_SHAPES:
+        for dtype in ("float16", "bfloat16"):
+            rng = cupy.random.default_rng()
+            mk = lambda n, hh: cast_half(rng.standard_normal((b, n, hh, d), dtype=cupy.float32), dtype)  # noqa: E731
+            q, k, v = mk(nq, h), mk(nk, hkv), mk(nk, hkv)
+            scale = 1 / math.sqrt(d)
+            ref, ref_lse = reference64(q, k, v, causal, scale)
+            for name in names:
+                out, lse = attention(q, k, v, variant=name, causal=causal, return_lse=True)
+                out2 = attention(q, k, v, variant=name, causal=causal)
+                err = float(cupy.linalg.norm(to_float64(out) - ref) / cupy.linalg.norm(ref))
+                fin = cupy.isfinite(ref_lse)
+                lse_err = float(cupy.abs(lse[fin] - ref_lse[fin]).max()) if bool(fin.any()) else 0.0
+                lse_inf_ok = bool((cupy.isneginf(lse) == ~fin).all())
+                det = bool((out == out2).all())
+                tol = 2e-3 if dtype == "float16" else 1e-2
+                ok = err <= tol and lse_err <= 1e-3 and lse_inf_ok and det and not bool(cupy.isnan(out).any())
+                bad += not ok
+                rows.append([name, dtype, f"B{b} Nq{nq} Nk{nk} H{h}/{hkv} d{d}{' causal' if causal else ''}",
+                             f"{err:.2e}", f"{lse_err:.1e}", lse_inf_ok, det, "ok" if ok else "FAIL"])
+    print(tabulate(rows, headers=["variant", "dtype", "shape", "rel err", "lse err", "-inf ok", "determ.", ""]))
+    return bad
+
+
+def time_sweep(shapes, names, repeats):
+    import cupy
+    torch, why = torch_status()
+    rows = []
+    for i, shape in enumerate(shapes):
+        print(f"[{i + 1}/{len(shapes)}] {shape.id}", file=sys.stderr, flush=True)
+        sets = gpu_input_sets(shape)
+        scale = 1 / math.sqrt(shape.head_dim)
+        res = {}
+        for name in names:
+            fn = lambda q, k, v, name=name: attention(q, k, v, variant=name, causal=shape.causal)  # noqa: E731
+            res[name] = median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=sets))
+        if torch is not None and not torch_sdpa_unsupported(shape):
+            tsets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in sets]
+            for peer in ("torch-flash", "torch-cudnn"):
+                try:
+                    res[peer] = median(time_cuda(torch_sdpa_fn(torch, peer, shape, scale), warmup=3,
+                                                 repeats=repeats, rotate_inputs=tsets))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {peer}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+        tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+        row = [shape.id] + [f"{tf[k]:.1f}" if k in tf else "" for k in names + ["torch-flash", "torch-cudnn"]]
+        for k in names:
+            row.append(f"{tf[k] / tf['torch-flash']:.2f}" if k in tf and "torch-flash" in tf else "")
+        rows.append(row)
+    heads = ["shape"] + [f"{k} TF/s" for k in names + ["torch-flash", "torch-cudnn"]] + [f"{k}/flash" for k in names]
+    print(tabulate(rows, headers=heads))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", default="", help=f"shape set: {', '.join(SETS)} (comma-separated)")
+    ap.add_argument("--variants", default="naive,fa1,fa2")
+    ap.add_argument("--repeats", type=int, default=20)
+    a = ap.parse_args()
+    names = [n for n in a.variants.split(",") if n]
+    for n in names:
+        registry.get(n)
+    bad = check(names) if a.check else 0
+    for s in filter(None, a.time.split(",")):
+        time_sweep(SETS[s], names, a.repeats)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
