@@ -32,6 +32,8 @@ SETS = {
     "quick": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", True),
               Shape(8, 32, 2048, 64, "float16", False), Shape(2, 8, 8192, 256, "bfloat16", False)],
     "issue": ISSUE,
+    "tiles": [Shape(4, 32, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", False),
+              Shape(4, 16, 4096, 128, "bfloat16", True), Shape(4, 8, 4096, 256, "bfloat16", False)],
     "small-grid": [Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True)],
 }
 
@@ -120,7 +122,13 @@ def main():
     ap.add_argument("--time", default="", help=f"shape set: {', '.join(SETS)} (comma-separated)")
     ap.add_argument("--variants", default="naive,fa1,fa2")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'")
     a = ap.parse_args()
+    for spec in filter(None, a.tiles.split(";")):
+        name, rest = spec.split(":")
+        d, cfg = rest.split("=")
+        registry.get(name).kernels.TILES[int(d)] = tuple(int(x) for x in cfg.split(","))
+        print(f"tiles override: {name} d={d} -> {cfg}")
     names = [n for n in a.variants.split(",") if n]
     for n in names:
         registry.get(n)

@@ -105,6 +105,7 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
 
         // Online softmax, deferred normalization: rescale O and l by exp(m_old - m_new), never divide here.
         float m_new[MT][2], ref[MT][2], alpha[MT][2];
+        bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
         row_max(s, m_new);
@@ -114,10 +115,16 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
             for (int r = 0; r < 2; ++r) {
                 ref[mt][r] = exp2_ref(m_new[mt][r], scale_log2);
                 alpha[mt][r] = exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]);
-                l[mt][r] *= alpha[mt][r];
+                moved |= m_new[mt][r] != m[mt][r];
                 m[mt][r] = m_new[mt][r];
             }
-        scale_rows(o, alpha);
+        // Once the running maxima settle (most blocks past the first few), alpha == 1 for every row of the
+        // warp: skipping the rescale of O and l is then exact and saves D/2 multiplies per row per block.
+        if (__any_sync(0xffffffffu, moved)) {
+            scale_rows(o, alpha);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) l[mt][0] *= alpha[mt][0], l[mt][1] *= alpha[mt][1];
+        }
         exponentiate(s, ref, scale_log2, l);
 
         if (j + 1 < n_blocks) cp_async_wait<2>();  // V_j landed
@@ -144,6 +151,7 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
         __syncthreads();  // every warp is done with this stage before block j+2 is loaded into it
     }
     cp_async_wait<0>();
+    __syncthreads();  // with no K/V block to visit, Q's copies (from every thread) may still be landing
 
     // Epilogue: the one division by l; LSE = m * scale + ln l; O through shared memory for 16-byte stores.
     // Each warp reuses only its own rows of the Q tile, which only it has read: no CTA barrier needed.

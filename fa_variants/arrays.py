@@ -80,7 +80,28 @@ def _import_one(name: str, x):
                     f"(torch.Tensor, jax.Array), got {type(x).__name__}")
 
 
+def _claims_gpu(x) -> bool | None:
+    """Where ``x`` says it lives (True: GPU, False: host) without touching it; None if it is no array we take."""
+    cp = _cupy()
+    if isinstance(x, np.ndarray):
+        return False
+    if cp is not None and isinstance(x, cp.ndarray):
+        return True
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        try:
+            return getattr(x, "__dlpack_device__", lambda: (2, 0))()[0] != 1
+        except Exception:  # noqa: BLE001 - let _import_one report it
+            return None
+    return None
+
+
 def import_arrays(q, k, v) -> Inputs:
+    # Device agreement is checked before any conversion, so that mixing host and GPU arrays is reported as
+    # such (and nothing is imported through CuPy) even where CuPy cannot reach a device.
+    claims = [_claims_gpu(x) for x in (q, k, v)]
+    if None not in claims and len(set(claims)) != 1:
+        where = ", ".join(f"{n} on {'GPU' if g else 'host'}" for n, g in zip(NAMES, claims))
+        raise ValueError(f"q, k and v must be on the same device, got {where}")
     imported = [_import_one(n, x) for n, x in zip(NAMES, (q, k, v))]
     arrays = [a for a, _, _ in imported]
     on_gpu = [g for _, g, _ in imported]

@@ -119,13 +119,17 @@ def cache_key(code: str, arch: str, options: tuple, name_expressions: tuple) -> 
     return h.hexdigest()[:32]
 
 
-@functools.lru_cache(maxsize=None)
 def compile_source(name: str, name_expressions: tuple, arch: str, options: tuple = ()) -> Compiled:
-    """Compile ``cuda_src/<name>`` for ``arch`` with NVRTC and return the cubin, log and mangled names."""
+    """Compile ``cuda_src/<name>`` for ``arch`` with NVRTC and return the cubin, log and mangled names.
+
+    Memoized on the flattened source text, so an edited ``.cu`` or header is recompiled, never served stale."""
+    return _compile_code(flatten(name), name, tuple(name_expressions), normalize_arch(arch), tuple(options))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_code(code: str, name: str, name_expressions: tuple, arch: str, options: tuple) -> Compiled:
     from cupy_backends.cuda.libs import nvrtc
 
-    arch = normalize_arch(arch)
-    code = flatten(name)
     opts = (f"-arch={arch}",) + _BASE_OPTIONS + tuple(options)
     prog = nvrtc.createProgram(code, name, [], [])
     try:
@@ -134,9 +138,9 @@ def compile_source(name: str, name_expressions: tuple, arch: str, options: tuple
         try:
             nvrtc.compileProgram(prog, list(opts))
         except nvrtc.NVRTCError as e:
-            log = nvrtc.getProgramLog(prog)
+            log = nvrtc.getProgramLog(prog).rstrip("\x00")
             raise CompileError(f"NVRTC failed to compile {name} for {arch} ({e}):\n{log}") from None
-        log = nvrtc.getProgramLog(prog)
+        log = nvrtc.getProgramLog(prog).rstrip("\x00")
         lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
         cubin = nvrtc.getCUBIN(prog)
     finally:

@@ -50,7 +50,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     o_ws = cupy.empty((L.batch * L.heads, rows, d), dtype=cupy.float32)  # the kernel initializes it (Alg. 1 line 2)
     l_ws = cupy.empty((L.batch * L.heads, rows), dtype=cupy.float32)
     m_ws = cupy.empty((L.batch * L.heads, rows), dtype=cupy.float32)
-    kern = jit.kernel(SOURCE, instance(L.ctype, d), specializations())
+    kern = jit.kernel(SOURCE, instance(L.ctype, d))  # compiled on first use, one instance per module
     smem = smem_bytes(d)
     kern.max_dynamic_shared_size_bytes = smem
     check_grid(L.batch, "batch")

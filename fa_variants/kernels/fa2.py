@@ -41,7 +41,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     L = prepare(q, k, v, return_lse)
     d = L.head_dim
     bm, _, warps = TILES[d]
-    kern = jit.kernel(SOURCE, instance(L.ctype, d), specializations())
+    kern = jit.kernel(SOURCE, instance(L.ctype, d))  # compiled on first use, one instance per module
     smem = smem_bytes(d)
     kern.max_dynamic_shared_size_bytes = smem
     check_grid(L.heads, "heads")

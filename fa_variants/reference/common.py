@@ -1,0 +1,208 @@
+"""What the three NumPy models share: input preparation, masks, block sizes, the online-softmax rule, counters.
+
+Everything here is computed in float64 so that a model differs from the exact softmax only by float64 rounding;
+the models differ from each other only in loop order, normalization and which tensors cross "HBM".
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+#: Default on-chip memory M of the papers, in *elements*: 128 KiB of fp32 = 32768. An H200 SM has 228 KB of
+#: shared memory (227 KB usable by one block); the papers' analysis assumes "about 100 KB", and the kernels
+#: double-buffer half-precision tiles, so a bit over half an SM is the honest budget. Being a power of two, it
+#: gives power-of-two blocks for the usual head dims: d=64 -> (B_r, B_c) = (64, 128), d=128 -> (64, 64).
+DEFAULT_SRAM = 32_768
+
+#: Tensors the models may move through HBM. "LSE" is FA2's saved log-sum-exp; "l"/"m" are FA1's statistics.
+TENSORS = ("Q", "K", "V", "O", "S", "P", "l", "m", "LSE")
+
+
+@dataclasses.dataclass
+class AccessCounter:
+    """HBM element accesses by tensor, summed over the whole call (every batch and query head).
+
+    Counts are elements, not bytes: ``iomodel.hbm_bytes`` applies the element sizes.
+    """
+    reads: dict = dataclasses.field(default_factory=dict)
+    writes: dict = dataclasses.field(default_factory=dict)
+
+    def _add(self, book: dict, name: str, n: int) -> None:
+        if name not in TENSORS:  # a typo would otherwise silently open a new tensor and break the totals
+            raise ValueError(f"tensor must be one of {TENSORS}, got {name!r}")
+        book[name] = book.get(name, 0) + int(n)
+
+    def read(self, name: str, n: int) -> None:
+        self._add(self.reads, name, n)
+
+    def write(self, name: str, n: int) -> None:
+        self._add(self.writes, name, n)
+
+    @property
+    def total(self) -> int:
+        return sum(self.reads.values()) + sum(self.writes.values())
+
+    def by_tensor(self) -> dict:
+        """tensor -> reads + writes, in ``TENSORS`` order, for the tensors that were touched."""
+        return {t: self.reads.get(t, 0) + self.writes.get(t, 0)
+                for t in TENSORS if t in self.reads or t in self.writes}
+
+
+@dataclasses.dataclass
+class ModelResult:
+    out: np.ndarray            # float64 (batch, seqlen_q, heads, head_dim)
+    lse: np.ndarray            # float64 (batch, heads, seqlen_q); -inf for rows that see no key
+    hbm: AccessCounter
+    blocks: tuple | None = None  # (B_r, B_c) the model ran with; None for naive (no tiling)
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+def to_float64(x) -> np.ndarray:
+    """float16, ml_dtypes.bfloat16, float32 or float64 array -> float64 (astype knows the ml_dtypes casts)."""
+    return np.asarray(x).astype(np.float64)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def kv_head_of(heads: int, heads_kv: int) -> np.ndarray:
+    """KV head read by each query head under MQA/GQA: query head h uses kv head h // (heads // heads_kv)."""
+    return np.arange(heads) // (heads // heads_kv)
+
+
+def prepare(q, k, v, softmax_scale):
+    """(Q, K, V, scale): float64, heads-major (batch, heads, seqlen, d), K and V expanded to one per query head.
+
+    Expanding K/V mirrors the kernels: each (batch, query head) program reads its kv head's blocks itself,
+    so GQA saves memory but not counted K/V reads.
+    """
+    q, k, v = (to_float64(a) for a in (q, k, v))
+    for name, a in zip("qkv", (q, k, v)):
+        if a.ndim != 4 or 0 in a.shape:
+            raise ValueError(f"{name} must be (batch, seqlen, heads, head_dim) with every size >= 1, got {a.shape}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    heads, heads_kv = q.shape[2], k.shape[2]
+    if heads % heads_kv:
+        raise ValueError(f"heads of q ({heads}) must be a multiple of heads of k/v ({heads_kv})")
+    kv = kv_head_of(heads, heads_kv)
+    Q = q.transpose(0, 2, 1, 3)
+    K = k[:, :, kv].transpose(0, 2, 1, 3)
+    V = v[:, :, kv].transpose(0, 2, 1, 3)
+    scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    return Q, K, V, scale
+
+
+def to_flash_layout(O: np.ndarray) -> np.ndarray:
+    """(batch, heads, seqlen, d) -> flash-attn's (batch, seqlen, heads, d)."""
+    return np.ascontiguousarray(O.transpose(0, 2, 1, 3))
+
+
+# ----------------------------------------------------------------------------------------------- masks, blocks
+
+def causal_visible(rows, cols, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """Bottom-right causal mask: query i sees key j iff j <= i + seqlen_k - seqlen_q (flash-attn >= 2.1)."""
+    return np.asarray(cols)[None, :] <= np.asarray(rows)[:, None] + (seqlen_k - seqlen_q)
+
+
+def block_visited(row_last: int, col_first: int, seqlen_q: int, seqlen_k: int) -> bool:
+    """False when a (Q block, K block) pair lies wholly above the causal diagonal: the kernels skip it."""
+    return col_first <= row_last + (seqlen_k - seqlen_q)
+
+
+def paper_blocks(sram: int, head_dim: int) -> tuple[int, int]:
+    """The FlashAttention paper's block sizes for on-chip memory of ``sram`` elements: (B_r, B_c).
+
+    B_c = ceil(M / 4d) so that K_j, V_j, Q_i, O_i (4 tiles of B x d) fit in M; B_r = min(B_c, d) caps the
+    B_r x B_c score tile at M/4 as well.
+    """
+    if sram < 1 or head_dim < 1:
+        raise ValueError(f"sram and head_dim must be >= 1, got {sram}, {head_dim}")
+    b_c = math.ceil(sram / (4 * head_dim))
+    return min(b_c, head_dim), b_c
+
+
+def resolve_blocks(head_dim: int, block_q=None, block_k=None, sram=None) -> tuple[int, int]:
+    """(B_r, B_c): the ones given, else the paper's for ``sram`` (default ``DEFAULT_SRAM``) elements."""
+    b_r, b_c = paper_blocks(DEFAULT_SRAM if sram is None else sram, head_dim)
+    b_r = b_r if block_q is None else block_q
+    b_c = b_c if block_k is None else block_k
+    for name, b in (("block_q", b_r), ("block_k", b_c)):
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {b!r}")
+    return int(b_r), int(b_c)
+
+
+def block_slices(n: int, b: int) -> list[slice]:
+    """The T = ceil(n / b) blocks of a length-n axis; the last one is short when b does not divide n."""
+    return [slice(s, min(s + b, n)) for s in range(0, n, b)]
+
+
+# ----------------------------------------------------------------------------------------------- online softmax
+
+def exp_shift(m: np.ndarray) -> np.ndarray:
+    """The max subtracted before exp: m, or 0 where m = -inf (a row that has seen no visible key yet).
+
+    Subtracting -inf would give exp(-inf - -inf) = NaN; with 0 every exp of a masked score is exp(-inf) = 0
+    and the row's sums stay 0. The kernels make the same substitution.
+    """
+    return np.where(m == -np.inf, np.zeros((), m.dtype), m)
+
+
+def rescale(m_old: np.ndarray, m_new: np.ndarray) -> np.ndarray:
+    """e^(m_old - m_new), the factor that moves sums taken under max m_old to max m_new (0 if m_old = -inf)."""
+    return np.exp(m_old - exp_shift(m_new))
+
+
+def online_softmax_step(m, l, acc, S, V):
+    """One K/V block of the online softmax with deferred normalization (FA2's rule; FA1 normalizes instead).
+
+    m, l: (..., rows) running max and sum; acc: (..., rows, d) unnormalized output; S: (..., rows, cols)
+    scores of this block (-inf where masked); V: (..., cols, d). Returns the new (m, l, acc): after the last
+    block, acc / l is the softmax-weighted sum over every block, exactly.
+    """
+    m_new = np.maximum(m, S.max(axis=-1))
+    P = np.exp(S - exp_shift(m_new)[..., None])
+    alpha = rescale(m, m_new)
+    return m_new, alpha * l + P.sum(axis=-1), alpha[..., None] * acc + P @ V
+
+
+def normalize(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """acc / l, and 0 for rows with l = 0 (no visible key): zeros, never NaN."""
+    seen = l > 0
+    return np.where(seen[..., None], acc, 0) / np.where(seen, l, 1)[..., None]
+
+
+def logsumexp_from(m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """LSE = m + log l, -inf for rows with no visible key (without the log(0) warning)."""
+    seen = l > 0
+    return np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
+
+
+def online_softmax(scores, values, splits, dtype=np.float64):
+    """softmax(scores) @ values, visiting the scores block by block with the models' update rule.
+
+    The teaching piece: however the row is split, the result equals the one-shot softmax up to rounding in
+    ``dtype`` (try float16). ``splits`` is a block size (int) or the block lengths (summing to len(scores)).
+    ``values`` is (n,) or (n, d); the result is a scalar or (d,) array of ``dtype``.
+    """
+    s = np.asarray(scores, dtype=np.float64).astype(dtype)
+    v = np.asarray(values, dtype=np.float64).astype(dtype)
+    n = s.shape[0]
+    lengths = [min(splits, n - a) for a in range(0, n, splits)] if np.isscalar(splits) else list(splits)
+    if sum(lengths) != n or min(lengths) < 1:
+        raise ValueError(f"splits {splits!r} must cover the {n} scores with blocks of length >= 1")
+    v2 = v.reshape(n, -1)
+    m = np.full(1, -np.inf, dtype)
+    l = np.zeros(1, dtype)
+    acc = np.zeros((1, v2.shape[1]), dtype)
+    start = 0
+    for b in lengths:
+        m, l, acc = online_softmax_step(m, l, acc, s[None, start:start + b], v2[start:start + b])
+        start += b
+    out = (acc / l[:, None])[0]
+    return out[0] if v.ndim == 1 else out

@@ -1,0 +1,391 @@
+"""How fa-variants measures speed: one implementation shared by ``fa-variants compare`` and ``bench/``.
+
+Method (DESIGN.md, "Speed"):
+
+- **CUDA events** on the current CuPy stream bracket each call; the time is GPU time, never wall clock around
+  an asynchronous launch.
+- **No host overhead in the number.** Before each timed call a one-thread *pad* kernel spins on the GPU's
+  global timer for a little longer than the host needs to enqueue the call (measured during warm-up). The
+  host records the start event and launches the call while the pad runs, so the GPU goes pad -> start ->
+  kernel(s) -> end without an idle gap, and the event pair measures the call's device time alone.
+- **Warm-up** calls first (JIT compilation, cuBLAS handles, memory-pool growth), then the **median** of many.
+- **Inputs larger than L2**: the caller passes several input sets and calls rotate among them, sized so that
+  the sets together are at least 3x the L2 (60 MB on the H200): no call finds its Q, K, V in L2 left warm by
+  the previous call.
+- **TFLOP/s** = 4 * B * H * Nq * Nk * d / time, **halved for causal** (the flash-attn / FlashAttention-2
+  paper convention, also used by the peer numbers in anchors/h200-peers.md). With bottom-right causal and
+  Nq != Nk the exact count of visible pairs differs; we keep the convention so numbers compare with others'.
+
+``time_cuda`` times a sequence of calls without a host synchronization between them; ``EventTimer.once``
+times one call and synchronizes (pytest-benchmark's pedantic mode calls it once per round, and
+``event_clock`` is the timer handed to pytest-benchmark so that the statistics it prints are these CUDA-event
+times).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import time
+
+DEFAULT_L2_BYTES = 60 * 1000 * 1000    # H200; the real value is read from the device when there is one
+L2_FOOTPRINT = 3                        # input sets together span at least this many L2 sizes
+MAX_SETS = 8
+_DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+_SHORT_DTYPE = {v: k for k, v in _DTYPE_SHORT.items()}
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
+    """Forward FLOPs by the convention 4 * B * H * Nq * Nk * d, halved for causal (whatever the alignment)."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One attention problem. ``id`` is a compact, parseable name used in benchmark ids and tables."""
+    batch: int
+    heads: int
+    seqlen_q: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    causal: bool = False
+    heads_kv: int | None = None      # None: = heads
+    seqlen_k: int | None = None      # None: = seqlen_q
+
+    @property
+    def hkv(self) -> int:
+        return self.heads if self.heads_kv is None else self.heads_kv
+
+    @property
+    def nk(self) -> int:
+        return self.seqlen_q if self.seqlen_k is None else self.seqlen_k
+
+    @property
+    def itemsize(self) -> int:
+        return 2
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen_q, self.nk, self.head_dim, self.causal)
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of one (q, k, v) set."""
+        return self.itemsize * self.batch * self.head_dim * (self.heads * self.seqlen_q + 2 * self.hkv * self.nk)
+
+    @property
+    def id(self) -> str:
+        parts = [_DTYPE_SHORT.get(self.dtype, self.dtype), f"d{self.head_dim}", f"N{self.seqlen_q}"]
+        if self.nk != self.seqlen_q:
+            parts.append(f"Nk{self.nk}")
+        parts += [f"B{self.batch}", f"H{self.heads}"]
+        if self.hkv != self.heads:
+            parts.append(f"Hkv{self.hkv}")
+        parts.append("causal" if self.causal else "full")
+        return "-".join(parts)
+
+    def __str__(self):
+        return self.id
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """Inverse of ``id``: 'bf16-d128-N4096-B4-H16-causal' -> Shape(...)."""
+        fields = text.split("-")
+        if len(fields) < 5 or fields[-1] not in ("causal", "full"):
+            raise ValueError(f"not a shape id: {text!r} (expected like 'bf16-d128-N4096-B4-H16-causal')")
+        dtype = _SHORT_DTYPE.get(fields[0], fields[0])
+        vals = {}
+        for f in fields[1:-1]:
+            m = re.fullmatch(r"(d|Nk|N|B|Hkv|H)(\d+)", f)
+            if not m:
+                raise ValueError(f"not a shape id: {text!r} (bad field {f!r})")
+            vals[m.group(1)] = int(m.group(2))
+        return cls(batch=vals["B"], heads=vals["H"], seqlen_q=vals["N"], head_dim=vals["d"], dtype=dtype,
+                   causal=fields[-1] == "causal", heads_kv=vals.get("Hkv"), seqlen_k=vals.get("Nk"))
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def cast_half(x32, dtype: str):
+    """float32 array (NumPy or CuPy) -> float16 / bfloat16, round to nearest even."""
+    import ml_dtypes
+    import numpy as np
+    if dtype == "float16":
+        return x32.astype(np.float16)
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    try:
+        return x32.astype(ml_dtypes.bfloat16)
+    except Exception:  # noqa: BLE001 - an array library without a bf16 cast: round the bits ourselves
+        bits = x32.view(np.uint32)
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return rounded.astype(np.uint16).view(ml_dtypes.bfloat16)
+
+
+def to_float64(x):
+    """float16 / bfloat16 / float32 array (NumPy or CuPy) -> float64 of the same library."""
+    import numpy as np
+    if x.dtype.name == "bfloat16":
+        try:
+            return x.astype(np.float64)
+        except Exception:  # noqa: BLE001
+            return (x.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def random_inputs(shape: Shape, xp, seed: int = 0):
+    """(q, k, v) in flash-attn layout, N(0, 1) entries, of ``shape.dtype``, as arrays of ``xp`` (numpy/cupy)."""
+    import numpy as np
+    if xp is np:
+        rng = np.random.default_rng(seed)
+        normal = lambda s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+    else:
+        rng = xp.random.default_rng(seed)
+        normal = lambda s: rng.standard_normal(s, dtype=xp.float32)  # noqa: E731
+    q = cast_half(normal((shape.batch, shape.seqlen_q, shape.heads, shape.head_dim)), shape.dtype)
+    k = cast_half(normal((shape.batch, shape.nk, shape.hkv, shape.head_dim)), shape.dtype)
+    v = cast_half(normal((shape.batch, shape.nk, shape.hkv, shape.head_dim)), shape.dtype)
+    return q, k, v
+
+
+def l2_bytes() -> int:
+    """L2 size of the current CUDA device (DEFAULT_L2_BYTES if it cannot be read)."""
+    try:
+        import cupy
+        dev = cupy.cuda.Device()
+        return int(cupy.cuda.runtime.getDeviceProperties(dev.id)["l2CacheSize"]) or DEFAULT_L2_BYTES
+    except Exception:  # noqa: BLE001
+        return DEFAULT_L2_BYTES
+
+
+def rotation_count(set_bytes: int, l2: int | None = None, free_bytes: int | None = None) -> int:
+    """How many input sets to rotate among: together >= L2_FOOTPRINT x L2 and at least 2, within a quarter
+    of free device memory, at most MAX_SETS."""
+    l2 = DEFAULT_L2_BYTES if l2 is None else l2
+    n = max(2, math.ceil(L2_FOOTPRINT * l2 / max(set_bytes, 1)))
+    if free_bytes is not None:
+        n = min(n, max(1, int(0.25 * free_bytes // max(set_bytes, 1))))
+    return max(1, min(n, MAX_SETS))
+
+
+def gpu_input_sets(shape: Shape, seed: int = 0, n_sets: int | None = None):
+    """Several independent (q, k, v) CuPy sets of ``shape`` for L2-busting rotation (see ``rotation_count``)."""
+    import cupy
+    if n_sets is None:
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        free += cupy.get_default_memory_pool().free_bytes()
+        n_sets = rotation_count(shape.input_bytes, l2_bytes(), free)
+    return [random_inputs(shape, cupy, seed + i) for i in range(n_sets)]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+_PAD_SOURCE = r"""
+extern "C" __global__ void fav_timing_pad(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+_pad_kernel = None
+
+
+def _pad(stream, ns: int):
+    """Keep the GPU busy for ``ns`` nanoseconds on ``stream`` (one thread spinning on %globaltimer)."""
+    global _pad_kernel
+    import cupy
+    if _pad_kernel is None:
+        _pad_kernel = cupy.RawKernel(_PAD_SOURCE, "fav_timing_pad")
+    _pad_kernel((1,), (1,), (cupy.uint64(ns),), stream=stream)
+
+
+class _VirtualClock:
+    seconds = 0.0
+
+
+_CLOCK = _VirtualClock()
+
+
+def event_clock() -> float:
+    """A clock (in seconds) that advances only by CUDA-event-measured GPU time: ``EventTimer.once`` adds each
+    call's event time. Handed to pytest-benchmark (``@pytest.mark.benchmark(timer=event_clock)`` with
+    ``benchmark.pedantic``), its statistics are exactly the CUDA-event times."""
+    return _CLOCK.seconds
+
+
+class EventTimer:
+    """CUDA-event timing of ``fn(*args)`` on the current CuPy stream, with a pad kernel hiding host overhead."""
+
+    MIN_PAD_NS = 20_000
+    MAX_PAD_NS = 20_000_000
+
+    def __init__(self, pad: bool = True):
+        import cupy
+        self.cupy = cupy
+        self.stream = cupy.cuda.get_current_stream()
+        self.pad = pad
+        self.pad_ns = self.MIN_PAD_NS
+
+    def warmup(self, fn, arg_sets, calls: int):
+        """``calls`` untimed calls (at least one per set), then size the pad from the host's enqueue time."""
+        host = []
+        for i in range(max(calls, len(arg_sets), 1)):
+            args = arg_sets[i % len(arg_sets)]
+            t0 = time.perf_counter()
+            fn(*args)
+            host.append(time.perf_counter() - t0)
+        self.stream.synchronize()
+        # the host time of the fastest enqueues (after the first, which may compile), doubled, as the pad
+        enqueue = min(host[1:] or host)
+        self.pad_ns = int(min(self.MAX_PAD_NS, max(self.MIN_PAD_NS, 2 * enqueue * 1e9 + 10_000)))
+        for _ in range(3):  # the pad kernel itself compiles on first use: keep that out of the timed calls
+            if self.pad:
+                _pad(self.stream, 1000)
+        self.stream.synchronize()
+
+    def _timed(self, fn, args):
+        ev0, ev1 = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        if self.pad:
+            _pad(self.stream, self.pad_ns)
+        ev0.record(self.stream)
+        fn(*args)
+        ev1.record(self.stream)
+        return ev0, ev1
+
+    def once(self, fn, args=(), advance_clock: bool = True) -> float:
+        """Time one call in ms; synchronizes. Advances ``event_clock`` by the measured time."""
+        ev0, ev1 = self._timed(fn, args)
+        ev1.synchronize()
+        ms = self.cupy.cuda.get_elapsed_time(ev0, ev1)
+        if advance_clock:
+            _CLOCK.seconds += ms * 1e-3
+        return ms
+
+    def many(self, fn, arg_sets, repeats: int, start: int = 0) -> list[float]:
+        """``repeats`` calls rotating over ``arg_sets``, one synchronization at the end; ms per call."""
+        events = [self._timed(fn, arg_sets[(start + i) % len(arg_sets)]) for i in range(repeats)]
+        events[-1][1].synchronize()
+        return [self.cupy.cuda.get_elapsed_time(a, b) for a, b in events]
+
+
+def time_cuda(fn, *, warmup: int = 5, repeats: int = 30, rotate_inputs=None, pad: bool = True) -> list[float]:
+    """CUDA-event times in ms of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    ``rotate_inputs``: a list of argument tuples; call i runs ``fn(*rotate_inputs[i % len])`` (pass several
+    input sets larger than L2 together, see ``gpu_input_sets``). None: ``fn()`` with no arguments.
+    Take ``median()`` of the result."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sets = list(rotate_inputs) if rotate_inputs else [()]
+    timer = EventTimer(pad=pad)
+    timer.warmup(fn, sets, warmup)
+    return timer.many(fn, sets, repeats, start=max(warmup, len(sets)))
+
+
+# ------------------------------------------------------------------------------------------------ device memory
+class PeakMemory:
+    """Peak bytes held in CuPy's memory pool during a ``with`` block, above what was held when it started.
+
+    ``with PeakMemory() as pm: out = f(...)``; then ``pm.peak`` (bytes). Counts pool allocations only
+    (not cuBLAS workspaces or other libraries' own cudaMalloc)."""
+
+    def __enter__(self):
+        from cupy.cuda import memory_hook
+
+        outer = self
+
+        class _Hook(memory_hook.MemoryHook):
+            name = "fa_variants_peak"
+
+            def malloc_postprocess(self, **kw):
+                outer.live += kw["mem_size"]
+                outer.peak = max(outer.peak, outer.live)
+
+            def free_postprocess(self, **kw):
+                outer.live -= kw["mem_size"]
+
+        self.live = self.peak = 0
+        self._hook = _Hook()
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hook.__exit__(*exc)
+        return False
+
+
+def nbytes_rounded(*arrays) -> int:
+    """Bytes of arrays as CuPy's pool allocates them (rounded up to 512)."""
+    return sum(-(-a.nbytes // 512) * 512 for a in arrays if a is not None)
+
+
+# ------------------------------------------------------------------------------------------------ torch peers
+TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
+
+
+def torch_status() -> tuple[object, str]:
+    """(torch module, '') when torch with CUDA is importable, else (None, why not)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return None, f"torch is not importable ({type(e).__name__})"
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return None, f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel (needs torch >= 2.3)"
+    if not torch.cuda.is_available():
+        return None, "torch has no CUDA device"
+    return torch, ""
+
+
+def torch_sdpa_unsupported(shape: Shape) -> str:
+    """Why torch SDPA cannot compute the same thing as our kernels for ``shape`` ('' when it can)."""
+    if shape.causal and shape.seqlen_q != shape.nk:
+        return ("torch SDPA aligns the causal mask top-left when seqlen_q != seqlen_k; our kernels align it "
+                "bottom-right (flash-attn >= 2.1), so the results differ")
+    return ""
+
+
+def as_torch_bhnd(torch, x):
+    """CuPy (B, N, H, d) -> torch (B, H, N, d) view, zero-copy through DLPack."""
+    try:
+        t = torch.from_dlpack(x)
+    except Exception:  # noqa: BLE001 - a DLPack without bf16: move the bits and reinterpret
+        import numpy as np
+        t = torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16 if x.dtype.name == "bfloat16" else torch.float16)
+    return t.transpose(1, 2)
+
+
+def torch_sdpa_fn(torch, peer: str, shape: Shape, softmax_scale: float):
+    """A callable (q, k, v) -> out (torch, (B, H, N, d)) running SDPA with one backend forced, on the
+    current CuPy stream. ``peer`` is a key of TORCH_BACKENDS."""
+    import contextlib
+
+    import cupy
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, TORCH_BACKENDS[peer])
+    F = torch.nn.functional
+    kwargs = dict(is_causal=bool(shape.causal), scale=float(softmax_scale))
+    if shape.hkv != shape.heads:
+        kwargs["enable_gqa"] = True
+    ptr = cupy.cuda.get_current_stream().ptr
+
+    def fn(q, k, v):
+        same = torch.cuda.current_stream().cuda_stream == ptr
+        ctx = contextlib.nullcontext() if same else torch.cuda.stream(torch.cuda.ExternalStream(ptr))
+        with ctx, sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return fn

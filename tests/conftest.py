@@ -1,0 +1,232 @@
+"""Shared test machinery: the ONE place tolerances live, the GPU gate, random inputs and a float64 reference.
+
+The reference here (``reference64``) is written directly from the definition of attention and imports nothing
+from ``fa_variants``: the kernels and the library's NumPy models are both checked against it.
+
+Seeds: every random input comes from a generator whose seed is recorded on the test (and printed in a failed
+test's report); set ``FA_VARIANTS_SEED=<n>`` to replay a run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+# --------------------------------------------------------------------------------------------------------------
+# Tolerances: relative error ||out - ref|| / ||ref|| against the float64 reference, per input dtype.
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float8_e4m3fn": 6e-2}
+# Log-sum-exp, in natural-log units, where the reference is finite.
+LSE_ATOL = 1e-3
+# fp32 scores lose absolute precision as they grow (|lse| ~ 3000 when inputs are scaled by 30), so the LSE bound
+# widens by this fraction of |lse|; at the usual |lse| ~ 10 it adds 1e-5 and changes nothing.
+LSE_RTOL = 1e-6
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The GPU gate.
+@functools.lru_cache(maxsize=1)
+def has_gpu() -> bool:
+    """CuPy importable and at least one CUDA device usable."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "model: needs the variant's NumPy model in fa_variants/reference")
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Seeds.
+def new_seed() -> int:
+    env = os.environ.get("FA_VARIANTS_SEED")
+    return int(env) if env else int(np.random.SeedSequence().entropy % (2**63))
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test; its seed is recorded and printed if the test fails."""
+    seed = new_seed()
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seeds = [str(v) for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            report.sections.append(("fa-variants random seed",
+                                    f"seed(s) {', '.join(seeds)}; replay with FA_VARIANTS_SEED={seeds[0]}"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Arrays.
+def _xp_module(xp):
+    if xp is None or xp == "cupy":
+        import cupy
+        return cupy
+    if xp == "numpy":
+        return np
+    return xp
+
+
+def to_host(a) -> np.ndarray:
+    """NumPy view/copy of a NumPy, CuPy or torch array (values unchanged, dtype kept where NumPy has it)."""
+    if isinstance(a, np.ndarray):
+        return a
+    mod = type(a).__module__.split(".")[0]
+    if mod == "cupy":
+        import cupy
+        return cupy.asnumpy(a)
+    if mod == "torch":
+        import torch
+        t = a.detach().cpu()
+        if t.dtype == torch.bfloat16:  # NumPy has no bf16: go through the raw bits
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(a)
+
+
+def place(a: np.ndarray, xp=None, strided=False, role: str = "q"):
+    """Put host array ``a`` (B, N, H, d) on ``xp`` with a given memory layout and the same values.
+
+    strided=False: C-contiguous. strided=True (or "aligned"): a non-contiguous view whose last dimension is
+    contiguous and whose strides stay multiples of 16 bytes: q is a (B, H, N, d) buffer transposed to
+    (B, N, H, d); k and v are slices of a packed (B, N, 2, H, d + 8) buffer (flash-attn's kvpacked layout with
+    padded rows). strided="unaligned": views of a (B, N, H, d + 1) buffer: every row starts at an odd element.
+    """
+    xp = _xp_module(xp)
+    if not strided:
+        return xp.asarray(np.ascontiguousarray(a))
+    b, n, h, d = a.shape
+    if strided == "unaligned":
+        buf = np.zeros((b, n, h, d + 1), a.dtype)
+        buf[..., 1:] = a
+        dev = xp.asarray(buf)
+        view = dev[..., 1:]
+    elif role == "q":
+        dev = xp.asarray(np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+        view = dev.transpose(0, 2, 1, 3)
+    else:
+        buf = np.zeros((b, n, 2, h, d + 8), a.dtype)
+        slot = 0 if role == "k" else 1
+        buf[:, :, slot, :, :d] = a
+        buf[:, :, 1 - slot, :, :d] = -a  # the neighbour slot holds other values: reading it gives wrong answers
+        dev = xp.asarray(buf)
+        view = dev[:, :, slot, :, :d]
+    assert not view.flags.c_contiguous and view.strides[3] == a.dtype.itemsize
+    return view
+
+
+def random_qkv_host(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, scale=1.0):
+    """N(0, 1) * scale inputs on the host, rounded to ``dtype``."""
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+    def one(n, h):
+        x = rng.standard_normal((batch, n, h, d), dtype=np.float32) * np.float32(scale)
+        return x.astype(dt)
+
+    return one(seqlen_q, heads), one(seqlen_k, heads_kv), one(seqlen_k, heads_kv)
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, scale=1.0, strided=False, xp="cupy", *, rng):
+    """Random N(0, 1) * scale q (B, Nq, H, d), k, v (B, Nk, Hkv, d) of ``dtype`` on ``xp`` (see ``place``)."""
+    host = random_qkv_host(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, scale)
+    return tuple(place(a, xp, strided, role) for a, role in zip(host, ("q", "k", "v")))
+
+
+@pytest.fixture(name="make_qkv")
+def make_qkv_fixture(rng):
+    """``make_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, scale=1.0, strided=False, xp=cupy)``."""
+    return functools.partial(make_qkv, rng=rng)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The float64 reference and the comparisons.
+def reference64(q, k, v, causal=False, scale=None):
+    """Dense float64 attention, straight from the definition: (out (B, Nq, H, d), lse (B, H, Nq)).
+
+    Causal masking is bottom-right aligned: query i sees keys j <= i + Nk - Nq. A query that sees no key gets
+    out = 0 and lse = -inf. Head h of q reads head h // (H / Hkv) of k and v.
+    """
+    q, k, v = (to_host(a).astype(np.float64) for a in (q, k, v))
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = np.zeros((b, nq, h, d))
+    lse = np.full((b, h, nq), -np.inf)
+    last = np.arange(nq) + (nk - nq)              # last visible key of each query row (causal)
+    visible = np.arange(nk)[None, :] <= last[:, None]
+    for bi in range(b):
+        for hi in range(h):
+            kh, vh = k[bi, :, hi // group], v[bi, :, hi // group]
+            s = (q[bi, :, hi] @ kh.T) * scale
+            if causal:
+                s = np.where(visible, s, -np.inf)
+            m = s.max(axis=1)
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(s - m[:, None])
+            l = p.sum(axis=1)
+            seen = l > 0
+            o = (p @ vh) / np.where(seen, l, 1.0)[:, None]
+            out[bi, :, hi] = np.where(seen[:, None], o, 0.0)
+            with np.errstate(divide="ignore"):
+                lse[bi, hi] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
+    return out, lse
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN anywhere in ``out`` gives NaN, which fails every bound)."""
+    o = to_host(out).astype(np.float64)
+    r = to_host(ref).astype(np.float64)
+    assert o.shape == r.shape, f"shape {o.shape} != reference shape {r.shape}"
+    nr = np.linalg.norm(r)
+    assert nr > 0, "reference is all zeros: such a comparison cannot fail"
+    return float(np.linalg.norm(o - r) / nr)
+
+
+def assert_matches(out, ref_out, dtype, lse=None, ref_lse=None, what=""):
+    """``out`` within TOL[dtype] of ``ref_out`` with no NaN/inf; ``lse`` close where finite, -inf exactly where not."""
+    o = to_host(out).astype(np.float64)
+    assert np.isfinite(o).all(), f"{what}: output has {int((~np.isfinite(o)).sum())} non-finite elements"
+    err = rel_err(o, ref_out)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.1e} ({dtype})"
+    empty = ~np.isfinite(ref_lse) if ref_lse is not None else None
+    if empty is not None and empty.any():  # rows that see no key: exact zeros (b, h, nq) -> (b, nq, h)
+        rows = o.transpose(0, 2, 1, 3)[empty]
+        assert (rows == 0).all(), f"{what}: rows with no visible key are not zero"
+    if lse is None:
+        return
+    lh = to_host(lse)
+    assert lh.dtype == np.float32, f"{what}: lse dtype {lh.dtype}, expected float32"
+    assert lh.shape == ref_lse.shape, f"{what}: lse shape {lh.shape}, expected {ref_lse.shape}"
+    lh = lh.astype(np.float64)
+    assert not np.isnan(lh).any(), f"{what}: lse has NaN"
+    assert np.array_equal(np.isneginf(lh), empty), (
+        f"{what}: lse is -inf at {int(np.isneginf(lh).sum())} rows, the reference at {int(empty.sum())}")
+    fin = ~empty
+    diff = np.abs(lh[fin] - ref_lse[fin])
+    bound = LSE_ATOL + LSE_RTOL * np.abs(ref_lse[fin])
+    assert (diff <= bound).all(), f"{what}: lse off by up to {diff.max():.3e} (bound {LSE_ATOL:.0e} + {LSE_RTOL:.0e}|lse|)"

@@ -1,0 +1,94 @@
+"""The registry: the single source of truth the tests, benchmarks and CLI iterate over (CPU)."""
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fa_variants as fav
+from fa_variants import jit, registry
+from conftest import has_gpu
+
+ENTRIES = registry.variants()
+IDS = [v.name for v in ENTRIES]
+
+
+def test_lists_the_core_variants():
+    names = [v.name for v in ENTRIES]
+    assert {"naive", "fa1", "fa2"} <= set(names), names
+    assert len(names) == len(set(names)), f"duplicate names: {names}"
+
+
+def test_public_reexports_are_the_registry():
+    assert [v.name for v in fav.variants()] == [v.name for v in ENTRIES]
+    for v in ENTRIES:
+        assert fav.get(v.name) is v
+
+
+@pytest.mark.parametrize("v", ENTRIES, ids=IDS)
+def test_get_returns_the_entry(v):
+    got = registry.get(v.name)
+    assert got.name == v.name and got is registry.VARIANTS[v.name]
+
+
+@pytest.mark.parametrize("bad", ["nope", "FA2", "", None, 2])
+def test_get_unknown_lists_valid_names(bad):
+    with pytest.raises(ValueError, match="variant") as exc:
+        registry.get(bad)
+    for v in ENTRIES:
+        assert repr(v.name) in str(exc.value) or v.name in str(exc.value), f"{v.name} missing from: {exc.value}"
+
+
+def _numpy_dtype(name):
+    return np.dtype(getattr(ml_dtypes, name, name))
+
+
+@pytest.mark.parametrize("v", ENTRIES, ids=IDS)
+def test_entry_fields(v):
+    assert isinstance(v.summary, str) and len(v.summary.strip()) > 10, v.summary
+    assert isinstance(v.dtypes, tuple) and v.dtypes, v.dtypes
+    for dt in v.dtypes:
+        assert _numpy_dtype(dt).name == dt, f"{dt!r} is not a dtype name NumPy/ml_dtypes knows"
+    if v.head_dims is not None:
+        assert isinstance(v.head_dims, tuple) and v.head_dims
+        assert all(isinstance(d, int) and d > 0 for d in v.head_dims), v.head_dims
+        assert list(v.head_dims) == sorted(set(v.head_dims)), v.head_dims
+    assert isinstance(v.min_cc, int) and v.min_cc >= 80, v.min_cc
+    assert callable(v.reference), v.reference
+    assert callable(v.io_model), v.io_model
+    assert isinstance(v.launcher, str) and re.fullmatch(r"[a-z_][a-z0-9_]*", v.launcher), v.launcher
+    assert v.archs, "an entry must name the archs `fa-variants build` compiles"
+    for arch in v.archs:
+        assert jit.normalize_arch(arch) == arch
+        cc = int(re.fullmatch(r"sm_(\d+)[af]?", arch).group(1))
+        assert cc >= v.min_cc, f"{v.name} lists {arch} below its min_cc {v.min_cc}"
+
+
+@pytest.mark.parametrize("v", ENTRIES, ids=IDS)
+def test_supports_agrees_with_fields(v):
+    dt = v.dtypes[0]
+    assert v.supports(dt, (v.head_dims or (64,))[0])
+    assert not v.supports("float32", (v.head_dims or (64,))[0])
+    if v.head_dims is not None:
+        missing = next(d for d in (48, 72, 100, 512) if d not in v.head_dims)
+        assert not v.supports(dt, missing)
+
+
+@pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present")
+@pytest.mark.parametrize("v", ENTRIES, ids=IDS)
+def test_unavailable_without_gpu(v):
+    ok, why = v.available()
+    assert ok is False
+    assert isinstance(why, str) and why.strip(), "available() must say why not"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", ENTRIES, ids=IDS)
+def test_available_on_gpu_matches_compute_capability(v):
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    ok, why = v.available()
+    assert ok == (cc >= v.min_cc), (cc, v.min_cc, why)
+    assert ok or why
