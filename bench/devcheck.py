@@ -127,7 +127,7 @@ def main():
     for spec in filter(None, a.tiles.split(";")):
         name, rest = spec.split(":")
         d, cfg = rest.split("=")
-        registry.get(name).kernels.TILES[int(d)] = tuple(int(x) for x in cfg.split(","))
+        registry.get(name).kernels.TILES[int(d)] = [tuple(int(x) for x in cfg.split(","))]
         print(f"tiles override: {name} d={d} -> {cfg}")
     names = [n for n in a.variants.split(",") if n]
     for n in names:

@@ -3,7 +3,8 @@
 //   grid: (Q block i, head, batch)    one CTA owns Q_i (BM rows) and loops over every K/V block j
 //   warps: split-Q                    warp w owns rows [w*WM, (w+1)*WM) of Q_i: no inter-warp reduction
 //   normalization: deferred           O accumulates unnormalized in registers; one division by l at the end
-//   pipeline: K/V double-buffered     cp.async of block j+1 is in flight while block j is computed
+//   pipeline: K/V double-buffered     cp.async of block j+1 is in flight while block j is computed;
+//                                     two barriers per block
 //
 // Read beside fa1_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
 #include "common/fragments.cuh"
@@ -61,13 +62,11 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
 
     for (int j = 0; j < n_blocks; ++j) {
         const int stage = j % 2;
-        if (j + 1 < n_blocks) {
-            load_kv(j + 1, stage ^ 1);
-            cp_async_wait<3>();  // K_j landed (V_j, K_j+1, V_j+1 may still fly)
-        } else {
-            cp_async_wait<1>();
-        }
+        cp_async_wait<1>();  // K_j has landed (V_j may still be in flight)
+        // One barrier publishes K_j to every warp and proves every warp is done with block j-1, so its
+        // stage can be refilled right away: the load of block j+1 overlaps all the math of block j.
         __syncthreads();
+        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
         if (Q_IN_REGS && j == 0)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -105,7 +104,6 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
 
         // Online softmax, deferred normalization: rescale O and l by exp(m_old - m_new), never divide here.
         float m_new[MT][2], ref[MT][2], alpha[MT][2];
-        bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
         row_max(s, m_new);
@@ -115,19 +113,13 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
             for (int r = 0; r < 2; ++r) {
                 ref[mt][r] = exp2_ref(m_new[mt][r], scale_log2);
                 alpha[mt][r] = exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]);
-                moved |= m_new[mt][r] != m[mt][r];
+                l[mt][r] *= alpha[mt][r];
                 m[mt][r] = m_new[mt][r];
             }
-        // Once the running maxima settle (most blocks past the first few), alpha == 1 for every row of the
-        // warp: skipping the rescale of O and l is then exact and saves D/2 multiplies per row per block.
-        if (__any_sync(0xffffffffu, moved)) {
-            scale_rows(o, alpha);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) l[mt][0] *= alpha[mt][0], l[mt][1] *= alpha[mt][1];
-        }
+        scale_rows(o, alpha);
         exponentiate(s, ref, scale_log2, l);
 
-        if (j + 1 < n_blocks) cp_async_wait<2>();  // V_j landed
+        if (j + 1 < n_blocks) cp_async_wait<2>();  // V_j landed (K_j+1, V_j+1 may still fly)
         else cp_async_wait<0>();
         __syncthreads();
 
@@ -148,7 +140,6 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
                 }
             }
         }
-        __syncthreads();  // every warp is done with this stage before block j+2 is loaded into it
     }
     cp_async_wait<0>();
     __syncthreads();  // with no K/V block to visit, Q's copies (from every thread) may still be landing

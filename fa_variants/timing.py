@@ -207,7 +207,8 @@ def _pad(stream, ns: int):
     import cupy
     if _pad_kernel is None:
         _pad_kernel = cupy.RawKernel(_PAD_SOURCE, "fav_timing_pad")
-    _pad_kernel((1,), (1,), (cupy.uint64(ns),), stream=stream)
+    with stream:
+        _pad_kernel((1,), (1,), (cupy.uint64(ns),))
 
 
 class _VirtualClock:

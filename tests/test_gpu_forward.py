@@ -7,6 +7,7 @@ are poisoned: before each call the CuPy memory pool is emptied and refilled with
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from typing import NamedTuple
@@ -132,17 +133,35 @@ def to_device(host, strided=False):
     return tuple(place(a, "cupy", strided, role) for a, role in zip(host, ("q", "k", "v")))
 
 
-def poison_pool(case: Case):
-    """Empty the CuPy pool and leave one freed all-ones (NaN) block big enough for everything the call allocates."""
-    import cupy
-    pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()
+def _poison_bytes(case: Case) -> int:
     b, nq, nk, h, d = case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.head_dim
     need = 4 * b * h * nq * nk + 16 * b * h * (nq + nk) * d  # naive's fp32 S and fp32 copies, with room to spare
-    block = cupy.empty(64 * 2**20 + 2 * need, dtype=cupy.uint8)
-    block.fill(0xFF)
-    cupy.cuda.get_current_stream().synchronize()
-    del block
+    return 64 * 2**20 + 2 * need
+
+
+@pytest.fixture
+def poisoned():
+    """``with poisoned(case): out = attention(...)`` runs the call on a fresh CuPy memory pool whose only free
+    memory is one block of all-ones bytes (NaN as fp16, bf16, fp32 and e4m3), so every array the call allocates
+    starts as NaN. (Emptying the default pool is not enough: it keeps split blocks it cannot release, and its
+    best fit hands those out first.) The pools stay alive until the test ends, with the arrays they hold."""
+    import cupy
+    pools = []
+
+    @contextlib.contextmanager
+    def poison(case: Case):
+        pool = cupy.cuda.MemoryPool()
+        pools.append(pool)
+        nbytes = _poison_bytes(case)
+        block = pool.malloc(nbytes)
+        cupy.ndarray((nbytes,), cupy.uint8, memptr=block).fill(0xFF)
+        cupy.cuda.Device().synchronize()
+        del block
+        with cupy.cuda.using_allocator(pool.malloc):
+            yield
+
+    yield poison
+    cupy.cuda.Device().synchronize()
 
 
 def snapshot(arrs):
@@ -163,14 +182,14 @@ def bits(a):
 
 # ------------------------------------------------------------------------------------------------ correctness
 @pytest.mark.parametrize("variant, dtype, case", list(_cases()))
-def test_matches_float64_reference(request, variant, dtype, case):
+def test_matches_float64_reference(request, poisoned, variant, dtype, case):
     import cupy
     _runnable(variant)
     host, ref_out, ref_lse = case_data(request, case, dtype)
     q, k, v = to_device(host, case.strided)
     before = snapshot((q, k, v))
-    poison_pool(case)
-    out, lse = fav.attention(q, k, v, variant=variant.name, causal=case.causal, return_lse=True)
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant=variant.name, causal=case.causal, return_lse=True)
     assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"{variant.name} {dtype} {case.id}")
@@ -178,48 +197,50 @@ def test_matches_float64_reference(request, variant, dtype, case):
 
 
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
-def test_explicit_softmax_scale_and_plain_return(request, variant, dtype):
+def test_explicit_softmax_scale_and_plain_return(request, poisoned, variant, dtype):
     import cupy
     _runnable(variant)
     case = Case(2, 190, 211, 4, 2, _d(variant), True)
     scale = 0.37  # far from 1/sqrt(d): a kernel that ignores it fails
     host, ref_out, _ = case_data(request, case, dtype, softmax_scale=scale)
     q, k, v = to_device(host)
-    poison_pool(case)
-    out = fav.attention(q, k, v, variant=variant.name, causal=True, softmax_scale=scale)
+    with poisoned(case):
+        out = fav.attention(q, k, v, variant=variant.name, causal=True, softmax_scale=scale)
     assert isinstance(out, cupy.ndarray), f"return_lse=False must return the output alone, got {type(out)}"
     assert_matches(out, ref_out, dtype, what=f"{variant.name} softmax_scale={scale}")
 
 
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
-def test_poisoned_pool_unwritten_elements_show(request, variant, dtype):
+def test_poisoned_pool_unwritten_elements_show(request, poisoned, variant, dtype):
     """The poisoning works (a fresh allocation reads NaN), and the call still leaves no NaN behind."""
     import cupy
     _runnable(variant)
     case = Case(2, 333, 333, 4, 2, _d(variant), True)
     host, ref_out, ref_lse = case_data(request, case, dtype)
     q, k, v = to_device(host)
-    poison_pool(case)
-    probe = cupy.empty(q.shape, dtype=q.dtype)
-    assert bool(cupy.isnan(probe.astype(cupy.float32)).all()), "poisoning did not reach new allocations"
-    del probe
-    poison_pool(case)
-    out, lse = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
+    with poisoned(case):
+        probe = cupy.empty(q.shape, dtype=q.dtype)
+        assert bool(cupy.isnan(probe.astype(cupy.float32)).all()), "poisoning did not reach new allocations"
+        probe_lse = cupy.empty((case.batch, case.heads, case.seqlen_q), dtype=cupy.float32)
+        assert bool(cupy.isnan(probe_lse).all()), "poisoning did not reach new allocations"
+        del probe, probe_lse
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
     assert not bool(cupy.isnan(out.astype(cupy.float32)).any()), "output holds NaN: elements left unwritten"
     assert not bool(cupy.isnan(lse).any()), "lse holds NaN: entries left unwritten"
     assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"{variant.name} poisoned")
 
 
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
-def test_two_calls_are_bitwise_equal(request, variant, dtype):
+def test_two_calls_are_bitwise_equal(request, poisoned, variant, dtype):
     _runnable(variant)
     case = Case(2, 300, 257, 8, 2, _d(variant), True)
     host, ref_out, ref_lse = case_data(request, case, dtype)
     q, k, v = to_device(host)
-    poison_pool(case)
-    out1, lse1 = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
-    poison_pool(case)
-    out2, lse2 = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
+    with poisoned(case):
+        out1, lse1 = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
+    with poisoned(case):
+        out2, lse2 = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
     assert_matches(out1, ref_out, dtype, lse1, ref_lse, what="first call")
     assert np.array_equal(bits(out1), bits(out2)), "two calls on the same inputs differ"
     assert np.array_equal(bits(lse1), bits(lse2)), "two calls on the same inputs give different lse"
@@ -227,24 +248,24 @@ def test_two_calls_are_bitwise_equal(request, variant, dtype):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
-def test_inputs_times_30_stay_finite_and_correct(request, variant, dtype, causal):
+def test_inputs_times_30_stay_finite_and_correct(request, poisoned, variant, dtype, causal):
     _runnable(variant)
     case = Case(1, 513, 513, 2, 2, _d(variant), causal)
     host, ref_out, ref_lse = case_data(request, case, dtype, scale=30.0)
     q, k, v = to_device(host)
-    poison_pool(case)
-    out, lse = fav.attention(q, k, v, variant=variant.name, causal=causal, return_lse=True)
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant=variant.name, causal=causal, return_lse=True)
     assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"{variant.name} inputs x30")
 
 
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
-def test_causal_rows_without_keys_are_zero_with_lse_neg_inf(request, variant, dtype):
+def test_causal_rows_without_keys_are_zero_with_lse_neg_inf(request, poisoned, variant, dtype):
     _runnable(variant)
     case = Case(2, 300, 100, 4, 2, _d(variant), True)
     host, ref_out, ref_lse = case_data(request, case, dtype)
     q, k, v = to_device(host)
-    poison_pool(case)
-    out, lse = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant=variant.name, causal=True, return_lse=True)
     o, l = to_host(out).astype(np.float32), to_host(lse)
     empty = case.seqlen_q - case.seqlen_k  # rows 0 .. 199 see no key under bottom-right alignment
     assert (o[:, :empty] == 0).all(), "rows with no visible key must be exactly zero"

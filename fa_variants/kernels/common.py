@@ -66,3 +66,28 @@ def cdiv(a: int, b: int) -> int:
 def check_grid(n: int, what: str):
     if n > 65535:
         raise ValueError(f"{what} = {n} exceeds the CUDA grid limit of 65535")
+
+
+SM90_SMEM = 227 * 1024  # opt-in shared memory per block: sm_90 227 KB, sm_80 163 KB, sm_86/89 99 KB
+
+
+def smem_limit() -> int:
+    """Opt-in shared memory per block of the current device (the sm_90 figure when there is none).
+    FA_VARIANTS_SMEM_LIMIT overrides it: run the tile choices of a smaller GPU (sm_80, sm_86) on a bigger one."""
+    import os
+    if os.environ.get("FA_VARIANTS_SMEM_LIMIT"):
+        return int(os.environ["FA_VARIANTS_SMEM_LIMIT"])
+    try:
+        import cupy
+        return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    except Exception:  # noqa: BLE001 - no device: describe the H200 configuration
+        return SM90_SMEM
+
+
+def pick_tiles(candidates, smem_bytes, head_dim: int, limit: int | None = None):
+    """The first (BM, BN, warps) of ``candidates[head_dim]`` (fastest first) whose shared memory fits ``limit``."""
+    limit = smem_limit() if limit is None else limit
+    for cfg in candidates[head_dim]:
+        if smem_bytes(head_dim, cfg) <= limit:
+            return cfg
+    raise ValueError(f"no tile configuration for head_dim {head_dim} fits {limit} bytes of shared memory")

@@ -4,33 +4,43 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
-from .common import cdiv, check_grid, prepare, scale_log2, CTYPE
+from .common import CTYPE, cdiv, check_grid, pick_tiles, prepare, scale_log2
 
 SOURCE = "fa2_fwd.cu"
 
-# head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps). Each warp owns BM / warps rows.
-# Chosen by the sweep recorded in bench/NOTES.md.
-TILES = {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 4), 128: (128, 64, 4), 256: (64, 32, 4)}
+# head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps), fastest first; each warp owns BM / warps
+# rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and sm_86/89 have
+# less). Chosen by the sweep recorded in bench/NOTES.md.
+TILES = {
+    32: [(128, 64, 4)],
+    64: [(128, 64, 4)],
+    96: [(128, 64, 4)],
+    128: [(128, 64, 4), (128, 32, 4)],
+    256: [(128, 64, 8), (64, 32, 4), (32, 32, 2)],
+}
 
 
-def tiles(head_dim):
-    bm, bn, _ = TILES[head_dim]
-    return bm, bn
+def smem_bytes(d: int, cfg) -> int:
+    bm, bn, _ = cfg
+    row = (d + 8) * 2  # padded rows, see Tile<> in common/tile.cuh
+    return bm * row + 4 * bn * row  # Q + two stages of K and V
 
 
-def instance(ctype: str, d: int) -> str:
-    bm, bn, w = TILES[d]
+def config(head_dim, limit=None):
+    return pick_tiles(TILES, smem_bytes, head_dim, limit)
+
+
+def tiles(head_dim, limit=None):
+    return config(head_dim, limit)[:2]
+
+
+def instance(ctype: str, d: int, cfg) -> str:
+    bm, bn, w = cfg
     return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}>"
 
 
 def specializations():
-    return tuple(instance(c, d) for c in CTYPE.values() for d in TILES)
-
-
-def smem_bytes(d: int) -> int:
-    bm, bn, _ = TILES[d]
-    row = (d + 8) * 2  # padded rows, see Tile<> in common/tile.cuh
-    return bm * row + 4 * bn * row  # Q + two stages of K and V
+    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs)
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
@@ -40,15 +50,15 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
 def forward(q, k, v, *, causal, softmax_scale, return_lse):
     L = prepare(q, k, v, return_lse)
     d = L.head_dim
-    bm, _, warps = TILES[d]
-    kern = jit.kernel(SOURCE, instance(L.ctype, d))  # compiled on first use, one instance per module
-    smem = smem_bytes(d)
+    cfg = config(d)
+    kern = jit.kernel(SOURCE, instance(L.ctype, d, cfg))  # compiled on first use, one instance per module
+    smem = smem_bytes(d, cfg)
     kern.max_dynamic_shared_size_bytes = smem
     check_grid(L.heads, "heads")
     check_grid(L.batch, "batch")
-    grid = (cdiv(L.seqlen_q, bm), L.heads, L.batch)
-    kern(grid, (32 * warps,), (L.q, L.k, L.v, L.out, L.lse, *L.stride_args(),
-                              np.int32(L.seqlen_q), np.int32(L.seqlen_k), np.int32(L.heads),
-                              np.int32(L.heads // L.heads_kv), np.float32(scale_log2(softmax_scale)),
-                              np.int32(bool(causal))), shared_mem=smem)
+    grid = (cdiv(L.seqlen_q, cfg[0]), L.heads, L.batch)
+    kern(grid, (32 * cfg[2],), (L.q, L.k, L.v, L.out, L.lse, *L.stride_args(),
+                                np.int32(L.seqlen_q), np.int32(L.seqlen_k), np.int32(L.heads),
+                                np.int32(L.heads // L.heads_kv), np.float32(scale_log2(softmax_scale)),
+                                np.int32(bool(causal))), shared_mem=smem)
     return L.out, (L.lse if return_lse else None)
