@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:fa2_fwd --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         python3 bench/profile_one.py fa2 bf16-d128-N4096-B4-H16-full
-    compute-sanitizer --tool racecheck python3 bench/profile_one.py fa1 fp16-d64-N67-B2-H3-causal --calls 1
+    compute-sanitizer --tool racecheck python3 bench/profile_one.py fa1,fa2 fp16-d64-N67-B2-H3-causal,fp16-d128-N67-B2-H3-full --calls 1
 """
 import argparse
 
@@ -14,16 +14,17 @@ from fa_variants.timing import Shape, random_inputs
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("variant")
-    ap.add_argument("shape", help="a shape id, e.g. bf16-d128-N4096-B4-H16-causal")
+    ap.add_argument("variants", help="comma-separated variant names")
+    ap.add_argument("shapes", help="comma-separated shape ids, e.g. bf16-d128-N4096-B4-H16-causal")
     ap.add_argument("--calls", type=int, default=2)
     a = ap.parse_args()
-    shape = Shape.parse(a.shape)
-    q, k, v = random_inputs(shape, cupy, seed=1)
-    for _ in range(a.calls):
-        out = attention(q, k, v, variant=a.variant, causal=shape.causal)
-    cupy.cuda.Device().synchronize()
-    print(a.variant, shape.id, "ok", bool(cupy.isfinite(out.astype(cupy.float32)).all()))
+    for shape in map(Shape.parse, a.shapes.split(",")):
+        q, k, v = random_inputs(shape, cupy, seed=1)
+        for variant in a.variants.split(","):
+            for _ in range(a.calls):
+                out = attention(q, k, v, variant=variant, causal=shape.causal)
+            cupy.cuda.Device().synchronize()
+            print(variant, shape.id, "finite:", bool(cupy.isfinite(out.astype(cupy.float32)).all()))
 
 
 if __name__ == "__main__":
