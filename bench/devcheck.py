@@ -116,12 +116,35 @@ def time_sweep(shapes, names, repeats):
     print(tabulate(rows, headers=heads))
 
 
+def memory_check():
+    """fa2 at B=1, H=16, N=128K, d=128 allocates only O and LSE; naive refuses the shape with its clear error."""
+    import cupy
+    from fa_variants.timing import PeakMemory, random_inputs
+    shape = Shape(1, 16, 131072, 128, "bfloat16", False)
+    q, k, v = random_inputs(shape, cupy, 0)
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    with PeakMemory() as pm:
+        out, lse = attention(q, k, v, variant="fa2", return_lse=True)
+        cupy.cuda.Device().synchronize()
+    print(f"{shape.id}: inputs {3 * q.nbytes / 2**20:.0f} MiB; fa2 pool peak during the call {pm.peak / 2**20:.1f} MiB "
+          f"= out {out.nbytes / 2**20:.1f} MiB + lse {lse.nbytes / 2**20:.2f} MiB "
+          f"(pool used before {before / 2**20:.0f} MiB, after {pool.used_bytes() / 2**20:.0f} MiB); "
+          f"finite: {bool(cupy.isfinite(out.astype(cupy.float32)).all())}")
+    try:
+        attention(q, k, v, variant="naive")
+        print("naive: ran (unexpected)")
+    except MemoryError as e:
+        print(f"naive refused: {type(e).__name__}: {e}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", default="", help=f"shape set: {', '.join(SETS)} (comma-separated)")
     ap.add_argument("--variants", default="naive,fa1,fa2")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--memory", action="store_true", help="fa2 / naive at B=1, H=16, N=131072, d=128")
     ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'")
     a = ap.parse_args()
     for spec in filter(None, a.tiles.split(";")):
@@ -133,6 +156,8 @@ def main():
     for n in names:
         registry.get(n)
     bad = check(names) if a.check else 0
+    if a.memory:
+        memory_check()
     for s in filter(None, a.time.split(",")):
         time_sweep(SETS[s], names, a.repeats)
     sys.exit(1 if bad else 0)
