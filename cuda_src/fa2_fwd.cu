@@ -4,13 +4,16 @@
 //   warps: split-Q                    warp w owns rows [w*WM, (w+1)*WM) of Q_i: no inter-warp reduction
 //   normalization: deferred           O accumulates unnormalized in registers; one division by l at the end
 //   pipeline: K/V double-buffered     cp.async of block j+1 is in flight while block j is computed;
-//                                     two barriers per block
+//                                     one barrier per block
 //
 // Read beside fa1_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
 #include "common/fragments.cuh"
 #include "common/softmax.cuh"
 
-template <class T, int D, int BM, int BN, int NWARPS>
+// EARLY_PREFETCH: issue block j+1's loads right after block j's barrier (longest overlap) or after block j's
+// softmax (shorter live ranges: needed at d = 128, where the early position spills). Chosen per head dim by
+// measurement (bench/NOTES.md).
+template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
         u16* __restrict__ O, float* __restrict__ LSE,
@@ -62,11 +65,11 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
 
     for (int j = 0; j < n_blocks; ++j) {
         const int stage = j % 2;
-        cp_async_wait<1>();  // K_j has landed (V_j may still be in flight)
-        // One barrier publishes K_j to every warp and proves every warp is done with block j-1, so its
-        // stage can be refilled right away: the load of block j+1 overlaps all the math of block j.
+        cp_async_wait<0>();  // K_j and V_j have landed (issued during block j-1)
+        // One barrier per block: it publishes K_j and V_j to every warp and proves every warp is done with
+        // block j-1. Between barriers the warps drift apart freely: one's softmax overlaps another's MMAs.
         __syncthreads();
-        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
+        if (EARLY_PREFETCH && j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
         if (Q_IN_REGS && j == 0)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -118,10 +121,13 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
             }
         scale_rows(o, alpha);
         exponentiate(s, ref, scale_log2, l);
+        // The other stage is free for block j+1: every warp passed this block's barrier, so all are done
+        // with block j-1. With no barrier before P V any more, V's ldmatrix must not be hoisted above the
+        // softmax (its fragments would be live across it): the cp.async below, or an empty volatile asm,
+        // pins the order.
+        if (!EARLY_PREFETCH && j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
+        if (EARLY_PREFETCH) asm volatile("" ::: "memory");
 
-        if (j + 1 < n_blocks) cp_async_wait<2>();  // V_j landed (K_j+1, V_j+1 may still fly)
-        else cp_async_wait<0>();
-        __syncthreads();
 
         // O += P~ V_j, with P~ taken straight from the S registers as the A operand.
 #pragma unroll

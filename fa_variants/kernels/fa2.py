@@ -8,20 +8,21 @@ from .common import CTYPE, cdiv, check_grid, pick_tiles, prepare, scale_log2
 
 SOURCE = "fa2_fwd.cu"
 
-# head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps), fastest first; each warp owns BM / warps
-# rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and sm_86/89 have
-# less). Chosen by the sweep recorded in bench/NOTES.md.
+# head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps, early prefetch), fastest first; each warp
+# owns BM / warps rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and
+# sm_86/89 have less). Chosen by the sweeps recorded in bench/NOTES.md; "early prefetch" issues the next K/V
+# block's loads before the QK^T MMAs rather than after the softmax, which spills registers at d >= 96.
 TILES = {
-    32: [(128, 64, 4)],
-    64: [(128, 64, 4)],
-    96: [(128, 64, 4)],
-    128: [(128, 64, 4), (128, 32, 4)],
-    256: [(128, 64, 8), (64, 32, 4), (32, 32, 2)],
+    32: [(128, 64, 4, True)],
+    64: [(128, 64, 4, True)],
+    96: [(128, 64, 4, False)],
+    128: [(128, 64, 4, False), (128, 32, 4, False)],
+    256: [(128, 64, 8, True), (64, 32, 4, True), (32, 32, 2, True)],
 }
 
 
 def smem_bytes(d: int, cfg) -> int:
-    bm, bn, _ = cfg
+    bm, bn = cfg[:2]
     row = (d + 8) * 2  # padded rows, see Tile<> in common/tile.cuh
     return bm * row + 4 * bn * row  # Q + two stages of K and V
 
@@ -35,8 +36,8 @@ def tiles(head_dim, limit=None):
 
 
 def instance(ctype: str, d: int, cfg) -> str:
-    bm, bn, w = cfg
-    return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}>"
+    bm, bn, w, early = cfg
+    return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}, {'true' if early else 'false'}>"
 
 
 def specializations():
