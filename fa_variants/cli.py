@@ -20,6 +20,7 @@ import numpy as np
 from tabulate import tabulate
 
 from . import iomodel, jit, timing
+from .reference.dense import attention64, pick_pairs, rel_error
 from .registry import VARIANTS, get, variants
 
 CPU_SHAPE = dict(batch=1, heads=2, seqlen=256, head_dim=64)
@@ -66,58 +67,6 @@ def _fmt(x, spec: str, missing: str = "") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return missing
     return format(x, spec)
-
-
-# ------------------------------------------------------------------------------------------------ reference
-def reference_subset(q, k, v, *, causal: bool, scale: float, pairs) -> "array":
-    """float64 attention of the (batch, head) ``pairs``: array (len(pairs), Nq, d) of q's array library.
-
-    Written from the definition, independent of the kernels and of the NumPy models: bottom-right causal mask,
-    head h reads kv head h // (H / Hkv), a row that sees no key is 0."""
-    xp = _array_module(q)
-    nq, h, _ = q.shape[1:]
-    nk, hkv = k.shape[1], k.shape[2]
-    group = h // hkv
-    visible = xp.arange(nk)[None, :] <= (xp.arange(nq) + (nk - nq))[:, None]
-    outs = []
-    for b, hi in pairs:
-        qq = timing.to_float64(q[b, :, hi])
-        kk = timing.to_float64(k[b, :, hi // group])
-        vv = timing.to_float64(v[b, :, hi // group])
-        s = (qq @ kk.T) * scale
-        if causal:
-            s = xp.where(visible, s, -xp.inf)
-        m = s.max(axis=1)
-        m = xp.where(xp.isfinite(m), m, 0.0)
-        p = xp.exp(s - m[:, None])
-        l = p.sum(axis=1)
-        o = (p @ vv) / xp.where(l > 0, l, 1.0)[:, None]
-        outs.append(xp.where((l > 0)[:, None], o, 0.0))
-    return xp.stack(outs)
-
-
-def _array_module(a):
-    if isinstance(a, np.ndarray):
-        return np
-    import cupy
-    return cupy
-
-
-def pick_pairs(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, budget: float):
-    """All (batch, head) pairs if the float64 reference of all fits ``budget`` FLOPs, else an evenly spaced subset."""
-    per_pair = 4.0 * seqlen_q * seqlen_k * head_dim
-    total = batch * heads
-    n = max(1, min(total, int(budget // per_pair)))
-    idx = sorted({int(round(i * (total - 1) / max(n - 1, 1))) for i in range(n)}) if n < total else range(total)
-    return [(i // heads, i % heads) for i in idx]
-
-
-def rel_error(out, ref, pairs) -> float:
-    """||out - ref|| / ||ref|| over the reference's (batch, head) pairs; ``out`` in (B, Nq, H, d) layout."""
-    xp = _array_module(ref)
-    o = xp.stack([timing.to_float64(out[b, :, h]) for b, h in pairs])
-    den = float(xp.linalg.norm(ref))
-    return float(xp.linalg.norm(o - ref)) / den if den > 0 else float("nan")
 
 
 # ------------------------------------------------------------------------------------------------ compare
@@ -182,7 +131,7 @@ def _compare_numpy(args, chosen, why) -> int:
     q, k, v = timing.random_inputs(shape, np, seed=args.seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
     pairs = pick_pairs(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim, REF_FLOP_BUDGET_CPU)
-    ref = reference_subset(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
+    ref, _ = attention64(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
     rows, notes, failed = [], [], False
     for i, entry in enumerate(chosen, 1):
         _progress(f"[{i}/{len(chosen)}] {entry.name} (NumPy model)")
@@ -259,7 +208,7 @@ def _compare_gpu(args, chosen) -> int:
     l2 = timing.l2_bytes()
     pairs = pick_pairs(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim, REF_FLOP_BUDGET_GPU)
     _progress(f"float64 reference on {len(pairs)} (batch, head) pairs ...")
-    ref = reference_subset(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
+    ref, _ = attention64(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
     cupy.cuda.get_current_stream().synchronize()
 
     results, unavailable, failed = [], [], False

@@ -134,17 +134,6 @@ def cast_half(x32, dtype: str):
         return rounded.astype(np.uint16).view(ml_dtypes.bfloat16)
 
 
-def to_float64(x):
-    """float16 / bfloat16 / float32 array (NumPy or CuPy) -> float64 of the same library."""
-    import numpy as np
-    if x.dtype.name == "bfloat16":
-        try:
-            return x.astype(np.float64)
-        except Exception:  # noqa: BLE001
-            return (x.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
-    return x.astype(np.float64)
-
-
 def random_inputs(shape: Shape, xp, seed: int = 0):
     """(q, k, v) in flash-attn layout, N(0, 1) entries, of ``shape.dtype``, as arrays of ``xp`` (numpy/cupy)."""
     import numpy as np

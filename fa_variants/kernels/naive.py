@@ -5,7 +5,6 @@ the baseline every FlashAttention variant is measured against.
 """
 from __future__ import annotations
 
-import math
 
 from .. import jit
 

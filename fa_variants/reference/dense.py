@@ -1,0 +1,73 @@
+"""Dense float64 attention from the definition, for checking kernels (CLI, bench/devcheck.py).
+
+Independent of the kernels and of the blocked models: the whole score row at once, bottom-right causal mask,
+head h reads kv head h // (H / Hkv), a row that sees no key gives 0 and lse -inf. Works on NumPy or CuPy
+arrays (the result lives where q does), one (batch, head) pair at a time so large shapes stay affordable.
+The tests keep their own copy in tests/conftest.py on purpose: a test must not trust the library it checks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def array_module(a):
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def to_float64(x):
+    """float16 / bfloat16 / float32 array (NumPy or CuPy) -> float64 of the same library."""
+    if x.dtype.name == "bfloat16":
+        try:
+            return x.astype(np.float64)
+        except Exception:  # noqa: BLE001 - an array library without a bf16 cast: widen the bits ourselves
+            return (x.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def all_pairs(batch: int, heads: int):
+    return [(b, h) for b in range(batch) for h in range(heads)]
+
+
+def pick_pairs(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, budget: float):
+    """All (batch, head) pairs if the float64 reference of all fits ``budget`` FLOPs, else an evenly spaced subset."""
+    per_pair = 4.0 * seqlen_q * seqlen_k * head_dim
+    total = batch * heads
+    n = max(1, min(total, int(budget // per_pair)))
+    idx = sorted({int(round(i * (total - 1) / max(n - 1, 1))) for i in range(n)}) if n < total else range(total)
+    return [(i // heads, i % heads) for i in idx]
+
+
+def attention64(q, k, v, *, causal: bool, scale: float, pairs=None):
+    """(out, lse) in float64 for the (batch, head) ``pairs`` (default: all): out (P, Nq, d), lse (P, Nq)."""
+    xp = array_module(q)
+    bsz, nq, h, _ = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    visible = xp.arange(nk)[None, :] <= (xp.arange(nq) + (nk - nq))[:, None]
+    outs, lses = [], []
+    for b, hi in (all_pairs(bsz, h) if pairs is None else pairs):
+        qq = to_float64(q[b, :, hi])
+        kk = to_float64(k[b, :, hi // group])
+        vv = to_float64(v[b, :, hi // group])
+        s = (qq @ kk.T) * scale
+        if causal:
+            s = xp.where(visible, s, -xp.inf)
+        m = s.max(axis=1)
+        m = xp.where(xp.isfinite(m), m, 0.0)
+        p = xp.exp(s - m[:, None])
+        l = p.sum(axis=1)
+        seen = l > 0
+        outs.append(xp.where(seen[:, None], (p @ vv) / xp.where(seen, l, 1.0)[:, None], 0.0))
+        lses.append(xp.where(seen, xp.log(xp.where(seen, l, 1.0)) + m, -xp.inf))
+    return xp.stack(outs), xp.stack(lses)
+
+
+def rel_error(out, ref, pairs) -> float:
+    """||out - ref|| / ||ref|| over the reference's (batch, head) pairs; ``out`` in (B, Nq, H, d) layout."""
+    xp = array_module(ref)
+    o = xp.stack([to_float64(out[b, :, h]) for b, h in pairs])
+    den = float(xp.linalg.norm(ref))
+    return float(xp.linalg.norm(o - ref)) / den if den > 0 else float("nan")
