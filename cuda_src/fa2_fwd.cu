@@ -46,14 +46,13 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     const u16* Qi = Q + b * q_b + h * q_h + m0 * q_n;
     const u16* Kb = K + b * k_b + h_kv * k_h;
     const u16* Vb = V + b * v_b + h_kv * v_h;
-    auto load_kv = [&](int j, int stage) {
+    auto load_kv = [&](int j, int stage) {  // one cp.async group per K/V block
         load_tile_async<BN, D, THREADS>(sK(stage), Kb + (i64)j * BN * k_n, k_n, seqlen_k - j * BN);
-        cp_async_commit();
         load_tile_async<BN, D, THREADS>(sV(stage), Vb + (i64)j * BN * v_n, v_n, seqlen_k - j * BN);
         cp_async_commit();
     };
 
-    load_tile_async<BM, D, THREADS>(sQ, Qi, q_n, seqlen_q - m0);  // Q_i: loaded once, with K_0's group
+    load_tile_async<BM, D, THREADS>(sQ, Qi, q_n, seqlen_q - m0);  // Q_i: loaded once, in block 0's group
     if (n_blocks > 0) load_kv(0, 0);
     else cp_async_commit();
 
