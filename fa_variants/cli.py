@@ -20,6 +20,7 @@ import numpy as np
 from tabulate import tabulate
 
 from . import iomodel, jit, timing
+from .kernels import compile_units
 from .reference.dense import attention64, pick_pairs, rel_error
 from .registry import VARIANTS, get, variants
 
@@ -356,8 +357,7 @@ def cmd_build(args) -> int:
     for entry in chosen:
         try:
             mod = entry.kernels
-            exprs = tuple(mod.specializations())
-            source = mod.SOURCE
+            units = compile_units(mod)
             options = tuple(getattr(mod, "NVRTC_OPTIONS", ()))
         except Exception as e:  # noqa: BLE001 - a launcher that does not import is a build failure, reported
             bad = True
@@ -367,7 +367,7 @@ def cmd_build(args) -> int:
         archs = [a for a in entry.archs if wanted is None or jit.normalize_arch(a) in wanted]
         if not archs:
             _progress(f"{entry.name}: none of its archs {list(entry.archs)} was asked for; skipped")
-        tasks += [(entry.name, source, e, a, options) for e in exprs for a in archs]
+        tasks += [(entry.name, source, e, a, options) for source, exprs in units.items() for e in exprs for a in archs]
     print(f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}: compiling {len(tasks)} kernel instances "
           f"with {args.jobs} threads", file=sys.stderr, flush=True)
     results = {}

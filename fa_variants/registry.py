@@ -13,6 +13,7 @@ from typing import Callable
 from . import iomodel
 from .reference import fa1 as ref_fa1
 from .reference import fa2 as ref_fa2
+from .reference import fp8 as ref_fp8
 from .reference import naive as ref_naive
 
 HALF_DTYPES = ("float16", "bfloat16")
@@ -29,6 +30,7 @@ class Variant:
     reference: Callable                # NumPy model: reference(q, k, v, causal=, softmax_scale=, ...) -> ModelResult
     io_model: Callable                 # closed-form HBM element accesses per head: io_model(Nq, Nk, d, block_q, block_k)
     archs: tuple[str, ...] = ("sm_80", "sm_86", "sm_89", "sm_90a")  # what `fa-variants build` compiles
+    operand_dtype: str | None = None   # the tensor cores' operand format when it is not the input's (e4m3)
 
     @property
     def kernels(self):
@@ -90,6 +92,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         summary="FlashAttention-2: one CTA per Q block, O in registers, split-Q warps, deferred normalization",
         dtypes=HALF_DTYPES, head_dims=(32, 64, 96, 128, 256), min_cc=80, launcher="fa2",
         reference=ref_fa2.forward, io_model=iomodel.fa2_accesses,
+    ),
+    Variant(
+        name="fa2_fp8",
+        summary="FA2 loop order on e4m3 tensor cores, FA3 block scaling (Q/K per block, V per channel), P x256 to e4m3",
+        dtypes=HALF_DTYPES, head_dims=(64, 128, 256), min_cc=89, launcher="fa2_fp8",
+        reference=ref_fp8.forward, io_model=iomodel.fa2_accesses, archs=("sm_89", "sm_90a"),
+        operand_dtype="float8_e4m3fn",
     ),
 )}
 

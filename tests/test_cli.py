@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TOL
 from fa_variants import cli, registry, timing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,10 @@ def test_compare_without_gpu_runs_the_numpy_models(no_gpu, capsys):
         assert row, f"no row for {entry.name} in\n{out}"
         assert "error" not in row[0], row[0]
         err = float(row[0].split("|")[4])
-        assert err < 1e-12, f"{entry.name}: float64 model differs from the float64 reference by {err}"
+        if entry.operand_dtype is None:  # models of 16-bit-operand kernels are exact in float64
+            assert err < 1e-12, f"{entry.name}: float64 model differs from the float64 reference by {err}"
+        else:                            # fa2_fp8's model rounds its operands to e4m3: it must show
+            assert 1e-4 < err < TOL[entry.operand_dtype], f"{entry.name}: model error {err} vs float64"
     assert "time (CPU, ms)" in out
     assert rc == 0
 

@@ -7,39 +7,19 @@ are poisoned: before each call the CuPy memory pool is emptied and refilled with
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import math
-from typing import NamedTuple
 
 import numpy as np
 import pytest
 
 import fa_variants as fav
 from fa_variants import arrays, registry
-from conftest import TOL, assert_matches, new_seed, place, random_qkv_host, reference64, to_host
+from conftest import Case, assert_matches, new_seed, place, random_qkv_host, reference64, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
 # Head dims tried for a variant that accepts any (naive); the others are tried on every head dim they list.
 ANY_HEAD_DIMS = (16, 40, 64, 128, 256)
-
-
-class Case(NamedTuple):
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_kv: int
-    head_dim: int
-    causal: bool
-    strided: bool | str = False
-
-    @property
-    def id(self):
-        s = f"B{self.batch}-Nq{self.seqlen_q}-Nk{self.seqlen_k}-H{self.heads}-Hkv{self.heads_kv}-d{self.head_dim}"
-        s += "-causal" if self.causal else "-full"
-        return s + ("" if not self.strided else "-strided" if self.strided is True else f"-{self.strided}")
 
 
 CASES = [
@@ -81,8 +61,13 @@ def _variant_param(v, *values, id_):
     return pytest.param(v, *values, id=id_, marks=marks)
 
 
+# Variants whose tensor cores take the input's own 16-bit format; fa2_fp8 (e4m3 operands, its own tolerances)
+# is checked by test_gpu_fp8.py.
+HALF_VARIANTS = [v for v in registry.variants() if v.operand_dtype is None]
+
+
 def _cases():
-    for v in registry.variants():
+    for v in HALF_VARIANTS:
         for dt in _dtypes(v):
             cases = [c for c in CASES if v.head_dims is None or c.head_dim in v.head_dims]
             cases += [Case(2, 130, 97, 4, 2, d, causal) for d in _head_dims(v) for causal in (False, True)]
@@ -91,13 +76,13 @@ def _cases():
 
 
 def _per_variant_dtype():
-    for v in registry.variants():
+    for v in HALF_VARIANTS:
         for dt in _dtypes(v):
             yield _variant_param(v, dt, id_=f"{v.name}-{dt}")
 
 
 def _per_variant():
-    for v in registry.variants():
+    for v in HALF_VARIANTS:
         yield _variant_param(v, id_=v.name)
 
 
@@ -127,41 +112,6 @@ def case_data(request, case: Case, dtype: str, scale=1.0, softmax_scale=None):
     seed, host, (ref_out, ref_lse) = _REFS[key]
     request.node.user_properties.append(("seed", seed))
     return host, ref_out, ref_lse
-
-
-def to_device(host, strided=False):
-    return tuple(place(a, "cupy", strided, role) for a, role in zip(host, ("q", "k", "v")))
-
-
-def _poison_bytes(case: Case) -> int:
-    b, nq, nk, h, d = case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.head_dim
-    need = 4 * b * h * nq * nk + 16 * b * h * (nq + nk) * d  # naive's fp32 S and fp32 copies, with room to spare
-    return 64 * 2**20 + 2 * need
-
-
-@pytest.fixture
-def poisoned():
-    """``with poisoned(case): out = attention(...)`` runs the call on a fresh CuPy memory pool whose only free
-    memory is one block of all-ones bytes (NaN as fp16, bf16, fp32 and e4m3), so every array the call allocates
-    starts as NaN. (Emptying the default pool is not enough: it keeps split blocks it cannot release, and its
-    best fit hands those out first.) The pools stay alive until the test ends, with the arrays they hold."""
-    import cupy
-    pools = []
-
-    @contextlib.contextmanager
-    def poison(case: Case):
-        pool = cupy.cuda.MemoryPool()
-        pools.append(pool)
-        nbytes = _poison_bytes(case)
-        block = pool.malloc(nbytes)
-        cupy.ndarray((nbytes,), cupy.uint8, memptr=block).fill(0xFF)
-        cupy.cuda.Device().synchronize()
-        del block
-        with cupy.cuda.using_allocator(pool.malloc):
-            yield
-
-    yield poison
-    cupy.cuda.Device().synchronize()
 
 
 def snapshot(arrs):

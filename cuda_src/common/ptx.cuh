@@ -53,4 +53,34 @@ __forceinline__ __device__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 
     }
 }
 
+// ---- mma.sync m16n8k32, e4m3 inputs, fp32 accumulate (sm_89+): D = A B + D ---------------------------------
+// Same shape of fragments as mma_16816 with 8-bit elements, four to a register (lowest k in the lowest byte):
+//   A (16x32): a0 = A[g][4t..4t+3], a1 = A[g+8][4t..4t+3], a2 = A[g][16+4t..], a3 = A[g+8][16+4t..]
+//   B (32x8):  b0 = B[4t..4t+3][g], b1 = B[16+4t..16+4t+3][g]
+//   C/D:       as mma_16816.
+// ldmatrix (b16) loads these too: an 8x8 b16 matrix is 8 rows of 16 bytes, and lane l receives bytes
+// 4(l%4) .. 4(l%4)+3 of row l/4 -- exactly a0 / b0 of a 16-byte-wide k chunk.
+__forceinline__ __device__ void mma_16832_e4m3(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 890
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // e4m3 tensor cores need sm_89; the launcher refuses older GPUs before launching
+#endif
+}
+
+// Four fp32 values -> four e4m3 bytes (round to nearest, saturating to +-448), x0 in the lowest byte.
+__forceinline__ __device__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+#if __CUDA_ARCH__ >= 890
+    u32 lo, hi;
+    asm("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, %2, %1; cvt.u32.u16 %0, t; }" : "=r"(lo) : "f"(x0), "f"(x1));
+    asm("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, %2, %1; cvt.u32.u16 %0, t; }" : "=r"(hi) : "f"(x2), "f"(x3));
+    return lo | (hi << 16);
+#else
+    __trap();
+    return 0;
+#endif
+}
+
 }  // namespace fav

@@ -1,10 +1,19 @@
 """One launcher per variant. Each module defines:
 
     SOURCE                      the .cu file in cuda_src/
-    specializations()           every template instance `fa-variants build` compiles (name expressions)
+    specializations()           every template instance of SOURCE that `fa-variants build` compiles
+    SOURCES (optional)          {source: instances} when the variant needs more than one .cu (fa2_fp8's quantizer)
     tiles(head_dim)             (block_q, block_k) the kernel uses: what the IO model is evaluated with
     forward(q, k, v, *, causal, softmax_scale, return_lse) -> (out, lse or None)
                                 on validated CuPy arrays, on the current stream
     extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize)
                                 device memory allocated beyond the output and the LSE
 """
+
+
+def compile_units(mod) -> dict:
+    """{source file: template instances} that make up a launcher: what `build` and the tests compile."""
+    units = {mod.SOURCE: tuple(mod.specializations())}
+    for source, exprs in getattr(mod, "SOURCES", {}).items():
+        units[source] = units.get(source, ()) + tuple(exprs)
+    return units

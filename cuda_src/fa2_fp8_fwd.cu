@@ -1,0 +1,185 @@
+// FlashAttention-2 forward on e4m3 tensor cores with FA3-style block scaling (sm_89+).
+//
+// fa2_fwd.cu's loop order, warp split and deferred normalization, with three changes:
+//   operands        Q, K: e4m3 with one scale per block of rows (Q: this CTA's BM rows, K: each BN-key block);
+//                   V: e4m3, transposed to [d][key] (the m16n8k32 B operand wants keys contiguous), one scale
+//                   per channel, keys permuted inside each 32-key group to match P's register layout (below)
+//   scores          S_ij = (Qq_i Kq_j^T) * sq_i * sk_j * scale * log2(e): the block pair's scales fold into
+//                   one multiplier, and the running max is kept in those log2 units
+//   P V             P~ * 256 (exact: a power of two) rounded to e4m3, so probabilities down to 2^-18 of the
+//                   row max survive e4m3's 2^-9 floor; O * sv / (256 l) once at the end
+//
+// P's register layout. Thread (g, t) holds, of S's n-tiles 4k..4k+3 (keys 32k..32k+31), keys
+// {2t, 2t+1, 8+2t, 9+2t} and {16+2t, 17+2t, 24+2t, 25+2t}; the A operand of m16n8k32 wants the reduction
+// indices {4t..4t+3} and {16+4t..16+4t+3}. Rather than shuffle P between threads, the quantizer stores V's keys
+// in that order (fp8_quantize.cu: vt_key), so the thread's own values are the right A operand as they stand.
+#include "common/fragments.cuh"
+#include "common/softmax.cuh"
+
+namespace fav {
+// A operand of P V for reduction step k (keys 32k .. 32k+31) from S's n-tiles 4k .. 4k+3, times p_scale.
+__forceinline__ __device__ void repack_a_e4m3(u32 (&a)[4], const float (&s0)[4], const float (&s1)[4],
+                                              const float (&s2)[4], const float (&s3)[4], float p) {
+    a[0] = pack_e4m3x4(s0[0] * p, s0[1] * p, s1[0] * p, s1[1] * p);  // row g
+    a[1] = pack_e4m3x4(s0[2] * p, s0[3] * p, s1[2] * p, s1[3] * p);  // row g + 8
+    a[2] = pack_e4m3x4(s2[0] * p, s2[1] * p, s3[0] * p, s3[1] * p);
+    a[3] = pack_e4m3x4(s2[2] * p, s2[3] * p, s3[2] * p, s3[3] * p);
+}
+}  // namespace fav
+
+template <class T, int D, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* __restrict__ Vt,  // e4m3 pairs
+            const float* __restrict__ sq, const float* __restrict__ sk, const float* __restrict__ sv,
+            u16* __restrict__ O, float* __restrict__ LSE,
+            int seqlen_q, int seqlen_k, int seqlen_k_pad, int heads, int group, float scale_log2, int causal) {
+    using namespace fav;
+    constexpr int THREADS = NWARPS * 32;
+    constexpr int WM = BM / NWARPS, MT = WM / 16, NT = BN / 8, DT = D / 8;
+    constexpr int KC = D / 32;               // k-chunks of Q K^T (32 e4m3 each)
+    constexpr float P_SCALE = 256.f;
+    constexpr bool Q_IN_REGS = MT * KC * 4 <= 16;  // as in fa2_fwd.cu: beyond that, re-read Q each block
+    // Rows of e4m3 are handled as rows of D/2 16-bit pairs: the same padded tiles, cp.async and ldmatrix.
+    using TQ = Tile<BM, D / 2>;
+    using TK = Tile<BN, D / 2>;
+    using TV = Tile<D, BN / 2>;              // V^T: D rows (channels) of BN keys
+    static_assert(WM % 16 == 0 && BN % 32 == 0 && D % 32 == 0, "tile sizes must be multiples of 16 / 32");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 sQ = smem_u32(smem);
+    auto sK = [&](int stage) { return sQ + TQ::BYTES + stage * (TK::BYTES + TV::BYTES); };
+    auto sV = [&](int stage) { return sK(stage) + TK::BYTES; };
+
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;
+    const int diag = seqlen_k - seqlen_q;
+    int n_blocks = (seqlen_k + BN - 1) / BN;
+    if (causal) n_blocks = min(n_blocks, max(0, m0 + BM + diag + BN - 1) / BN);
+
+    const i64 bh = (i64)b * heads + h, bhk = (i64)b * (heads / group) + h_kv;
+    const u16* Qi = Qq + (bh * seqlen_q + m0) * (D / 2);
+    const u16* Kb = Kq + bhk * seqlen_k * (D / 2);
+    const u16* Vb = Vt + bhk * D * (seqlen_k_pad / 2);
+    const float q_scale = sq[bh * gridDim.x + i_block];
+    auto load_kv = [&](int j, int stage) {
+        load_tile_async<BN, D / 2, THREADS>(sK(stage), Kb + (i64)j * BN * (D / 2), D / 2, seqlen_k - j * BN);
+        load_tile_async<D, BN / 2, THREADS>(sV(stage), Vb + j * (BN / 2), seqlen_k_pad / 2, D);  // padded: no edge
+        cp_async_commit();
+    };
+
+    load_tile_async<BM, D / 2, THREADS>(sQ, Qi, D / 2, seqlen_q - m0);
+    if (n_blocks > 0) load_kv(0, 0);
+    else cp_async_commit();
+
+    float o[MT][DT][4] = {};
+    float m[MT][2], l[MT][2] = {};           // running max in log2 units of the scaled scores; partial sums
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = neg_inf();
+    u32 q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? KC : 1][4];
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = j % 2;
+        cp_async_wait<0>();
+        __syncthreads();
+        if (Q_IN_REGS && j == 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) load_a<TQ>(q_frag[mt][kc], sQ, row0 + mt * 16, kc * 16);
+
+        float s[MT][NT][4] = {};
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kc][r];
+                } else {
+                    load_a<TQ>(a[mt], sQ, row0 + mt * 16, kc * 16);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                u32 bk[4];
+                load_b_rows<TK>(bk, sK(stage), nt * 8, kc * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16832_e4m3(s[mt][nt], a[mt], bk[0], bk[1]);
+                    mma_16832_e4m3(s[mt][nt + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+        // This block pair's scales fold into one multiplier: scores in log2 units from here on.
+        const float pair_scale = scale_log2 * q_scale * sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= pair_scale;
+        const int key0 = j * BN;
+        if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
+            mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
+
+        float m_new[MT][2], ref[MT][2], alpha[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
+        row_max(s, m_new);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                ref[mt][r] = exp2_ref(m_new[mt][r], 1.f);
+                alpha[mt][r] = exp2f_approx(m[mt][r] - ref[mt][r]);
+                l[mt][r] *= alpha[mt][r];
+                m[mt][r] = m_new[mt][r];
+            }
+        scale_rows(o, alpha);
+        exponentiate(s, ref, 1.f, l);                     // l sums the fp32 P~, before rounding
+        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);  // the other stage: every warp is past block j-1
+
+#pragma unroll
+        for (int kc = 0; kc < BN / 32; ++kc) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                repack_a_e4m3(a[mt], s[mt][4 * kc], s[mt][4 * kc + 1], s[mt][4 * kc + 2], s[mt][4 * kc + 3], P_SCALE);
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                u32 bv[4];
+                load_b_rows<TV>(bv, sV(stage), dt * 8, kc * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16832_e4m3(o[mt][dt], a[mt], bv[0], bv[1]);
+                    mma_16832_e4m3(o[mt][dt + 1], a[mt], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: O * sv / (256 l), LSE = (m + log2 l) ln 2.
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const float* svb = sv + bhk * D;
+    const i64 o_n = (i64)heads * D;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = quad_sum(l[mt][r]);
+            const bool seen = !(sum <= 0.f);  // true for NaN too: a NaN input must give NaN, never zeros
+            const float inv = seen ? 1.f / (P_SCALE * sum) : 0.f;
+            const int q_row = m0 + row0 + mt * 16 + g + 8 * r;
+            if (q_row >= seqlen_q) continue;
+            u16* orow = O + ((i64)b * seqlen_q + q_row) * o_n + (i64)h * D;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const int c = dt * 8 + 2 * t;
+                *reinterpret_cast<u32*>(orow + c) =
+                    T::pack(o[mt][dt][2 * r] * inv * svb[c], o[mt][dt][2 * r + 1] * inv * svb[c + 1]);
+            }
+            if (t == 0) LSE[bh * seqlen_q + q_row] = seen ? (m[mt][r] + __log2f(sum)) * 0.6931471805599453f : neg_inf();
+        }
+}

@@ -1,0 +1,138 @@
+"""fa2_fp8 on the GPU: against float64 (the format's error), against its own NumPy model (no bug beyond it), and
+the quantizer's contract (round trip, no saturation, NaN propagation, V^T layout). Skips without sm_89+."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fa_variants as fav
+from fa_variants import registry
+from fa_variants.reference import fp8 as model
+
+from conftest import (FP8_MODEL_LSE_ATOL, FP8_MODEL_TOL, LSE_ATOL_FP8, TOL, Case, new_seed, random_qkv_host, reference64, rel_err,
+                      to_device, to_host)
+
+pytestmark = pytest.mark.gpu
+
+VARIANT = registry.get("fa2_fp8")
+FP8_TOL = TOL["float8_e4m3fn"]     # against float64: the format's own error (3 mantissa bits)
+E4M3_HALF_STEP = 2.0 ** -4         # round-to-nearest error bound of a normal e4m3 value, relative
+
+CASES = [
+    Case(8, 1, 1, 8, 8, 64, False), Case(4, 1, 300, 8, 2, 128, True), Case(2, 37, 37, 4, 4, 64, True),
+    Case(1, 1000, 1000, 4, 1, 128, True), Case(1, 37, 1000, 8, 2, 128, True), Case(1, 1000, 37, 4, 4, 256, True),
+    Case(1, 4097, 4097, 2, 2, 128, False), Case(2, 257, 513, 4, 1, 256, False), Case(1, 513, 513, 4, 4, 64, True),
+]
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm89():
+    ok, why = VARIANT.available()
+    if not ok:
+        pytest.skip(f"fa2_fp8 cannot run here: {why}")
+
+
+def _data(request, case, dtype, scale=1.0):
+    seed = new_seed()
+    request.node.user_properties.append(("seed", seed))
+    host = random_qkv_host(np.random.default_rng(seed), case.batch, case.seqlen_q, case.seqlen_k, case.heads,
+                           case.heads_kv, case.head_dim, dtype, scale)
+    return host
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_against_float64_and_own_model(request, poisoned, case, dtype):
+    host = _data(request, case, dtype)
+    ref_out, ref_lse = reference64(*host, case.causal)
+    q, k, v = to_device(host)
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant="fa2_fp8", causal=case.causal, return_lse=True)
+    o = to_host(out).astype(np.float64)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert np.isfinite(o).all(), "output holds NaN/inf: elements left unwritten or a bad scale"
+    err = rel_err(o, ref_out)
+    assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
+    bm, bn = VARIANT.kernels.tiles(case.head_dim)
+    res = model.forward(*host, causal=case.causal, block_q=bm, block_k=bn)
+    to_model = rel_err(o, res.out)
+    assert to_model <= FP8_MODEL_TOL, f"relative difference {to_model:.3e} from the NumPy model > {FP8_MODEL_TOL}"
+    assert to_model < err or err < 1e-6, "the kernel should match its model far more tightly than float64"
+    lh = to_host(lse).astype(np.float64)
+    empty = ~np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lh), empty), "lse is -inf exactly where no key is visible"
+    if empty.any():
+        assert (o.transpose(0, 2, 1, 3)[empty] == 0).all(), "rows with no visible key must be zero"
+    assert np.abs(lh[~empty] - ref_lse[~empty]).max(initial=0) <= LSE_ATOL_FP8
+    assert np.abs(lh[~empty] - res.lse[~empty]).max(initial=0) <= FP8_MODEL_LSE_ATOL, "lse differs from the model"
+
+
+def test_prequantized_equals_on_the_fly_and_is_deterministic(request):
+    case = Case(2, 300, 700, 8, 2, 128, True)
+    q, k, v = to_device(_data(request, case, "bfloat16"))
+    qz = fav.fp8.quantize(q, k, v)
+    a = fav.fp8.attention(qz, causal=True)
+    b = fav.fp8.attention(qz, causal=True)
+    c = fav.attention(q, k, v, variant="fa2_fp8", causal=True)
+    bits = lambda x: to_host(x).view(np.uint16)  # noqa: E731
+    assert np.array_equal(bits(a), bits(b)), "two calls on the same quantized tensors differ"
+    assert np.array_equal(bits(a), bits(c)), "pre-quantized and on-the-fly results differ"
+
+
+def _vt_key(p):
+    t, i = (p % 16) // 4, p % 4
+    return (p // 16) * 16 + (i // 2) * 8 + 2 * t + (i % 2)
+
+
+def _decode(u8):
+    return to_host(u8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0e4], ids=["normal", "near-fp16-max"])
+def test_quantize_round_trip_without_saturation(request, scale):
+    case = Case(2, 200, 200, 4, 2, 128, False)
+    host = _data(request, case, "float16", scale=1.0)
+    host = tuple((a.astype(np.float64) / np.abs(a.astype(np.float64)).max() * scale).astype(np.float16) for a in host)
+    q, k, v = to_device(host)
+    parts = fav.fp8.quantize(q, k, v).parts
+    bm, bn = VARIANT.kernels.tiles(case.head_dim)
+    for name, x, block in (("q", host[0], bm), ("k", host[1], bn)):
+        x = x.astype(np.float64).transpose(0, 2, 1, 3)                      # (b, h, n, d)
+        s = np.repeat(to_host(parts["s" + name]), block, axis=2)[:, :, :x.shape[2], None]
+        back = _decode(parts[name]) * s
+        normal = np.abs(x) >= s * 2.0 ** -6
+        assert normal.mean() > 0.5
+        rel = np.abs(back - x)[normal] / np.abs(x)[normal]
+        assert rel.max() <= E4M3_HALF_STEP * 1.0001, f"{name}: round trip off by {rel.max():.3e}"
+        assert np.abs(back).max() == pytest.approx(np.abs(x).max(), rel=E4M3_HALF_STEP), f"{name} saturated"
+    # V^T: per-channel scales, keys permuted inside 32-key groups, zero padding past seqlen_k
+    v64 = host[2].astype(np.float64)                                         # (b, n, hkv, d)
+    vt = _decode(parts["vt"]) * to_host(parts["sv"])[..., None]              # (b, hkv, d, n_pad)
+    n = v64.shape[1]
+    keys = np.array([32 * (p // 32) + _vt_key(p % 32) for p in range(vt.shape[3])])
+    valid = keys < n
+    back = np.zeros_like(vt[..., :n])
+    back[..., keys[valid]] = vt[..., valid]
+    assert (vt[..., ~valid] == 0).all(), "V^T padding must be zero"
+    ref = v64.transpose(0, 2, 3, 1)
+    sv = np.repeat(to_host(parts["sv"])[..., None], n, axis=3)
+    normal = np.abs(ref) >= sv * 2.0 ** -6
+    rel = np.abs(back - ref)[normal] / np.abs(ref)[normal]
+    assert rel.max() <= E4M3_HALF_STEP * 1.0001, f"v: round trip off by {rel.max():.3e}"
+
+
+def test_nan_and_inf_poison_only_the_rows_they_touch(request):
+    case = Case(1, 128, 128, 2, 2, 64, True)
+    q, k, v = (np.array(a) for a in _data(request, case, "float16"))
+    q[0, 5, 0, 3] = np.nan           # query row 5 of head 0
+    k[0, 100, 1, 7] = np.inf         # key 100 of head 1: causal rows >= 100 see it
+    out = to_host(fav.attention(*to_device((q, k, v)), variant="fa2_fp8", causal=True)).astype(np.float64)
+    bad = ~np.isfinite(out).all(axis=3)                                      # (b, n, h)
+    expect = np.zeros_like(bad)
+    expect[0, 5, 0] = True
+    expect[0, 100:, 1] = True
+    assert np.array_equal(bad, expect), "NaN/Inf must give NaN exactly in the rows that touch them"
+    assert math.isnan(out[0, 5, 0, 0])
