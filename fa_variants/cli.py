@@ -112,6 +112,9 @@ def _modeled_hbm(name, shape, tiles) -> float | None:
 
 
 def cmd_compare(args) -> int:
+    if args.dtype == "fp8":  # the FP8 comparison: fa2_fp8 on bf16 inputs (quantized on the fly) beside bf16 fa2
+        args.dtype = "bfloat16"
+        args.variants = args.variants or "fa2,fa2_fp8"
     chosen = _parse_variants(args.variants)
     why_no_gpu = "forced by --numpy" if args.numpy else _gpu_reason()
     if why_no_gpu:
@@ -422,7 +425,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seqlen", type=int, help=f"query length, default {GPU_SHAPE['seqlen']} / {CPU_SHAPE['seqlen']}")
     c.add_argument("--seqlen-k", type=int, help="key length (default: = seqlen); causal is bottom-right aligned")
     c.add_argument("--head-dim", type=int, help=f"default {GPU_SHAPE['head_dim']} / {CPU_SHAPE['head_dim']}")
-    c.add_argument("--dtype", choices=["float16", "bfloat16"], default="bfloat16")
+    c.add_argument("--dtype", choices=["float16", "bfloat16", "fp8"], default="bfloat16",
+                   help="fp8: fa2_fp8 (bf16 inputs quantized to e4m3 on the fly) beside fa2 in bf16")
     c.add_argument("--causal", action="store_true")
     c.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
     c.add_argument("--repeats", type=int, default=30, help="timed calls (median reported), default 30")
