@@ -123,21 +123,7 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
         if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
             mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
 
-        float m_new[MT][2], ref[MT][2], alpha[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
-        row_max(s, m_new);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                ref[mt][r] = exp2_ref(m_new[mt][r], 1.f);
-                alpha[mt][r] = exp2f_approx(m[mt][r] - ref[mt][r]);
-                l[mt][r] *= alpha[mt][r];
-                m[mt][r] = m_new[mt][r];
-            }
-        scale_rows(o, alpha);
-        exponentiate(s, ref, 1.f, l);                     // l sums the fp32 P~, before rounding
+        online_softmax_step(s, m, l, o, 1.f);  // l sums the fp32 P~, before rounding
         if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);  // the other stage: every warp is past block j-1
 
 #pragma unroll

@@ -104,22 +104,7 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
         if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
             mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
 
-        // Online softmax, deferred normalization: rescale O and l by exp(m_old - m_new), never divide here.
-        float m_new[MT][2], ref[MT][2], alpha[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
-        row_max(s, m_new);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                ref[mt][r] = exp2_ref(m_new[mt][r], scale_log2);
-                alpha[mt][r] = exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]);
-                l[mt][r] *= alpha[mt][r];
-                m[mt][r] = m_new[mt][r];
-            }
-        scale_rows(o, alpha);
-        exponentiate(s, ref, scale_log2, l);
+        online_softmax_step(s, m, l, o, scale_log2);
         // The other stage is free for block j+1: every warp passed this block's barrier, so all are done
         // with block j-1. With no barrier before P V any more, V's ldmatrix must not be hoisted above the
         // softmax (its fragments would be live across it): the cp.async below, or an empty volatile asm,
