@@ -5,6 +5,9 @@
     out = fav.fp8.attention(qz, causal=True)        # e4m3 tensor cores; out in q's dtype
     out = fav.attention(q, k, v, variant="fa2_fp8") # the same, quantizing on the fly
 
+    kv = fav.fp8.quantize_kv(k, v)                  # a KV cache: quantize K and V once ...
+    out = fav.fp8.attention(kv, q=q_new)            # ... and attend with each new fp16/bf16 q
+
 Q and K get one float32 scale per block of rows (the kernel's Q and K tiles), V one per channel, and V is
 stored transposed with its keys permuted for the PV product (cuda_src/fp8_quantize.cu). The NumPy model of
 the same arithmetic is ``fa_variants.reference.fp8``; ``python -m fa_variants.fp8_study`` is the FA3 paper's
@@ -23,36 +26,67 @@ NAME = "fa2_fp8"
 
 @dataclasses.dataclass
 class Quantized:
-    """e4m3 Q, K, V^T and their scales, as fa2_fp8's kernel reads them (CuPy arrays on one device)."""
-    parts: dict
-    wrap: object
-
-    @property
-    def shape(self):
-        """(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim)."""
-        b, h, nq, d = self.parts["q"].shape
-        return b, nq, self.parts["seqlen_k"], h, self.parts["k"].shape[1], d
+    """e4m3 Q (optional), K, V^T and their scales, as fa2_fp8's kernel reads them (CuPy arrays on one device)."""
+    parts: dict    # q, sq (absent after quantize_kv), k, sk, vt, sv, seqlen_k, tiles, dtypes
+    wrap: object   # hands results back as the caller's array type
 
 
-def quantize(q, k, v) -> Quantized:
-    """Quantize fp16/bf16 q, k, v (GPU arrays, flash-attn layout) for ``attention``; checked like ``fav.attention``."""
+def _entry():
+    entry = get(NAME)
+    ok, why = entry.available()
+    if not ok:
+        raise RuntimeError(f"{NAME} cannot run on this GPU: {why}")
+    return entry
+
+
+def _import_gpu(q, k, v):
     entry = get(NAME)
     inp = arrays.import_arrays(q, k, v)
     arrays.check_shapes(inp, entry)
     if not inp.on_gpu:
         raise TypeError("q, k, v must be GPU arrays (CuPy, or torch/JAX through DLPack) to quantize on the GPU; "
                         "the NumPy model is fa_variants.reference.fp8")
-    ok, why = entry.available()
-    if not ok:
-        raise RuntimeError(f"{NAME} cannot run on this GPU: {why}")
-    return Quantized(entry.kernels.quantize(inp.q, inp.k, inp.v), inp.wrap)
+    return inp
 
 
-def attention(qz: Quantized, *, causal=False, softmax_scale=None, return_lse=False):
-    """Attention on quantized tensors (from ``quantize``): an array of the original q's type and dtype."""
+def quantize(q, k, v) -> Quantized:
+    """Quantize fp16/bf16 q, k, v (GPU arrays, flash-attn layout) for ``attention``; checked like ``fav.attention``."""
+    inp = _import_gpu(q, k, v)
+    return Quantized(_entry().kernels.quantize(inp.q, inp.k, inp.v), inp.wrap)
+
+
+def quantize_kv(k, v) -> Quantized:
+    """Quantize K and V only (a KV cache); ``attention(kv, q=...)`` quantizes each q on the fly."""
+    inp = _import_gpu(k, k, v)  # k stands in for q: the checks of q against k are then trivially met
+    return Quantized(_entry().kernels.quantize_kv(inp.k, inp.v), inp.wrap)
+
+
+def _with_q(parts: dict, q):
+    """K/V-only ``parts`` plus a freshly quantized ``q``, checked against them; and q's wrap."""
+    inp = _import_gpu(q, q, q)
+    qa = inp.q
+    b, hkv, _, d = parts["k"].shape
+    if qa.shape[0] != b or qa.shape[3] != d or qa.shape[2] % hkv:
+        raise ValueError(f"q must be (batch={b}, seqlen_q, heads (a multiple of {hkv}), head_dim={d}) to match the "
+                         f"quantized K/V, got shape {tuple(qa.shape)}")
+    if qa.dtype != parts["kv_dtype"]:
+        raise TypeError(f"q's dtype {arrays.dtype_name(qa.dtype)} differs from the quantized K/V's "
+                        f"({arrays.dtype_name(parts['kv_dtype'])})")
+    return {**parts, **_entry().kernels.quantize_q(qa)}, inp.wrap
+
+
+def attention(qz: Quantized, *, q=None, causal=False, softmax_scale=None, return_lse=False):
+    """Attention on quantized tensors: ``qz`` from ``quantize``, or from ``quantize_kv`` together with ``q`` (an
+    fp16/bf16 GPU array of K/V's dtype, batch and head_dim, its heads a multiple of K/V's). Returns an array of
+    the original q's type and dtype (and the LSE with ``return_lse``)."""
     if not isinstance(qz, Quantized):
-        raise TypeError(f"qz must be the result of fa_variants.fp8.quantize, got {type(qz).__name__}")
-    scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=qz.shape[5])
-    out, lse = get(NAME).kernels.attention_quantized(qz.parts, causal=bool(causal), softmax_scale=scale,
+        raise TypeError(f"qz must be the result of fa_variants.fp8.quantize or quantize_kv, got {type(qz).__name__}")
+    if ("q" in qz.parts) == (q is not None):
+        raise ValueError("pass q exactly when qz holds only K and V (fa_variants.fp8.quantize_kv); "
+                         "qz from fa_variants.fp8.quantize already holds q")
+    arrays.check_scalars(causal, softmax_scale, return_lse)
+    parts, wrap = (qz.parts, qz.wrap) if q is None else _with_q(qz.parts, q)
+    scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=parts["q"].shape[3])
+    out, lse = get(NAME).kernels.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
                                                      return_lse=bool(return_lse))
-    return (qz.wrap(out), qz.wrap(lse)) if return_lse else qz.wrap(out)
+    return (wrap(out), wrap(lse)) if return_lse else wrap(out)

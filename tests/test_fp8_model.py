@@ -229,3 +229,18 @@ def test_study_block_and_rotation_beat_per_tensor_on_outliers():
     for dd in fp8_study.DISTRIBUTIONS:                         # fp8 really is coarser than bf16
         assert by[dd, "fa2 bf16"]["rel_error"] < by[dd, "fp8 block"]["rel_error"]
     assert all(0 < r["rel_error"] < 1 and r["rmse"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------- fav.fp8 API
+def test_fp8_api_rejects_misuse_before_touching_a_gpu():
+    import fa_variants as fav
+    q = np.ones((1, 8, 2, 64), dtype=np.float16)
+    with pytest.raises(TypeError, match="GPU arrays"):
+        fav.fp8.quantize(q, q, q)
+    with pytest.raises(TypeError, match="qz must be the result of fa_variants.fp8.quantize"):
+        fav.fp8.attention(q)
+    kv_only = fav.fp8.Quantized(parts={"k": None}, wrap=None)
+    with pytest.raises(ValueError, match="pass q exactly when qz holds only K and V"):
+        fav.fp8.attention(kv_only)
+    with pytest.raises(ValueError, match="head_dim"):
+        fav.fp8.quantize(np.ones((1, 8, 2, 48), dtype=np.float16), q[..., :48], q[..., :48])

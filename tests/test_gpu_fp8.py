@@ -70,16 +70,19 @@ def test_against_float64_and_own_model(request, poisoned, case, dtype):
     assert np.abs(lh[~empty] - res.lse[~empty]).max(initial=0) <= FP8_MODEL_LSE_ATOL, "lse differs from the model"
 
 
-def test_prequantized_equals_on_the_fly_and_is_deterministic(request):
+def test_prequantized_kv_cache_and_on_the_fly_agree_bitwise(request):
     case = Case(2, 300, 700, 8, 2, 128, True)
     q, k, v = to_device(_data(request, case, "bfloat16"))
     qz = fav.fp8.quantize(q, k, v)
     a = fav.fp8.attention(qz, causal=True)
     b = fav.fp8.attention(qz, causal=True)
     c = fav.attention(q, k, v, variant="fa2_fp8", causal=True)
+    kv = fav.fp8.quantize_kv(k, v)                       # a KV cache, then a query quantized on the fly
+    d = fav.fp8.attention(kv, q=q, causal=True)
     bits = lambda x: to_host(x).view(np.uint16)  # noqa: E731
     assert np.array_equal(bits(a), bits(b)), "two calls on the same quantized tensors differ"
     assert np.array_equal(bits(a), bits(c)), "pre-quantized and on-the-fly results differ"
+    assert np.array_equal(bits(a), bits(d)), "quantize_kv + attention(q=...) differs"
 
 
 def _vt_key(p):

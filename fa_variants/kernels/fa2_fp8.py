@@ -93,17 +93,29 @@ def quantize_v(v, block_k: int, ctype: str, d: int):
     return vt, sv
 
 
-def quantize(q, k, v):
-    """On-the-fly quantization with this launcher's tiles: the dict fa_variants.fp8.Quantized wraps."""
+def quantize_q(q) -> dict:
+    """Q's part of the quantized operands (``quantize_kv`` makes K's and V's), with this device's tiles."""
     from .. import arrays
-
     d = q.shape[3]
     cfg = config(d)
-    ctype = CTYPE[arrays.dtype_name(q.dtype)]
-    qq, sq = quantize_rows(q, cfg[0], ctype, d, cfg)
+    qq, sq = quantize_rows(q, cfg[0], CTYPE[arrays.dtype_name(q.dtype)], d, cfg)
+    return dict(q=qq, sq=sq, out_dtype=q.dtype)
+
+
+def quantize_kv(k, v) -> dict:
+    """K's and V's parts: quantize them once and reuse them with many queries (a KV cache)."""
+    from .. import arrays
+    d = k.shape[3]
+    cfg = config(d)
+    ctype = CTYPE[arrays.dtype_name(k.dtype)]
     kq, sk = quantize_rows(k, cfg[1], ctype, d, cfg)
     vt, sv = quantize_v(v, cfg[1], ctype, d)
-    return dict(q=qq, k=kq, vt=vt, sq=sq, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, out_dtype=q.dtype)
+    return dict(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=k.dtype)
+
+
+def quantize(q, k, v) -> dict:
+    """All of Q, K, V: the dict fa_variants.fp8.Quantized wraps."""
+    return {**quantize_q(q), **quantize_kv(k, v)}
 
 
 def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool):
