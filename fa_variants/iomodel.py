@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from .reference import fa1 as _fa1
 from .reference import fa2 as _fa2
+from .reference import fp8 as _fp8
 from .reference import naive as _naive
 from .reference.common import DEFAULT_SRAM, paper_blocks, resolve_blocks
 
@@ -116,7 +117,7 @@ _MODELS = {  # variant -> (NumPy model module, exact per-head counts)
     "naive": (_naive, naive_accesses),
     "fa1": (_fa1, fa1_accesses),
     "fa2": (_fa2, fa2_accesses),
-    "fa2_fp8": (_fa2, fa2_accesses),  # FA2's loop order; only the element size differs
+    "fa2_fp8": (_fp8, fa2_accesses),  # FA2's loop order and counts; its model adds the quantization
 }
 
 #: Tensors stored in fp32 whatever the input dtype: the softmax statistics, the naive kernel's S/P buffer,
