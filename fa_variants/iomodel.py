@@ -124,6 +124,9 @@ _MODELS = {  # variant -> (NumPy model module, exact per-head counts)
 #: and FA1's O, which makes its T_c round trips through an fp32 workspace (the final half-precision copy
 #: of O is outside Algorithm 1 and not modeled).
 FP32_TENSORS = {"naive": {"S", "P"}, "fa1": {"O", "l", "m"}, "fa2": {"LSE"}, "fa2_fp8": {"LSE"}}
+#: Tensors the kernel reads as e4m3, one byte each (the attention kernel alone: on-the-fly quantization is a
+#: separate pass, not modeled here).
+FP8_TENSORS = {"fa2_fp8": {"Q", "K", "V"}}
 
 
 def _lookup(variant_name):
@@ -135,11 +138,13 @@ def _lookup(variant_name):
 def hbm_bytes(variant_name, batch, heads, seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None,
               causal=False, itemsize=2) -> int:
     """Modeled HBM bytes of one call: per-head counts x batch x heads (GQA shares no K/V reads between the
-    query heads' programs), each tensor at ``itemsize`` bytes except ``FP32_TENSORS`` at 4."""
+    query heads' programs), each tensor at ``itemsize`` bytes except ``FP32_TENSORS`` at 4 and ``FP8_TENSORS``
+    at 1."""
     _, accesses = _lookup(variant_name)
     counts = accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal=causal)
-    fp32 = FP32_TENSORS[variant_name]
-    per_head = sum(n * (4 if t in fp32 else itemsize) for t, n in counts.items() if t != "total")
+    fp32, fp8 = FP32_TENSORS[variant_name], FP8_TENSORS.get(variant_name, set())
+    size = lambda t: 4 if t in fp32 else 1 if t in fp8 else itemsize  # noqa: E731
+    per_head = sum(n * size(t) for t, n in counts.items() if t != "total")
     return batch * heads * per_head
 
 
