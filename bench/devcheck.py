@@ -34,6 +34,9 @@ SETS = {
     "issue": ISSUE,
     "tiles": [Shape(4, 32, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", False),
               Shape(4, 16, 4096, 128, "bfloat16", True), Shape(4, 8, 4096, 256, "bfloat16", False)],
+    "fp8": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(2, 16, 8192, 128, "bfloat16", False),
+            Shape(1, 16, 16384, 128, "bfloat16", False), Shape(4, 8, 4096, 256, "bfloat16", False),
+            Shape(1, 8, 16384, 256, "bfloat16", False)],
     "small-grid": [Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True)],
 }
 
@@ -120,6 +123,22 @@ def memory_check():
         print(f"naive refused: {type(e).__name__}: {e}")
 
 
+def quant_bandwidth(repeats):
+    """fa_variants.fp8.quantize alone: GB/s counting bytes read (fp16/bf16 Q, K, V, twice for V's amax pass)
+    and written (e4m3 Q, K, V^T and the scales), against the ~4.2 TB/s copy ceiling."""
+    import fa_variants as fav
+    rows = []
+    for shape in [Shape(4, 16, 4096, 128, "bfloat16"), Shape(1, 16, 16384, 128, "bfloat16"),
+                  Shape(4, 8, 4096, 256, "bfloat16")]:
+        sets = gpu_input_sets(shape)
+        ms = median(time_cuda(lambda q, k, v: fav.fp8.quantize(q, k, v), warmup=3, repeats=repeats,
+                              rotate_inputs=sets))
+        q, k, v = sets[0]
+        moved = q.nbytes + k.nbytes + 2 * v.nbytes + (q.nbytes + k.nbytes + v.nbytes) // 2
+        rows.append([shape.id, f"{ms:.3f}", f"{moved / ms / 1e6:.0f}"])
+    print(tabulate(rows, headers=["shape", "quantize ms", "GB/s (read + written)"]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -127,6 +146,7 @@ def main():
     ap.add_argument("--variants", default="naive,fa1,fa2")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--memory", action="store_true", help="fa2 / naive at B=1, H=16, N=131072, d=128")
+    ap.add_argument("--quant", action="store_true", help="fp8 quantization bandwidth")
     ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'")
     a = ap.parse_args()
     for spec in filter(None, a.tiles.split(";")):
@@ -140,6 +160,8 @@ def main():
     bad = check(names) if a.check else 0
     if a.memory:
         memory_check()
+    if a.quant:
+        quant_bandwidth(a.repeats)
     for s in filter(None, a.time.split(",")):
         time_sweep(SETS[s], names, a.repeats)
     sys.exit(1 if bad else 0)

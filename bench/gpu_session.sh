@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything that must be re-checked on the H200 after kernel changes, in one device call (about 6 minutes):
+#   bash bench/gpu_session.sh            (from the repository root; logs under $OUT, or ./gpu-logs)
+# Prints a short summary last; full logs are in the log folder.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD FA_VARIANTS_CACHE=${FA_VARIANTS_CACHE:-/tmp/favc} OPENBLAS_NUM_THREADS=8
+log=${OUT:-gpu-logs}; mkdir -p "$log"
+S=fp16-d64-N67-B2-H3-causal,fp16-d64-N67-B2-H3-full,bf16-d128-N67-B2-H3-causal,bf16-d128-N67-B2-H3-full
+git rev-parse --short HEAD > "$log/commit.txt" 2>/dev/null
+timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$log/gputests.log" 2>&1
+for tool in memcheck racecheck; do
+  timeout 120 compute-sanitizer --tool $tool python3 bench/profile_one.py fa1,fa2,fa2_fp8 $S --calls 1 \
+    > "$log/sanitizer_$tool.log" 2>&1
+done
+timeout 60 python3 bench/devcheck.py --memory --quant --variants fa2 > "$log/memory_quant.log" 2>&1
+timeout 120 python3 bench/devcheck.py --time fp8 --variants fa2,fa2_fp8 > "$log/fp8_speed.log" 2>&1
+timeout 300 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
+echo "== commit $(cat "$log/commit.txt" 2>/dev/null)"
+tail -1 "$log/gputests.log"
+grep -h "SUMMARY" "$log"/sanitizer_*.log
+grep -A6 "quantize ms" "$log/memory_quant.log"
+grep -v '^\[' "$log/fp8_speed.log" | tail -8
+grep -E "^\| " "$log/bench.log" | head -50
