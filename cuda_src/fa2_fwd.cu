@@ -112,7 +112,6 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
         if (!EARLY_PREFETCH && j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
         if (EARLY_PREFETCH) asm volatile("" ::: "memory");
 
-
         // O += P~ V_j, with P~ taken straight from the S registers as the A operand.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
