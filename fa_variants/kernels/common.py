@@ -90,3 +90,15 @@ def pick_tiles(candidates, smem_bytes, head_dim: int, limit: int | None = None):
         if smem_bytes(head_dim, cfg) <= limit:
             return cfg
     raise ValueError(f"no tile configuration for head_dim {head_dim} fits {limit} bytes of shared memory")
+
+
+def tile_lookup(candidates: dict, smem_bytes):
+    """(config, tiles) for a launcher: config(d) is the full tile tuple the device takes (pick_tiles), tiles(d)
+    its (block_q, block_k) for the IO model. ``candidates`` is read at each call, so edits to it take effect."""
+    def config(head_dim, limit=None):
+        return pick_tiles(candidates, smem_bytes, head_dim, limit)
+
+    def tiles(head_dim, limit=None):
+        return config(head_dim, limit)[:2]
+
+    return config, tiles

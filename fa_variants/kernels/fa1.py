@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
-from .common import CTYPE, cdiv, check_grid, pick_tiles, prepare, scale_log2
+from .common import CTYPE, cdiv, check_grid, prepare, scale_log2, tile_lookup
 
 SOURCE = "fa1_fwd.cu"
 
@@ -27,12 +27,7 @@ def smem_bytes(d: int, cfg) -> int:
     return 2 * bn * row16 + 2 * bm * row16 + w * bm * row32 + bm * row32 + 2 * bm * 4 + 2 * w * bm * 4 + (w + 1) * bm * 4
 
 
-def config(head_dim, limit=None):
-    return pick_tiles(TILES, smem_bytes, head_dim, limit)
-
-
-def tiles(head_dim, limit=None):
-    return config(head_dim, limit)[:2]
+config, tiles = tile_lookup(TILES, smem_bytes)
 
 
 def instance(ctype: str, d: int, cfg) -> str:

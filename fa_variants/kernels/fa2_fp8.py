@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
-from .common import CTYPE, cdiv, check_grid, pick_tiles, scale_log2
+from .common import CTYPE, cdiv, check_grid, tile_lookup, scale_log2
 
 SOURCE = "fa2_fp8_fwd.cu"
 QUANT_SOURCE = "fp8_quantize.cu"
@@ -26,12 +26,7 @@ def smem_bytes(d: int, cfg) -> int:
     return q + 2 * (k + vt)
 
 
-def config(head_dim, limit=None):
-    return pick_tiles(TILES, smem_bytes, head_dim, limit)
-
-
-def tiles(head_dim, limit=None):
-    return config(head_dim, limit)[:2]
+config, tiles = tile_lookup(TILES, smem_bytes)
 
 
 def instance(ctype: str, d: int, cfg) -> str:
