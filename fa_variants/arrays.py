@@ -36,16 +36,6 @@ class Inputs:
     on_gpu: bool          # CuPy arrays (possibly zero-copy views of torch/JAX memory)
     wrap: object          # callable turning a result array into the caller's array type
 
-    @property
-    def dtype(self) -> str:
-        return dtype_name(self.q.dtype)
-
-    @property
-    def shape(self):
-        """(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim)."""
-        b, nq, h, d = self.q.shape
-        return b, nq, self.k.shape[1], h, self.k.shape[2], d
-
 
 def _framework_wrap(x):
     """Return a function mapping a CuPy result back to ``x``'s framework through DLPack (zero-copy)."""

@@ -55,6 +55,4 @@ struct BFloat16 {
     }
 };
 
-__forceinline__ __device__ u16 low16(u32 x) { return (u16)(x & 0xffffu); }
-
 }  // namespace fav

@@ -43,7 +43,7 @@ class Launch:
         return out
 
 
-def prepare(q, k, v, return_lse: bool) -> Launch:
+def prepare(q, k, v) -> Launch:
     """Align inputs, allocate O (q's shape, contiguous) and the float32 LSE (always written: the kernels need
     somewhere to put it; only returned when asked)."""
     import cupy

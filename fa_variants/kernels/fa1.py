@@ -49,7 +49,7 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
 def forward(q, k, v, *, causal, softmax_scale, return_lse):
     import cupy
 
-    L = prepare(q, k, v, return_lse)
+    L = prepare(q, k, v)
     d = L.head_dim
     cfg = config(d)
     bm, _, warps = cfg

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 
 from .. import jit
+from .common import scale_log2
 
 SOURCE = "naive_softmax.cu"
 THREADS = 256
-LOG2E = 1.4426950408889634
 
 
 class AttentionTooLarge(MemoryError):
@@ -61,7 +61,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     rows = b * h * nq
     kern = jit.kernel(SOURCE, specializations()[0])
     kern((rows,), (THREADS,), (s, lse, cupy.int64(rows), cupy.int32(nq), cupy.int32(nk),
-                              cupy.float32(softmax_scale * LOG2E), cupy.int32(bool(causal))))
+                              cupy.float32(scale_log2(softmax_scale)), cupy.int32(bool(causal))))
     o = cupy.matmul(s, vf)                                                # (b, hkv, g, nq, d)
     out = o.reshape(b, h, nq, d).transpose(0, 2, 1, 3).astype(q.dtype)
     return cupy.ascontiguousarray(out), (lse if return_lse else None)
