@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that must be re-checked on the H200 after kernel changes, in one device call (about 6 minutes):
 #   bash bench/gpu_session.sh            (from the repository root; logs under $OUT, or ./gpu-logs)
+#   SKIP_BENCH=1 bash bench/gpu_session.sh   leaves out the full benchmark (about 4 minutes)
 # Prints a short summary last; full logs are in the log folder.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD FA_VARIANTS_CACHE=${FA_VARIANTS_CACHE:-/tmp/favc} OPENBLAS_NUM_THREADS=8
@@ -14,7 +15,7 @@ for tool in memcheck racecheck; do
 done
 timeout 60 python3 bench/devcheck.py --memory --quant --variants fa2 > "$log/memory_quant.log" 2>&1
 timeout 120 python3 bench/devcheck.py --time fp8 --variants fa2,fa2_fp8 > "$log/fp8_speed.log" 2>&1
-timeout 300 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
+[ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
 echo "== commit $(cat "$log/commit.txt" 2>/dev/null)"
 tail -1 "$log/gputests.log"
 grep -h "SUMMARY" "$log"/sanitizer_*.log
