@@ -139,6 +139,43 @@ def quant_bandwidth(repeats):
     print(tabulate(rows, headers=["shape", "quantize ms", "GB/s (read + written)"]))
 
 
+def fp8_sweep(shapes, repeats):
+    """fa2_fp8 against this library's fa2 (bf16) and torch SDPA, in one run: pre-quantized operands (a KV cache,
+    the issue's headline), quantization included, and the mma.sync kernel (emulated e4m3 on sm_90) for contrast."""
+    import os
+    import cupy
+    import fa_variants as fav
+    torch, _ = torch_status()
+    rows = []
+    for i, shape in enumerate(shapes):
+        print(f"[{i + 1}/{len(shapes)}] {shape.id}", file=sys.stderr, flush=True)
+        sets = gpu_input_sets(shape)
+        scale = 1 / math.sqrt(shape.head_dim)
+        t = lambda fn, s=sets: median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=s))  # noqa: E731
+        res = {"fa2": t(lambda q, k, v: attention(q, k, v, variant="fa2", causal=shape.causal, softmax_scale=scale))}
+        for kernel in ("", "mma_sync"):
+            os.environ["FA_VARIANTS_FP8_KERNEL"] = kernel
+            tag = "fp8" + ("-mma.sync" if kernel else "")
+            qsets = [(fav.fp8.quantize(*s),) for s in sets]
+            res[tag + " prequant"] = t(lambda qz: fav.fp8.attention(qz, causal=shape.causal, softmax_scale=scale),
+                                       qsets)
+            del qsets
+            res[tag + " +quant"] = t(lambda q, k, v: attention(q, k, v, variant="fa2_fp8", causal=shape.causal,
+                                                               softmax_scale=scale))
+        os.environ.pop("FA_VARIANTS_FP8_KERNEL")
+        if torch is not None and not torch_sdpa_unsupported(shape):
+            tsets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in sets]
+            for peer in ("torch-flash", "torch-cudnn"):
+                res[peer] = t(torch_sdpa_fn(torch, peer, shape, scale), tsets)
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+        tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+        rows.append([shape.id] + [f"{v:.1f}" for v in tf.values()]
+                    + [f"{tf['fp8 prequant'] / tf['fa2']:.2f}", f"{tf['fp8 +quant'] / tf['fa2']:.2f}"])
+        heads = ["shape"] + [f"{k} TF/s" for k in tf] + ["prequant/fa2", "+quant/fa2"]
+    print(tabulate(rows, headers=heads))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -147,12 +184,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--memory", action="store_true", help="fa2 / naive at B=1, H=16, N=131072, d=128")
     ap.add_argument("--quant", action="store_true", help="fp8 quantization bandwidth")
-    ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'")
+    ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
+    ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'; "
+                    "another table of the launcher: 'fa2_fp8.SM90_TILES:128=128,128,8'")
     a = ap.parse_args()
     for spec in filter(None, a.tiles.split(";")):
         name, rest = spec.split(":")
+        name, _, table = name.partition(".")
         d, cfg = rest.split("=")
-        registry.get(name).kernels.TILES[int(d)] = [tuple(int(x) for x in cfg.split(","))]
+        getattr(registry.get(name).kernels, table or "TILES")[int(d)] = [tuple(int(x) for x in cfg.split(","))]
         print(f"tiles override: {name} d={d} -> {cfg}")
     names = [n for n in a.variants.split(",") if n]
     for n in names:
@@ -162,6 +202,8 @@ def main():
         memory_check()
     if a.quant:
         quant_bandwidth(a.repeats)
+    if a.fp8:
+        fp8_sweep(SETS["fp8"], a.repeats)
     for s in filter(None, a.time.split(",")):
         time_sweep(SETS[s], names, a.repeats)
     sys.exit(1 if bad else 0)

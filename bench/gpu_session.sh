@@ -14,7 +14,7 @@ for tool in memcheck racecheck; do
     > "$log/sanitizer_$tool.log" 2>&1
 done
 timeout 60 python3 bench/devcheck.py --memory --quant --variants fa2 > "$log/memory_quant.log" 2>&1
-timeout 120 python3 bench/devcheck.py --time fp8 --variants fa2,fa2_fp8 > "$log/fp8_speed.log" 2>&1
+timeout 180 python3 bench/devcheck.py --fp8 > "$log/fp8_speed.log" 2>&1
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
 echo "== commit $(cat "$log/commit.txt" 2>/dev/null)"
 tail -1 "$log/gputests.log"

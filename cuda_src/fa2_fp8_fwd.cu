@@ -6,26 +6,15 @@
 //                   per channel, keys permuted inside each 32-key group to match P's register layout (below)
 //   scores          S_ij = (Qq_i Kq_j^T) * sq_i * sk_j * scale * log2(e): the block pair's scales fold into
 //                   one multiplier, and the running max is kept in those log2 units
-//   P V             P~ * 256 (exact: a power of two) rounded to e4m3, so probabilities down to 2^-18 of the
+//   P V             P~ * 256 (exact: a power of two) rounded to e4m3, so probabilities down to 2^-17 of the
 //                   row max survive e4m3's 2^-9 floor; O * sv / (256 l) once at the end
 //
 // P's register layout. Thread (g, t) holds, of S's n-tiles 4k..4k+3 (keys 32k..32k+31), keys
 // {2t, 2t+1, 8+2t, 9+2t} and {16+2t, 17+2t, 24+2t, 25+2t}; the A operand of m16n8k32 wants the reduction
 // indices {4t..4t+3} and {16+4t..16+4t+3}. Rather than shuffle P between threads, the quantizer stores V's keys
 // in that order (fp8_quantize.cu: vt_key), so the thread's own values are the right A operand as they stand.
+#include "common/fp8.cuh"
 #include "common/fragments.cuh"
-#include "common/softmax.cuh"
-
-namespace fav {
-// A operand of P V for reduction step k (keys 32k .. 32k+31) from S's n-tiles 4k .. 4k+3, times p_scale.
-__forceinline__ __device__ void repack_a_e4m3(u32 (&a)[4], const float (&s0)[4], const float (&s1)[4],
-                                              const float (&s2)[4], const float (&s3)[4], float p) {
-    a[0] = pack_e4m3x4(s0[0] * p, s0[1] * p, s1[0] * p, s1[1] * p);  // row g
-    a[1] = pack_e4m3x4(s0[2] * p, s0[3] * p, s1[2] * p, s1[3] * p);  // row g + 8
-    a[2] = pack_e4m3x4(s2[0] * p, s2[1] * p, s3[0] * p, s3[1] * p);
-    a[3] = pack_e4m3x4(s2[2] * p, s2[3] * p, s3[2] * p, s3[3] * p);
-}
-}  // namespace fav
 
 template <class T, int D, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
@@ -37,7 +26,6 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
     constexpr int THREADS = NWARPS * 32;
     constexpr int WM = BM / NWARPS, MT = WM / 16, NT = BN / 8, DT = D / 8;
     constexpr int KC = D / 32;               // k-chunks of Q K^T (32 e4m3 each)
-    constexpr float P_SCALE = 256.f;
     constexpr bool Q_IN_REGS = MT * KC * 4 <= 16;  // as in fa2_fwd.cu: beyond that, re-read Q each block
     // Rows of e4m3 are handled as rows of D/2 16-bit pairs: the same padded tiles, cp.async and ldmatrix.
     using TQ = Tile<BM, D / 2>;
@@ -131,7 +119,7 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
             u32 a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                repack_a_e4m3(a[mt], s[mt][4 * kc], s[mt][4 * kc + 1], s[mt][4 * kc + 2], s[mt][4 * kc + 3], P_SCALE);
+                repack_a_e4m3(a[mt], s[mt][4 * kc], s[mt][4 * kc + 1], s[mt][4 * kc + 2], s[mt][4 * kc + 3]);
 #pragma unroll
             for (int dt = 0; dt < DT; dt += 2) {
                 u32 bv[4];
@@ -146,26 +134,5 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
     }
     cp_async_wait<0>();
 
-    // Epilogue: O * sv / (256 l), LSE = (m + log2 l) ln 2.
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const float* svb = sv + bhk * D;
-    const i64 o_n = (i64)heads * D;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float sum = quad_sum(l[mt][r]);
-            const bool seen = !(sum <= 0.f);  // true for NaN too: a NaN input must give NaN, never zeros
-            const float inv = seen ? 1.f / (P_SCALE * sum) : 0.f;
-            const int q_row = m0 + row0 + mt * 16 + g + 8 * r;
-            if (q_row >= seqlen_q) continue;
-            u16* orow = O + ((i64)b * seqlen_q + q_row) * o_n + (i64)h * D;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                const int c = dt * 8 + 2 * t;
-                *reinterpret_cast<u32*>(orow + c) =
-                    T::pack(o[mt][dt][2 * r] * inv * svb[c], o[mt][dt][2 * r + 1] * inv * svb[c + 1]);
-            }
-            if (t == 0) LSE[bh * seqlen_q + q_row] = seen ? (m[mt][r] + __log2f(sum)) * 0.6931471805599453f : neg_inf();
-        }
+    store_output_fp8<T>(o, m, l, sv + bhk * D, O, LSE, b, h, heads, seqlen_q, m0 + row0);
 }

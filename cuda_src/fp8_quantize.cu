@@ -7,6 +7,10 @@
 //
 // amax ignores NaN and Inf, so scales stay finite; a NaN or Inf value itself becomes e4m3 NaN (0x7f) and so
 // poisons exactly the outputs it touches (satfinite alone would turn Inf into a finite 448).
+//
+// These kernels are bound by memory bandwidth: every global access is a 16-byte vector (8 fp16/bf16 values, or 16
+// e4m3 bytes; quantize_rows stores 8), consecutive lanes on consecutive addresses. That needs 16-byte aligned rows:
+// the launcher checks the base pointer and strides and passes an aligned copy otherwise.
 #include "common/ptx.cuh"
 
 namespace fav {
@@ -15,13 +19,54 @@ __forceinline__ __device__ bool finite(float x) { return fabsf(x) <= 3.4e38f; } 
 
 __forceinline__ __device__ float scale_of(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
 
-// One e4m3 byte of x / scale (x * inv_scale), NaN for a non-finite x.
-__forceinline__ __device__ u32 to_e4m3(float x, float inv_scale) {
-    return finite(x) ? (pack_e4m3x4(x * inv_scale, 0.f, 0.f, 0.f) & 0xffu) : 0x7fu;
+// max(m, |x|) over finite x only: the amax ignores NaN and Inf.
+__forceinline__ __device__ float finite_max(float m, float x) { return finite(x) ? fmaxf(m, fabsf(x)) : m; }
+
+__forceinline__ __device__ uint4 load16(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// The 8 values of one 16-byte vector as fp32, lowest address first.
+template <class T>
+__forceinline__ __device__ void unpack8(const uint4& v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = T::to_float((u16)(w[i] & 0xffffu));
+        f[2 * i + 1] = T::to_float((u16)(w[i] >> 16));
+    }
 }
 
-// Key stored at position p (0..31) of a 32-key group of V^T: the order in which a thread of fa2_fp8_fwd holds
-// P's values as the A operand (see the comment at the top of fa2_fp8_fwd.cu).
+// max(m, |x|) over the finite x of a 16-byte vector, on the 16-bit patterns: |x|'s pattern (sign bit cleared)
+// orders like |x|, and NaN / Inf are the patterns from T's infinity up. Kept in integers so that the compiler does
+// not carry 8 unpacked floats per vector across the block reduction to reuse them.
+template <class T>
+__forceinline__ __device__ u32 finite_max_bits(u32 m, const uint4& v) {
+    constexpr u32 INF = T::is_bf16 ? 0x7f80u : 0x7c00u;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 lo = w[i] & 0x7fffu, hi = (w[i] >> 16) & 0x7fffu;
+        m = lo < INF ? max(m, lo) : m;
+        m = hi < INF ? max(m, hi) : m;
+    }
+    return m;
+}
+
+// Four e4m3 bytes of x_i * inv (x0 in the lowest byte). A non-finite x is converted as 0 and its byte then set to
+// 0x7f, so NaN and Inf both give exactly 0x7f whatever cvt would make of them.
+__forceinline__ __device__ u32 e4m3x4(float x0, float x1, float x2, float x3, float inv) {
+    const float x[4] = {x0, x1, x2, x3};
+    float y[4];
+    u32 nan = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        y[i] = finite(x[i]) ? x[i] * inv : 0.f;
+        nan |= finite(x[i]) ? 0u : 0x7fu << (8 * i);
+    }
+    return pack_e4m3x4(y[0], y[1], y[2], y[3]) | nan;
+}
+
+// Key stored at position p of a group of 32 keys of V^T (any p: groups repeat every 32): the order in which a
+// thread of fa2_fp8_fwd holds P's values as the A operand (see the comment at the top of fa2_fp8_fwd.cu).
 __forceinline__ __device__ int vt_key(int p) {
     const int q = p % 16, t = q / 4, i = q % 4;
     return (p / 16) * 16 + (i / 2) * 8 + 2 * t + (i % 2);
@@ -43,71 +88,154 @@ __forceinline__ __device__ float block_max(float x, float* red) {
 }  // namespace fav
 
 // grid (ceil(N / BLOCK), H, B). x: (B, N, H, D) with element strides (x_b, x_n, x_h), last dim contiguous.
+// The block is read once, VEC 16-byte vectors a thread all in flight together, kept in registers for the amax and
+// then quantized from there: the input is read from memory exactly once. Vector e of the block (row e / (D / 8))
+// belongs to thread e % THREADS: a warp loads 512 bytes of whole row segments and stores 256 contiguous bytes.
 template <class T, int D, int BLOCK, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 quantize_rows(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, unsigned char* __restrict__ xq,
               float* __restrict__ scale) {
     using namespace fav;
+    constexpr int ROW_VECS = D / 8, VEC = BLOCK * ROW_VECS / THREADS;
+    static_assert(THREADS % 32 == 0 && VEC >= 1 && VEC * THREADS == BLOCK * ROW_VECS,
+                  "THREADS must divide the block's BLOCK * D / 8 vectors");
     __shared__ float red[THREADS / 32];
     const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, heads = gridDim.y;
     const int r0 = blk * BLOCK, rows = min(BLOCK, seqlen - r0);
     const u16* xb = x + b * x_b + h * x_h + (i64)r0 * x_n;
-    float amax = 0.f;
-    for (int e = threadIdx.x; e < rows * D; e += THREADS) {
-        const float v = fabsf(T::to_float(xb[(e / D) * x_n + e % D]));
-        if (finite(v)) amax = fmaxf(amax, v);
+    uint4 v[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {  // rows past seqlen read as zero: they leave the amax alone
+        const int e = threadIdx.x + j * THREADS, r = e / ROW_VECS;
+        v[j] = r < rows ? load16(xb + r * x_n + (e % ROW_VECS) * 8) : make_uint4(0u, 0u, 0u, 0u);
     }
-    amax = block_max<THREADS>(amax, red);
+    u32 bits = 0;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) bits = finite_max_bits<T>(bits, v[j]);
+    const float amax = block_max<THREADS>(T::to_float((u16)bits), red);
     const float s = scale_of(amax), inv = 1.f / s;
     const i64 bh = (i64)b * heads + h;
     if (threadIdx.x == 0) scale[bh * gridDim.x + blk] = s;
-    unsigned char* out = xq + (bh * seqlen + r0) * D;
-    for (int e = threadIdx.x * 4; e < rows * D; e += THREADS * 4) {  // 4 bytes per store
-        const u16* src = xb + (e / D) * x_n + e % D;
-        u32 word = 0;
+    unsigned char* out = xq + (bh * seqlen + r0) * D;  // the block's rows are contiguous in the output
 #pragma unroll
-        for (int i = 0; i < 4; ++i) word |= to_e4m3(T::to_float(src[i]), inv) << (8 * i);
-        *reinterpret_cast<u32*>(out + e) = word;
+    for (int j = 0; j < VEC; ++j) {
+        const int e = threadIdx.x + j * THREADS;
+        if (e / ROW_VECS >= rows) continue;
+        float f[8];
+        unpack8<T>(v[j], f);
+        *reinterpret_cast<uint2*>(out + (i64)e * 8) =
+            make_uint2(e4m3x4(f[0], f[1], f[2], f[3], inv), e4m3x4(f[4], f[5], f[6], f[7], inv));
     }
 }
 
 // grid (ceil(N / ROWS), H, B); amax (B, H, D) zero-initialized. Non-negative floats order like their bits.
+// Thread t owns channels 8 (t % CG) .. 8 (t % CG) + 7 (one 16-byte vector a row) of rows t / CG, + RG, ...: a warp
+// reads 32 / CG whole rows at a time. The row groups are reduced by shuffles within a warp, then through shared
+// memory across warps, and one atomicMax a channel per CTA goes to global memory.
 template <class T, int D, int ROWS, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 channel_amax(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, float* __restrict__ amax) {
     using namespace fav;
+    constexpr int CG = D / 8, RG = THREADS / CG, WARPS = THREADS / 32, LOADS = ROWS / RG;
+    static_assert(32 % CG == 0 && THREADS % 32 == 0 && LOADS * RG == ROWS, "a warp holds whole rows; RG divides ROWS");
+    __shared__ __align__(16) float red[WARPS][D];
     const int h = blockIdx.y, b = blockIdx.z, r0 = blockIdx.x * ROWS, rows = min(ROWS, seqlen - r0);
-    const u16* xb = x + b * x_b + h * x_h + (i64)r0 * x_n;
+    const int cg = threadIdx.x % CG, rg = threadIdx.x / CG, lane = threadIdx.x % 32;
+    const u16* xb = x + b * x_b + h * x_h + (i64)r0 * x_n + cg * 8;
+    uint4 v[LOADS];
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {  // all loads first, so that they are in flight together
+        const int r = rg + j * RG;
+        v[j] = r < rows ? load16(xb + r * x_n) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float m[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+        float f[8];
+        unpack8<T>(v[j], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m[i] = finite_max(m[i], f[i]);
+    }
+#pragma unroll
+    for (int o = CG; o < 32; o *= 2)  // lanes l and l ^ o (o >= CG) hold the same channels of other rows
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], o));
+    if (lane < CG) {
+        float4* dst = reinterpret_cast<float4*>(&red[threadIdx.x / 32][cg * 8]);
+        dst[0] = make_float4(m[0], m[1], m[2], m[3]);
+        dst[1] = make_float4(m[4], m[5], m[6], m[7]);
+    }
+    __syncthreads();
     for (int c = threadIdx.x; c < D; c += THREADS) {
-        float m = 0.f;
-        for (int r = 0; r < rows; ++r) {
-            const float v = fabsf(T::to_float(xb[r * x_n + c]));
-            if (finite(v)) m = fmaxf(m, v);
-        }
-        atomicMax(reinterpret_cast<int*>(amax) + ((i64)b * gridDim.y + h) * D + c, __float_as_int(m));
+        float r = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) r = fmaxf(r, red[w][c]);
+        atomicMax(reinterpret_cast<int*>(amax) + ((i64)b * gridDim.y + h) * D + c, __float_as_int(r));
     }
 }
 
-// grid (seqlen_pad / 32, H, B); item (c, p4) writes keys p4*4 .. p4*4+3 of channel c of one 32-key group.
-// Keys past seqlen are zero (the attention kernel loads whole padded blocks of V^T).
-template <class T, int D, int THREADS>
+// grid (ceil(N_pad / KEYS) * D / CHANNELS, H, B): a CTA makes KEYS positions of V^T for CHANNELS of the D channels
+// (CHANNELS = 128 at most keeps d = 256's loads in registers without halving the CTAs per SM). Keys past seqlen are
+// zero (the attention kernel loads whole padded blocks of V^T); positions past N_pad (a multiple of 32) are not
+// written.
+//   1. Thread (cg, kq) loads the 4 keys that V^T stores at positions 4 kq .. 4 kq + 3 (vt_key), one 16-byte vector
+//      of channels 8 cg .. 8 cg + 7 each; a warp is 8 channel groups x 4 quads, so it reads 128-byte row segments.
+//      It quantizes them with the channel scales and writes, per channel, the 4 bytes as one word to shared memory.
+//   2. The tile's channel rows (KEYS bytes each) go to V^T as 16-byte vectors, 8 lanes to a 128-byte row segment.
+// Shared rows are 128 bytes (32 banks) and hold their 16-byte chunk k at chunk k ^ (c / 8 % 8) (c the channel): the
+// 8 channel groups of a warp then write 8 distinct chunks in step 1, and the 8 lanes reading a row in step 2 too.
+template <class T, int D, int KEYS, int CHANNELS, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 quantize_vt(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, int seqlen_pad,
             const float* __restrict__ amax, unsigned char* __restrict__ vt, float* __restrict__ scale) {
     using namespace fav;
-    const int h = blockIdx.y, b = blockIdx.z, k0 = blockIdx.x * 32;
+    constexpr int SPLIT = D / CHANNELS, CG = CHANNELS / 8, QUADS = KEYS / 4, CHUNKS = KEYS / 16, CG_WARPS = CG / 8;
+    constexpr int QUAD_STEP = 4 * (THREADS / 32 / CG_WARPS), PASSES = QUADS / QUAD_STEP;
+    static_assert(KEYS == 128, "the swizzle assumes 128-byte shared rows: 8 chunks over the 32 banks");
+    static_assert(SPLIT * CHANNELS == D && CG % 8 == 0 && THREADS % (32 * CG_WARPS) == 0 &&
+                  PASSES * QUAD_STEP == QUADS, "warps tile the channel groups evenly and the passes the quads");
+    __shared__ __align__(16) u32 tile[CHANNELS][QUADS];
+    __shared__ __align__(16) float inv_s[CHANNELS];
+    const int h = blockIdx.y, b = blockIdx.z, k0 = blockIdx.x / SPLIT * KEYS, c0 = blockIdx.x % SPLIT * CHANNELS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const i64 bh = (i64)b * gridDim.y + h;
-    for (int item = threadIdx.x; item < D * 8; item += THREADS) {
-        const int c = item / 8, p4 = item % 8;
-        const float s = scale_of(amax[bh * D + c]), inv = 1.f / s;
-        if (blockIdx.x == 0 && p4 == 0) scale[bh * D + c] = s;
-        const u16* xb = x + b * x_b + h * x_h + c;
-        u32 word = 0;
+    const int cg = lane % 8 + 8 * (warp % CG_WARPS), kq0 = lane / 8 + 4 * (warp / CG_WARPS);
+    const u16* xb = x + b * x_b + h * x_h + c0 + cg * 8;
+    uint4 v[PASSES][4];
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p)  // every load before the first barrier: they stay in flight across it
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int key = k0 + vt_key(p4 * 4 + i);
-            if (key < seqlen) word |= to_e4m3(T::to_float(xb[key * x_n]), inv) << (8 * i);
+            const int key = k0 + vt_key(4 * (kq0 + p * QUAD_STEP) + i);
+            v[p][i] = key < seqlen ? load16(xb + key * x_n) : make_uint4(0u, 0u, 0u, 0u);
         }
-        *reinterpret_cast<u32*>(vt + (bh * D + c) * seqlen_pad + k0 + p4 * 4) = word;
+    const float* am = amax + bh * D + c0;
+    for (int c = threadIdx.x; c < CHANNELS; c += THREADS) {  // the scales once per CTA, not 8 per thread
+        const float s = scale_of(am[c]);
+        inv_s[c] = 1.f / s;
+        if (k0 == 0) scale[bh * D + c0 + c] = s;
+    }
+    __syncthreads();
+    float inv[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) inv[i] = inv_s[cg * 8 + i];
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        const int kq = kq0 + p * QUAD_STEP;
+        float f[4][8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) unpack8<T>(v[p][i], f[i]);
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+            tile[cg * 8 + c][((kq / 4) ^ (cg % 8)) * 4 + kq % 4] = e4m3x4(f[0][c], f[1][c], f[2][c], f[3][c], inv[c]);
+    }
+    __syncthreads();
+    unsigned char* out = vt + (bh * D + c0) * seqlen_pad + k0;
+#pragma unroll
+    for (int u = threadIdx.x; u < CHANNELS * CHUNKS; u += THREADS) {
+        const int c = u / CHUNKS, k = u % CHUNKS;
+        if (k0 + 16 * k < seqlen_pad)
+            *reinterpret_cast<uint4*>(out + (i64)c * seqlen_pad + 16 * k) =
+                *reinterpret_cast<const uint4*>(&tile[c][(k ^ (c / 8 % 8)) * 4]);
     }
 }

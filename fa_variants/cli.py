@@ -360,7 +360,7 @@ def cmd_build(args) -> int:
     for entry in chosen:
         try:
             mod = entry.kernels
-            units = compile_units(mod)
+            compile_units(mod)  # a launcher whose unit list fails to build is reported here
             options = tuple(getattr(mod, "NVRTC_OPTIONS", ()))
         except Exception as e:  # noqa: BLE001 - a launcher that does not import is a build failure, reported
             bad = True
@@ -370,7 +370,8 @@ def cmd_build(args) -> int:
         archs = [a for a in entry.archs if wanted is None or jit.normalize_arch(a) in wanted]
         if not archs:
             _progress(f"{entry.name}: none of its archs {list(entry.archs)} was asked for; skipped")
-        tasks += [(entry.name, source, e, a, options) for source, exprs in units.items() for e in exprs for a in archs]
+        tasks += [(entry.name, source, e, a, options) for a in archs for source, exprs in compile_units(mod, a).items()
+                  for e in exprs]
     print(f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}: compiling {len(tasks)} kernel instances "
           f"with {args.jobs} threads", file=sys.stderr, flush=True)
     results = {}

@@ -1,21 +1,34 @@
-"""Launcher of cuda_src/fa2_fp8_fwd.cu and cuda_src/fp8_quantize.cu: quantize (or take quantized) Q, K, V, then
-FA2 on e4m3 tensor cores. The quantized layout is what fa_variants.fp8.quantize returns."""
+"""Launcher of cuda_src/fa2_fp8_fwd.cu, fa2_fp8_fwd_sm90.cu and fp8_quantize.cu: quantize (or take quantized) Q,
+K, V, then FA2 on e4m3 tensor cores. The quantized layout is what fa_variants.fp8.quantize returns.
+
+Two kernels of one algorithm: on sm_90 the e4m3 tensor cores are reached only through wgmma (ptxas emulates
+e4m3 mma.sync with f16 HMMA there), so Hopper runs fa2_fp8_fwd_sm90.cu and sm_89 runs fa2_fp8_fwd.cu.
+FA_VARIANTS_FP8_KERNEL=mma_sync runs the mma.sync kernel on Hopper too (to measure what wgmma buys)."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 from .. import jit
-from .common import CTYPE, cdiv, check_grid, tile_lookup, scale_log2
+from .common import CTYPE, cdiv, check_grid, pick_tiles, scale_log2
 
 SOURCE = "fa2_fp8_fwd.cu"
+SM90_SOURCE = "fa2_fp8_fwd_sm90.cu"
 QUANT_SOURCE = "fp8_quantize.cu"
-QUANT_THREADS = 256
-AMAX_ROWS = 64
+SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",)}  # wgmma exists only there
+QUANT_THREADS = 256  # channel_amax and quantize_vt
+AMAX_ROWS = 128      # rows of V per channel_amax CTA (one atomicMax per channel each)
+VT_KEYS = 128        # positions of V^T per quantize_vt CTA (its shared-memory swizzle needs 128) ...
+VT_CHANNELS = 128    # ... for at most this many channels (d = 256: two CTAs, registers as for d = 128)
 
-# head_dim -> (BM rows of Q per CTA = Q scale block, BN keys per block = K scale block, warps). On sm_90 the
-# e4m3 mma.sync is emulated (ptxas unpacks e4m3 to f16 for HMMA), which costs registers: these are the
-# largest tiles that compile without spills for both sm_89 and sm_90a (bench/NOTES.md).
+# head_dim -> (BM rows of Q per CTA = Q scale block, BN keys per block = K scale block, warps).
+# mma.sync: on sm_90 the emulation costs registers; these are the largest tiles that compile without spills for
+# both sm_89 and sm_90a (bench/NOTES.md).
 TILES = {64: [(128, 32, 4)], 128: [(64, 64, 4)], 256: [(128, 32, 8)]}
+# wgmma: two warpgroups of 64 rows; n128 key blocks where the O accumulator leaves room (d = 256: 128 of its
+# 240 registers are O, so n64).
+SM90_TILES = {64: [(128, 128, 8)], 128: [(128, 128, 8)], 256: [(128, 64, 8)]}
 
 
 def smem_bytes(d: int, cfg) -> int:
@@ -26,7 +39,29 @@ def smem_bytes(d: int, cfg) -> int:
     return q + 2 * (k + vt)
 
 
-config, tiles = tile_lookup(TILES, smem_bytes)
+def sm90_smem_bytes(d: int, cfg) -> int:
+    bm, bn = cfg[:2]
+    return 1024 + bm * d + 2 * (bn * d + d * bn)  # unpadded swizzled tiles, two K/V stages, 1 KB for alignment
+
+
+def uses_wgmma() -> bool:
+    """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
+    if os.environ.get("FA_VARIANTS_FP8_KERNEL", "").replace(".", "_") == "mma_sync":
+        return False
+    from ..registry import _device_cc
+    cc = _device_cc()
+    return isinstance(cc, str) or cc == 90
+
+
+def config(head_dim: int, limit=None):
+    """(BM, BN, warps) of the kernel this device runs."""
+    if uses_wgmma():
+        return pick_tiles(SM90_TILES, sm90_smem_bytes, head_dim, limit)
+    return pick_tiles(TILES, smem_bytes, head_dim, limit)
+
+
+def tiles(head_dim: int, limit=None):
+    return config(head_dim, limit)[:2]
 
 
 def instance(ctype: str, d: int, cfg) -> str:
@@ -34,18 +69,33 @@ def instance(ctype: str, d: int, cfg) -> str:
     return f"fa2_fp8_fwd<{ctype}, {d}, {bm}, {bn}, {w}>"
 
 
+def sm90_instance(ctype: str, d: int, cfg) -> str:
+    bm, bn, w = cfg
+    return f"fa2_fp8_fwd_sm90<{ctype}, {d}, {bn}, {w // 4}>"
+
+
+def rows_threads(block: int, d: int) -> int:
+    """quantize_rows' CTA size: four 16-byte vectors (32 values) a thread for one scale block of block rows."""
+    return min(1024, block * d // 32)
+
+
 def quant_instances(ctype: str, d: int, cfg):
     bm, bn, _ = cfg
-    return (f"quantize_rows<{ctype}, {d}, {bm}, {QUANT_THREADS}>", f"quantize_rows<{ctype}, {d}, {bn}, {QUANT_THREADS}>",
-            f"channel_amax<{ctype}, {d}, {AMAX_ROWS}, {min(d, 128)}>", f"quantize_vt<{ctype}, {d}, {QUANT_THREADS}>")
+    return (f"quantize_rows<{ctype}, {d}, {bm}, {rows_threads(bm, d)}>",
+            f"quantize_rows<{ctype}, {d}, {bn}, {rows_threads(bn, d)}>",
+            f"channel_amax<{ctype}, {d}, {AMAX_ROWS}, {QUANT_THREADS}>",
+            f"quantize_vt<{ctype}, {d}, {VT_KEYS}, {min(d, VT_CHANNELS)}, {QUANT_THREADS}>")
 
 
 def specializations():
     return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs)
 
 
-SOURCES = {QUANT_SOURCE: tuple(dict.fromkeys(
-    e for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs for e in quant_instances(c, d, cfg)))}
+SOURCES = {
+    SM90_SOURCE: tuple(sm90_instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in SM90_TILES.items() for cfg in cfgs),
+    QUANT_SOURCE: tuple(dict.fromkeys(e for c in CTYPE.values() for table in (TILES, SM90_TILES)
+                                      for d, cfgs in table.items() for cfg in cfgs for e in quant_instances(c, d, cfg))),
+}
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
@@ -64,27 +114,35 @@ def _strides(a):
 def quantize_rows(x, block: int, ctype: str, d: int, cfg):
     """(B, N, H, d) fp16/bf16 -> ((B, H, N, d) e4m3 bytes, (B, H, ceil(N/block)) float32 scales)."""
     import cupy
+    from .. import arrays
+    if not arrays.aligned_for_vector_loads(x):
+        x = x.copy()  # the kernel reads 16-byte vectors; a fresh C-contiguous copy has aligned rows
     b, n, h, _ = x.shape
     xq = cupy.empty((b, h, n, d), dtype=cupy.uint8)
     sc = cupy.empty((b, h, cdiv(n, block)), dtype=cupy.float32)
-    kern = jit.kernel(QUANT_SOURCE, f"quantize_rows<{ctype}, {d}, {block}, {QUANT_THREADS}>")
-    kern((cdiv(n, block), h, b), (QUANT_THREADS,), (x, *_strides(x), np.int32(n), xq, sc))
+    threads = rows_threads(block, d)
+    jit.kernel(QUANT_SOURCE, f"quantize_rows<{ctype}, {d}, {block}, {threads}>")(
+        (cdiv(n, block), h, b), (threads,), (x, *_strides(x), np.int32(n), xq, sc))
     return xq, sc
 
 
 def quantize_v(v, block_k: int, ctype: str, d: int):
     """(B, N, H, d) -> (V^T (B, H, d, N_pad) e4m3 bytes in vt_key order, (B, H, d) float32 per-channel scales)."""
     import cupy
+    from .. import arrays
+    if not arrays.aligned_for_vector_loads(v):
+        v = v.copy()  # both kernels read 16-byte vectors; a fresh C-contiguous copy has aligned rows
     b, n, h, _ = v.shape
     n_pad = cdiv(n, block_k) * block_k
     amax = cupy.zeros((b, h, d), dtype=cupy.float32)
-    threads = min(d, 128)
-    jit.kernel(QUANT_SOURCE, f"channel_amax<{ctype}, {d}, {AMAX_ROWS}, {threads}>")(
-        (cdiv(n, AMAX_ROWS), h, b), (threads,), (v, *_strides(v), np.int32(n), amax))
+    jit.kernel(QUANT_SOURCE, f"channel_amax<{ctype}, {d}, {AMAX_ROWS}, {QUANT_THREADS}>")(
+        (cdiv(n, AMAX_ROWS), h, b), (QUANT_THREADS,), (v, *_strides(v), np.int32(n), amax))
     vt = cupy.empty((b, h, d, n_pad), dtype=cupy.uint8)
     sv = cupy.empty((b, h, d), dtype=cupy.float32)
-    jit.kernel(QUANT_SOURCE, f"quantize_vt<{ctype}, {d}, {QUANT_THREADS}>")(
-        (n_pad // 32, h, b), (QUANT_THREADS,), (v, *_strides(v), np.int32(n), np.int32(n_pad), amax, vt, sv))
+    channels = min(d, VT_CHANNELS)
+    jit.kernel(QUANT_SOURCE, f"quantize_vt<{ctype}, {d}, {VT_KEYS}, {channels}, {QUANT_THREADS}>")(
+        (cdiv(n_pad, VT_KEYS) * (d // channels), h, b), (QUANT_THREADS,),
+        (v, *_strides(v), np.int32(n), np.int32(n_pad), amax, vt, sv))
     return vt, sv
 
 
@@ -125,8 +183,10 @@ def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_
     ctype = CTYPE[qz["out_dtype"].name]
     out = cupy.empty((b, nq, h, d), dtype=qz["out_dtype"])
     lse = cupy.empty((b, h, nq), dtype=cupy.float32)
-    kern = jit.kernel(SOURCE, instance(ctype, d, cfg))
-    smem = smem_bytes(d, cfg)
+    if uses_wgmma():
+        kern, smem = jit.kernel(SM90_SOURCE, sm90_instance(ctype, d, cfg)), sm90_smem_bytes(d, cfg)
+    else:
+        kern, smem = jit.kernel(SOURCE, instance(ctype, d, cfg)), smem_bytes(d, cfg)
     kern.max_dynamic_shared_size_bytes = smem
     check_grid(h, "heads")
     check_grid(b, "batch")

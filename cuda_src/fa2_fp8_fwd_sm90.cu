@@ -1,0 +1,105 @@
+// fa2_fp8_fwd.cu on Hopper's warpgroup MMA (sm_90a). On sm_90, e4m3 mma.sync is not native: ptxas widens the
+// operands to f16 for HMMA, at bf16 speed. wgmma.mma_async with e4m3 operands (QGMMA) is the fp8 path.
+//
+// Same algorithm, quantized operands and scale folding as fa2_fp8_fwd.cu (FA2 loop order: one CTA per Q block,
+// the K/V blocks in an inner loop, O in registers, deferred normalization). What changes is the unit of work:
+//   warps -> warpgroups  each warpgroup of 4 warps owns 64 query rows (BM = 64 NWG); its S = Q K^T and O += P V
+//                        are single wgmma instructions of 64 x BN and 64 x min(D, 128)
+//   operands             Q, K and V^T tiles live in shared memory in wgmma's swizzled K-major layout
+//                        (common/wgmma.cuh), read by the tensor cores through descriptors; P stays in
+//                        registers as the A operand of P V, in the same order as on mma.sync (so V^T's key
+//                        permutation, vt_key, is the same)
+//   pipeline             all threads cp.async the next K/V block into the other stage while this block computes;
+//                        one barrier per block, as in fa2_fwd.cu
+#include "common/fp8.cuh"
+#include "common/wgmma.cuh"
+
+template <class T, int D, int BN, int NWG>
+__global__ void __launch_bounds__(NWG * 128, 1)
+fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* __restrict__ Vt,
+                 const float* __restrict__ sq, const float* __restrict__ sk, const float* __restrict__ sv,
+                 u16* __restrict__ O, float* __restrict__ LSE,
+                 int seqlen_q, int seqlen_k, int seqlen_k_pad, int heads, int group, float scale_log2, int causal) {
+    using namespace fav;
+    constexpr int BM = 64 * NWG, THREADS = NWG * 128, NT = BN / 8, DT = D / 8;
+    constexpr int DN = D < 128 ? D : 128;    // output columns per P V wgmma (n128 at most here)
+    using TQ = SwizzledTile<BM, D>;           // [row][d], e4m3
+    using TK = SwizzledTile<BN, D>;           // [key][d]
+    using TV = SwizzledTile<D, BN>;           // V^T: [d][key], keys in vt_key order
+    static_assert(BN % 32 == 0 && (BN == 64 || BN == 128) && D % 64 == 0, "wgmma n64 / n128 blocks");
+
+    extern __shared__ unsigned char smem[];
+    const u32 sQ = (smem_u32(smem) + 1023) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
+    auto sK = [&](int stage) { return sQ + TQ::BYTES + stage * (TK::BYTES + TV::BYTES); };
+    auto sV = [&](int stage) { return sK(stage) + TK::BYTES; };
+
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int wg = threadIdx.x / 128, m0 = i_block * BM;
+    const int row0 = wg * 64 + (threadIdx.x / 32 % 4) * 16;  // this warp's first row within the CTA's block
+    const int diag = seqlen_k - seqlen_q;
+    int n_blocks = (seqlen_k + BN - 1) / BN;
+    if (causal) n_blocks = min(n_blocks, max(0, m0 + BM + diag + BN - 1) / BN);
+
+    const i64 bh = (i64)b * heads + h, bhk = (i64)b * (heads / group) + h_kv;
+    const auto* Qi = reinterpret_cast<const unsigned char*>(Qq) + (bh * seqlen_q + m0) * D;
+    const auto* Kb = reinterpret_cast<const unsigned char*>(Kq) + bhk * seqlen_k * D;
+    const auto* Vb = reinterpret_cast<const unsigned char*>(Vt) + bhk * D * seqlen_k_pad;
+    const float q_scale = sq[bh * gridDim.x + i_block];
+    auto load_kv = [&](int j, int stage) {
+        load_swizzled_async<BN, D, THREADS>(sK(stage), Kb + (i64)j * BN * D, D, seqlen_k - j * BN);
+        load_swizzled_async<D, BN, THREADS>(sV(stage), Vb + j * BN, seqlen_k_pad, D);  // padded: no edge
+        cp_async_commit();
+    };
+
+    load_swizzled_async<BM, D, THREADS>(sQ, Qi, D, seqlen_q - m0);
+    if (n_blocks > 0) load_kv(0, 0);
+    else cp_async_commit();
+
+    float o[1][DT][4] = {};
+    float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};  // as in fa2_fp8_fwd.cu, one m-tile per warp
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = j % 2;
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);  // the other stage: every warpgroup is past block j-1
+
+        float s[1][NT][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < D / 32; ++kc)
+            wgmma_e4m3_ss(s[0], TQ::desc(sQ, wg * 64, kc * 32), TK::desc(sK(stage), 0, kc * 32), kc > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        hold_registers(s[0]);
+
+        const float pair_scale = scale_log2 * q_scale * sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nt][e] *= pair_scale;
+        const int key0 = j * BN;
+        if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
+            mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
+        online_softmax_step(s, m, l, o, 1.f);
+
+        u32 p[BN / 32][4];
+#pragma unroll
+        for (int kc = 0; kc < BN / 32; ++kc)
+            repack_a_e4m3(p[kc], s[0][4 * kc], s[0][4 * kc + 1], s[0][4 * kc + 2], s[0][4 * kc + 3]);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < BN / 32; ++kc)
+#pragma unroll
+            for (int n = 0; n < D / DN; ++n)
+                wgmma_e4m3_rs(reinterpret_cast<float(&)[DN / 8][4]>(o[0][n * DN / 8]), p[kc],
+                              TV::desc(sV(stage), n * DN, kc * 32), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        hold_registers(o[0]);
+    }
+    cp_async_wait<0>();
+
+    store_output_fp8<T>(o, m, l, sv + bhk * D, O, LSE, b, h, heads, seqlen_q, m0 + row0);
+}
