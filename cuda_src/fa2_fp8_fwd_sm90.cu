@@ -9,8 +9,9 @@
 //                        (common/wgmma.cuh), read by the tensor cores through descriptors; P stays in
 //                        registers as the A operand of P V, in the same order as on mma.sync (so V^T's key
 //                        permutation, vt_key, is the same)
-//   pipeline             all threads cp.async the next K/V block into the other stage while this block computes;
-//                        one barrier per block, as in fa2_fwd.cu
+//   pipeline             FA3's intra-warpgroup overlap: block j's softmax runs on the threads while the tensor
+//                        cores do block j-1's P V; all threads cp.async block j+1 meanwhile, into the third of
+//                        three K/V stages; one barrier per block, as in fa2_fwd.cu
 #include "common/fp8.cuh"
 #include "common/wgmma.cuh"
 
@@ -30,7 +31,7 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
 
     extern __shared__ unsigned char smem[];
     const u32 sQ = (smem_u32(smem) + 1023) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
-    auto sK = [&](int stage) { return sQ + TQ::BYTES + stage * (TK::BYTES + TV::BYTES); };
+    auto sK = [&](int stage) { return sQ + TQ::BYTES + stage * (TK::BYTES + TV::BYTES); };  // 3 stages
     auto sV = [&](int stage) { return sK(stage) + TK::BYTES; };
 
     const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
@@ -54,26 +55,14 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
     load_swizzled_async<BM, D, THREADS>(sQ, Qi, D, seqlen_q - m0);
     if (n_blocks > 0) load_kv(0, 0);
     else cp_async_commit();
+    if (n_blocks > 1) load_kv(1, 1);
 
     float o[1][DT][4] = {};
     float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};  // as in fa2_fp8_fwd.cu, one m-tile per warp
+    u32 p[BN / 32][4];                                        // P~ of the previous block, e4m3: A of its P V
 
-    for (int j = 0; j < n_blocks; ++j) {
-        const int stage = j % 2;
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);  // the other stage: every warpgroup is past block j-1
-
-        float s[1][NT][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < D / 32; ++kc)
-            wgmma_e4m3_ss(s[0], TQ::desc(sQ, wg * 64, kc * 32), TK::desc(sK(stage), 0, kc * 32), kc > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        hold_registers(s[0]);
-
+    // S_j = Q K_j^T for block j, scaled by its scale pair and masked: scores in log2 units.
+    auto scores = [&](float (&s)[1][NT][4], int j) {
         const float pair_scale = scale_log2 * q_scale * sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -82,13 +71,14 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
         const int key0 = j * BN;
         if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
             mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
-        online_softmax_step(s, m, l, o, 1.f);
-
-        u32 p[BN / 32][4];
+    };
+    auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
 #pragma unroll
-        for (int kc = 0; kc < BN / 32; ++kc)
-            repack_a_e4m3(p[kc], s[0][4 * kc], s[0][4 * kc + 1], s[0][4 * kc + 2], s[0][4 * kc + 3]);
-        wgmma_fence();
+        for (int kc = 0; kc < D / 32; ++kc)
+            wgmma_e4m3_ss(s[0], TQ::desc(sQ, wg * 64, kc * 32), TK::desc(sK(stage), 0, kc * 32), kc > 0);
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int stage) {
 #pragma unroll
         for (int kc = 0; kc < BN / 32; ++kc)
 #pragma unroll
@@ -96,6 +86,48 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
                 wgmma_e4m3_rs(reinterpret_cast<float(&)[DN / 8][4]>(o[0][n * DN / 8]), p[kc],
                               TV::desc(sV(stage), n * DN, kc * 32), 1);
         wgmma_commit();
+    };
+    auto pack_p = [&](const float (&s)[1][NT][4]) {
+#pragma unroll
+        for (int kc = 0; kc < BN / 32; ++kc)
+            repack_a_e4m3(p[kc], s[0][4 * kc], s[0][4 * kc + 1], s[0][4 * kc + 2], s[0][4 * kc + 3]);
+    };
+
+    // One K/V block. With PREV, block j-1's P V runs on the tensor cores while the threads do block j's softmax
+    // (FA3's intra-warpgroup overlap); V_{j-1} is still being read while block j+1 loads, hence 3 stages.
+    // Nothing may branch while that wgmma is in flight: ptxas waits for every wgmma at a control-flow join,
+    // so the first block (no P V before it) is a separate compile-time case and masking comes before the issue.
+    auto step = [&](int j, auto prev) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();                                       // block j visible; every warpgroup past block j-1
+        if (j > 0 && j + 1 < n_blocks) load_kv(j + 1, (j + 1) % 3);
+
+        float s[1][NT][4];
+        wgmma_fence();
+        issue_qk(s, j % 3);
+        wgmma_wait<0>();
+        hold_registers(s[0]);
+        scores(s, j);
+        if constexpr (decltype(prev)::value) {
+            wgmma_fence();
+            issue_pv((j - 1) % 3);                             // O += P_{j-1} V_{j-1} ...
+        }
+        float alpha[1][2];
+        online_softmax_rescale(s, m, l, 1.f, alpha);           // ... while these threads compute P_j
+        hold_registers(s[0]);                                  // (keeps the exponentials above the wait)
+        if constexpr (decltype(prev)::value) {
+            wgmma_wait<0>();
+            hold_registers(o[0]);
+        }
+        scale_rows(o, alpha);
+        pack_p(s);
+    };
+    if (n_blocks > 0) step(0, flag<false>());
+    for (int j = 1; j < n_blocks; ++j) step(j, flag<true>());
+    if (n_blocks > 0) {                                        // the last block's P V
+        wgmma_fence();
+        issue_pv((n_blocks - 1) % 3);
         wgmma_wait<0>();
         hold_registers(o[0]);
     }

@@ -8,6 +8,12 @@ typedef long long i64;
 
 namespace fav {
 
+// A compile-time bool as a type, to select a branch of a generic lambda with if constexpr (no <type_traits>).
+template <bool V>
+struct flag {
+    static constexpr bool value = V;
+};
+
 __forceinline__ __device__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 // Base-2 exponential on the special-function unit; ex2(-inf) = +0, which masking relies on.

@@ -83,13 +83,15 @@ __forceinline__ __device__ void scale_rows(float (&acc)[MT][NT][4], const float 
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= f[mt][e / 2];
 }
 
-// FlashAttention-2's online-softmax step for one block, deferred normalization: the new running max, O and l
-// rescaled by exp2(m_old - m_new) (never divided here), then P~ = exp2(s * scale_log2 - m_new) in place with its
-// row sums added to l. m is kept in the units of s; scale_log2 turns them into log2 units (1 when s already is).
-template <int MT, int NT, int DT>
-__forceinline__ __device__ void online_softmax_step(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
-                                                    float (&o)[MT][DT][4], float scale_log2) {
-    float m_new[MT][2], ref[MT][2], alpha[MT][2];
+// FlashAttention-2's online-softmax step for one block, deferred normalization: the new running max, l rescaled
+// by alpha = exp2(m_old - m_new) (never divided here), then P~ = exp2(s * scale_log2 - m_new) in place with its row
+// sums added to l. m is kept in the units of s; scale_log2 turns them into log2 units (1 when s already is).
+// O must be rescaled by the same alpha: online_softmax_step does it at once; a kernel whose O is still being
+// written by the tensor cores (fa2_fp8_fwd_sm90.cu) takes alpha and rescales O once the MMA is done.
+template <int MT, int NT>
+__forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                                       float scale_log2, float (&alpha)[MT][2]) {
+    float m_new[MT][2], ref[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
     row_max(s, m_new);
@@ -102,8 +104,15 @@ __forceinline__ __device__ void online_softmax_step(float (&s)[MT][NT][4], float
             l[mt][r] *= alpha[mt][r];
             m[mt][r] = m_new[mt][r];
         }
-    scale_rows(o, alpha);
     exponentiate(s, ref, scale_log2, l);
+}
+
+template <int MT, int NT, int DT>
+__forceinline__ __device__ void online_softmax_step(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                                    float (&o)[MT][DT][4], float scale_log2) {
+    float alpha[MT][2];
+    online_softmax_rescale(s, m, l, scale_log2, alpha);
+    scale_rows(o, alpha);
 }
 
 }  // namespace fav

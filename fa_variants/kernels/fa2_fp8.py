@@ -41,7 +41,7 @@ def smem_bytes(d: int, cfg) -> int:
 
 def sm90_smem_bytes(d: int, cfg) -> int:
     bm, bn = cfg[:2]
-    return 1024 + bm * d + 2 * (bn * d + d * bn)  # unpadded swizzled tiles, two K/V stages, 1 KB for alignment
+    return 1024 + bm * d + 3 * (bn * d + d * bn)  # unpadded swizzled tiles, three K/V stages, 1 KB for alignment
 
 
 def uses_wgmma() -> bool:
