@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that must be re-checked on the H200 after kernel changes, in one device call (about 6 minutes):
+# Everything that must be re-checked on the H200 after kernel changes, in one device call (about 8 minutes):
 #   bash bench/gpu_session.sh            (from the repository root; logs under $OUT, or ./gpu-logs)
 #   SKIP_BENCH=1 bash bench/gpu_session.sh   leaves out the full benchmark (about 4 minutes)
 # Prints a short summary last; full logs are in the log folder.
@@ -15,10 +15,15 @@ for tool in memcheck racecheck; do
 done
 timeout 60 python3 bench/devcheck.py --memory --quant --variants fa2 > "$log/memory_quant.log" 2>&1
 timeout 180 python3 bench/devcheck.py --fp8 > "$log/fp8_speed.log" 2>&1
-[ -n "${SKIP_BENCH:-}" ] || timeout 300 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
+timeout 240 python3 -m fa_variants.fp8_study --gpu > "$log/fp8_study.log" 2>&1
+timeout 90 ncu --clock-control none -k regex:"quantize|channel_amax" --launch-skip 4 --launch-count 4 --section SpeedOfLight \
+  python3 bench/profile_one.py fa2_fp8 bf16-d128-N4096-B4-H16-full --calls 2 > "$log/ncu_quant.log" 2>&1
+[ -n "${SKIP_BENCH:-}" ] || timeout 270 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
 echo "== commit $(cat "$log/commit.txt" 2>/dev/null)"
 tail -1 "$log/gputests.log"
 grep -h "SUMMARY" "$log"/sanitizer_*.log
 grep -A6 "quantize ms" "$log/memory_quant.log"
 grep -v '^\[' "$log/fp8_speed.log" | tail -8
+grep -E "^(inputs|normal|outliers|sink|----)" "$log/fp8_study.log"
+grep -E "^  [a-z_]+<|DRAM Throughput|Duration" "$log/ncu_quant.log"
 grep -E "^\| " "$log/bench.log" | head -50

@@ -7,18 +7,21 @@
 
     kv = fav.fp8.quantize_kv(k, v)                  # a KV cache: quantize K and V once ...
     out = fav.fp8.attention(kv, q=q_new)            # ... and attend with each new fp16/bf16 q
+    qz = fav.fp8.quantize(q, k, v, rotate=True)     # incoherent processing: Q and K times one random
+                                                    # Hadamard rotation (Q K^T unchanged, outliers spread)
 
 Q and K get one float32 scale per block of rows (the kernel's Q and K tiles), V one per channel, and V is
 stored transposed with its keys permuted for the PV product (cuda_src/fp8_quantize.cu). The NumPy model of
 the same arithmetic is ``fa_variants.reference.fp8``; ``python -m fa_variants.fp8_study`` is the FA3 paper's
-accuracy experiment. Needs compute capability 8.9 (e4m3 mma.sync); on sm_90 that instruction is emulated by
-ptxas (e4m3 unpacked to f16 for HMMA), so it is correct but not faster there: see bench/NOTES.md.
+accuracy experiment. Needs compute capability 8.9: sm_89 runs e4m3 mma.sync (cuda_src/fa2_fp8_fwd.cu), Hopper
+runs e4m3 wgmma (cuda_src/fa2_fp8_fwd_sm90.cu), since ptxas only emulates e4m3 mma.sync there (bench/NOTES.md).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from . import arrays
+from .reference.fp8 import hadamard_rotation
 from .registry import get
 
 NAME = "fa2_fp8"
@@ -49,16 +52,40 @@ def _import_gpu(q, k, v):
     return inp
 
 
-def quantize(q, k, v) -> Quantized:
-    """Quantize fp16/bf16 q, k, v (GPU arrays, flash-attn layout) for ``attention``; checked like ``fav.attention``."""
+def _check_rotation(rotate, seed):
+    if not isinstance(rotate, bool):
+        raise TypeError(f"rotate must be True or False, got {rotate!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0 (it picks the rotation's random signs), got {seed!r}")
+    return seed if rotate else None
+
+
+def _rotated(x, seed):
+    """x R for the seeded Hadamard rotation R of reference.fp8.hadamard_rotation, computed in fp32 and rounded
+    back to x's dtype (that rounding, 2^-9 relative for bf16, is far below e4m3's 2^-4); x itself is unchanged."""
+    if seed is None:
+        return x
+    import cupy
+    R = cupy.asarray(hadamard_rotation(x.shape[3], seed), dtype=cupy.float32)
+    return (x.astype(cupy.float32) @ R).astype(x.dtype)
+
+
+def quantize(q, k, v, *, rotate=False, seed=0) -> Quantized:
+    """Quantize fp16/bf16 q, k, v (GPU arrays, flash-attn layout) for ``attention``; checked like ``fav.attention``.
+    ``rotate``: incoherent processing, q and k multiplied by one random orthogonal (Hadamard, ``seed``-ed signs)
+    matrix before quantization."""
+    rot = _check_rotation(rotate, seed)
     inp = _import_gpu(q, k, v)
-    return Quantized(_entry().kernels.quantize(inp.q, inp.k, inp.v), inp.wrap)
+    parts = _entry().kernels.quantize(_rotated(inp.q, rot), _rotated(inp.k, rot), inp.v)
+    return Quantized({**parts, "rotation": rot}, inp.wrap)
 
 
-def quantize_kv(k, v) -> Quantized:
-    """Quantize K and V only (a KV cache); ``attention(kv, q=...)`` quantizes each q on the fly."""
+def quantize_kv(k, v, *, rotate=False, seed=0) -> Quantized:
+    """Quantize K and V only (a KV cache); ``attention(kv, q=...)`` quantizes each q on the fly (rotated like K)."""
+    rot = _check_rotation(rotate, seed)
     inp = _import_gpu(k, k, v)  # k stands in for q: the checks of q against k are then trivially met
-    return Quantized(_entry().kernels.quantize_kv(inp.k, inp.v), inp.wrap)
+    parts = _entry().kernels.quantize_kv(_rotated(inp.k, rot), inp.v)
+    return Quantized({**parts, "rotation": rot}, inp.wrap)
 
 
 def _with_q(parts: dict, q):
@@ -72,7 +99,7 @@ def _with_q(parts: dict, q):
     if qa.dtype != parts["kv_dtype"]:
         raise TypeError(f"q's dtype {arrays.dtype_name(qa.dtype)} differs from the quantized K/V's "
                         f"({arrays.dtype_name(parts['kv_dtype'])})")
-    return {**parts, **_entry().kernels.quantize_q(qa)}, inp.wrap
+    return {**parts, **_entry().kernels.quantize_q(_rotated(qa, parts["rotation"]))}, inp.wrap
 
 
 def attention(qz: Quantized, *, q=None, causal=False, softmax_scale=None, return_lse=False):

@@ -13,7 +13,11 @@ on three input distributions (Q, K, V of shape (1, n, heads, d)):
                   channel-0 component, so that their scores stand ~11 above the rest: the other probabilities are
                   ~e^-11 of the row max, where e4m3's P loses them without the p_scale factor.
 
-Run: ``python -m fa_variants.fp8_study [--n 4096 --d 128 --heads 1 --seed 0]``.
+With ``--gpu``, the same inputs (rounded to bf16, as a user would pass them) also go through the GPU kernels:
+  * ``GPU fa2 bf16``, ``GPU fa2_fp8 block``, ``GPU fa2_fp8 block+rotation`` (``fav.fp8.quantize(rotate=True)``).
+Per-tensor scaling is not something the kernel offers (its scales are per block), so that row stays the model's.
+
+Run: ``python -m fa_variants.fp8_study [--n 4096 --d 128 --heads 1 --seed 0] [--gpu]``.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from .reference.dense import attention64
 
 DISTRIBUTIONS = ("normal", "outliers", "sink")
 METHODS = ("fa2 bf16", "fp8 per-tensor", "fp8 block", "fp8 block+rotation")
+GPU_METHODS = ("GPU fa2 bf16", "GPU fa2_fp8 block", "GPU fa2_fp8 block+rotation")
 BLOCK = 128  # Q and K block (and scale block) sizes: keeps the Python loop short at n = 4096
 SINKS = 4
 SINK_GAP = 11.0  # score of a sink key above the typical score, in softmax-scaled units
@@ -56,7 +61,22 @@ def make_inputs(dist: str, n: int, d: int, heads: int, rng: np.random.Generator)
     return q, k, v
 
 
+def _run_gpu(method: str, q, k, v, seed: int) -> np.ndarray:
+    import cupy
+
+    import fa_variants as fav
+    from .timing import cast_half
+    q, k, v = (cast_half(cupy.asarray(a, dtype=cupy.float32), "bfloat16") for a in (q, k, v))
+    if method == "GPU fa2 bf16":
+        out = fav.attention(q, k, v, variant="fa2")
+    else:
+        out = fav.fp8.attention(fav.fp8.quantize(q, k, v, rotate=method.endswith("rotation"), seed=seed))
+    return cupy.asnumpy(out).astype(np.float64)
+
+
 def _run(method: str, q, k, v, seed: int) -> np.ndarray:
+    if method in GPU_METHODS:
+        return _run_gpu(method, q, k, v, seed)
     if method == "fa2 bf16":
         bf = [a.astype(ml_dtypes.bfloat16) for a in (q, k, v)]
         return fa2.forward(*bf, block_q=BLOCK, block_k=BLOCK).out
@@ -93,12 +113,15 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--heads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu", action="store_true", help="also run the GPU kernels (fa2, fa2_fp8) on the same inputs")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = study(args.n, args.d, args.seed, args.heads, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = study(args.n, args.d, args.seed, args.heads, methods=METHODS + (GPU_METHODS if args.gpu else ()),
+                 progress=lambda s: print(s, file=sys.stderr, flush=True))
+    gpu_note = " and this GPU's kernels (GPU rows)" if args.gpu else ""
     table = [[r["distribution"], r["method"], f"{r['rel_error']:.1e}", f"{r['rmse']:.1e}"] for r in rows]
     print(f"FP8 attention accuracy vs float64, N={args.n}, d={args.d}, heads={args.heads}, seed={args.seed}, "
-          f"NumPy models (blocks {BLOCK}x{BLOCK}, p_scale 256)")
+          f"NumPy models (blocks {BLOCK}x{BLOCK}, p_scale 256){gpu_note}")
     print(tabulate(table, headers=["inputs", "method", "rel. error", "RMSE"], disable_numparse=True))
     print()
     print(PAPER_LINE)

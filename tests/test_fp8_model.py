@@ -244,3 +244,7 @@ def test_fp8_api_rejects_misuse_before_touching_a_gpu():
         fav.fp8.attention(kv_only)
     with pytest.raises(ValueError, match="head_dim"):
         fav.fp8.quantize(np.ones((1, 8, 2, 48), dtype=np.float16), q[..., :48], q[..., :48])
+    with pytest.raises(TypeError, match="rotate must be True or False"):
+        fav.fp8.quantize(q, q, q, rotate=1)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        fav.fp8.quantize_kv(q, q, rotate=True, seed=-1)

@@ -95,6 +95,35 @@ def test_prequantized_kv_cache_and_on_the_fly_agree_bitwise(request, fp8_kernel)
     assert np.array_equal(bits(a), bits(d)), "quantize_kv + attention(q=...) differs"
 
 
+def test_rotation_matches_the_model_on_rotated_inputs(request, fp8_kernel):
+    """rotate=True is Q R and K R (fp32, rounded to the input dtype), then the usual quantization: the model run on
+    those rotated inputs must agree as tightly as without rotation, and Q K^T is unchanged (float64 error as usual).
+    The KV-cache path rotates each new q with K's rotation."""
+    case = Case(2, 300, 500, 4, 2, 128, True)
+    host = _data(request, case, "bfloat16")
+    q, k, v = to_device(host)
+    seed = 7
+    qz = fav.fp8.quantize(q, k, v, rotate=True, seed=seed)
+    out, lse = fav.fp8.attention(qz, causal=True, return_lse=True)
+    o = to_host(out).astype(np.float64)
+    ref_out, ref_lse = reference64(*host, True)
+    err = rel_err(o, ref_out)
+    assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
+    R = model.hadamard_rotation(case.head_dim, seed)
+    rot = lambda x: (x.astype(np.float64) @ R).astype(x.dtype)  # noqa: E731 - what the GPU computes, rounded
+    bm, bn = VARIANT.kernels.tiles(case.head_dim)
+    res = model.forward(rot(host[0]), rot(host[1]), host[2], causal=True, block_q=bm, block_k=bn)
+    to_model = rel_err(o, res.out)
+    tol = FP8_MODEL_TOL["wgmma" if VARIANT.kernels.uses_wgmma() else "mma_sync"]
+    assert to_model <= tol and to_model <= FP8_MODEL_TO_FLOAT64 * err, (to_model, err)
+    assert np.abs(to_host(lse) - ref_lse).max() <= LSE_ATOL_FP8
+    kv = fav.fp8.quantize_kv(k, v, rotate=True, seed=seed)
+    again = fav.fp8.attention(kv, q=q, causal=True)
+    assert np.array_equal(to_host(again).view(np.uint16), to_host(out).view(np.uint16)), "KV-cache path differs"
+    plain = to_host(fav.fp8.attention(fav.fp8.quantize(q, k, v), causal=True))
+    assert not np.array_equal(plain, to_host(out)), "rotate=True changed nothing"
+
+
 def _vt_key(p):
     t, i = (p % 16) // 4, p % 4
     return (p // 16) * 16 + (i // 2) * 8 + 2 * t + (i % 2)
