@@ -16,6 +16,7 @@ done
 timeout 60 python3 bench/devcheck.py --memory --quant --variants fa2 > "$log/memory_quant.log" 2>&1
 timeout 180 python3 bench/devcheck.py --fp8 > "$log/fp8_speed.log" 2>&1
 timeout 240 python3 -m fa_variants.fp8_study --gpu > "$log/fp8_study.log" 2>&1
+timeout 120 python3 -m fa_variants.fp8_study --accumulation --gpu >> "$log/fp8_study.log" 2>&1
 timeout 90 ncu --clock-control none -k regex:"quantize|channel_amax" --launch-skip 4 --launch-count 4 --section SpeedOfLight \
   python3 bench/profile_one.py fa2_fp8 bf16-d128-N4096-B4-H16-full --calls 2 > "$log/ncu_quant.log" 2>&1
 [ -n "${SKIP_BENCH:-}" ] || timeout 270 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json" > "$log/bench.log" 2>&1
@@ -24,6 +25,6 @@ tail -1 "$log/gputests.log"
 grep -h "SUMMARY" "$log"/sanitizer_*.log
 grep -A6 "quantize ms" "$log/memory_quant.log"
 grep -v '^\[' "$log/fp8_speed.log" | tail -8
-grep -E "^(inputs|normal|outliers|sink|----)" "$log/fp8_study.log"
+grep -E "^(inputs|normal|outliers|sink|----|what|model|GPU)" "$log/fp8_study.log"
 grep -E "^  [a-z_]+<|DRAM Throughput|Duration" "$log/ncu_quant.log"
 grep -E "^\| " "$log/bench.log" | head -50

@@ -17,7 +17,11 @@ With ``--gpu``, the same inputs (rounded to bf16, as a user would pass them) als
   * ``GPU fa2 bf16``, ``GPU fa2_fp8 block``, ``GPU fa2_fp8 block+rotation`` (``fav.fp8.quantize(rotate=True)``).
 Per-tensor scaling is not something the kernel offers (its scales are per block), so that row stays the model's.
 
-Run: ``python -m fa_variants.fp8_study [--n 4096 --d 128 --heads 1 --seed 0] [--gpu]``.
+``--accumulation`` asks a different question: how far does the FP8 model move when its tensor-core accumulator
+keeps fewer mantissa bits (``reference.fp8.tc_matmul``), and, with ``--gpu``, which of those models each GPU
+kernel is closest to (bench/NOTES.md: Hopper's e4m3 wgmma against the mma.sync kernel).
+
+Run: ``python -m fa_variants.fp8_study [--n 4096 --d 128 --heads 1 --seed 0] [--gpu] [--accumulation]``.
 """
 from __future__ import annotations
 
@@ -105,6 +109,53 @@ def study(n: int = 4096, d: int = 128, seed: int = 0, heads: int = 1, distributi
     return rows
 
 
+ACCUMULATE_BITS = (None, 22, 16, 14, 13)
+
+
+def accumulation(n: int = 1000, d: int = 128, seed: int = 0, heads: int = 2, gpu: bool = False) -> list[list]:
+    """Rows [what, rel. difference from the exact model, rel. error vs float64]; bf16-rounded N(0,1) inputs and,
+    per kernel, that kernel's blocks, so that only the arithmetic differs."""
+    q, k, v = (a.astype(ml_dtypes.bfloat16).astype(np.float64)
+               for a in make_inputs("normal", n, d, heads, np.random.default_rng(seed)))
+    ref, _ = attention64(q, k, v, causal=False, scale=1 / math.sqrt(d))
+    ref = ref.transpose(1, 0, 2)[None]
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+    kernels = [("default", BLOCK, BLOCK)]
+    if gpu:
+        import os
+
+        from .registry import get
+        kernels = []
+        for name in ("", "mma_sync"):
+            os.environ["FA_VARIANTS_FP8_KERNEL"] = name
+            kernels.append((name or "default", *get("fa2_fp8").kernels.tiles(d)))
+        os.environ.pop("FA_VARIANTS_FP8_KERNEL")
+    rows, models = [], {}
+    for _, bq, bk in kernels:
+        for bits in ACCUMULATE_BITS:
+            if (bq, bk, bits) not in models:
+                models[bq, bk, bits] = fp8.forward(q, k, v, block_q=bq, block_k=bk, accumulate_bits=bits).out
+                rows.append([f"model {bq}x{bk}, " + (f"accumulator {bits} bits" if bits else "exact accumulator"),
+                             rel(models[bq, bk, bits], models[bq, bk, None]), rel(models[bq, bk, bits], ref)])
+    if gpu:
+        import os
+
+        import cupy
+
+        import fa_variants as fav
+        from .timing import cast_half
+        qg, kg, vg = (cast_half(cupy.asarray(a, dtype=cupy.float32), "bfloat16") for a in (q, k, v))
+        for name, bq, bk in kernels:
+            os.environ["FA_VARIANTS_FP8_KERNEL"] = "" if name == "default" else name
+            kind = "wgmma" if get("fa2_fp8").kernels.uses_wgmma() else "mma.sync"
+            out = cupy.asnumpy(fav.attention(qg, kg, vg, variant="fa2_fp8")).astype(np.float64)
+            for bits in ACCUMULATE_BITS:
+                rows.append([f"GPU {kind} kernel ({bq}x{bk}) vs model, " + (f"accumulator {bits} bits" if bits else "exact"),
+                             rel(out, models[bq, bk, bits]), rel(out, ref)])
+        os.environ.pop("FA_VARIANTS_FP8_KERNEL")
+    return rows
+
+
 def main(argv=None) -> int:
     from tabulate import tabulate
 
@@ -114,8 +165,17 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu", action="store_true", help="also run the GPU kernels (fa2, fa2_fp8) on the same inputs")
+    ap.add_argument("--accumulation", action="store_true",
+                    help="sensitivity to the tensor cores' accumulator precision instead (default --n 1000)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.accumulation:
+        n = args.n if "--n" in (argv if argv is not None else sys.argv) else 1000
+        rows = accumulation(n, args.d, args.seed, max(args.heads, 2), gpu=args.gpu)
+        print(f"FP8 model with a truncated accumulator (32-wide steps), N={n}, d={args.d}, bf16-rounded N(0,1) inputs")
+        print(tabulate([[w, f"{a:.2e}", f"{b:.2e}"] for w, a, b in rows], disable_numparse=True,
+                       headers=["what", "rel. diff. from the exact model", "rel. error vs float64"]))
+        return 0
     rows = study(args.n, args.d, args.seed, args.heads, methods=METHODS + (GPU_METHODS if args.gpu else ()),
                  progress=lambda s: print(s, file=sys.stderr, flush=True))
     gpu_note = " and this GPU's kernels (GPU rows)" if args.gpu else ""

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import TOL, reference64, rel_err
+from conftest import TOL, new_seed, reference64, rel_err
 from fa_variants import fp8_study
 from fa_variants.reference import fp8
 
@@ -229,6 +229,22 @@ def test_study_block_and_rotation_beat_per_tensor_on_outliers():
     for dd in fp8_study.DISTRIBUTIONS:                         # fp8 really is coarser than bf16
         assert by[dd, "fa2 bf16"]["rel_error"] < by[dd, "fp8 block"]["rel_error"]
     assert all(0 < r["rel_error"] < 1 and r["rmse"] > 0 for r in rows)
+
+
+def test_truncated_accumulator_model():
+    rng = np.random.default_rng(new_seed())
+    a, b = rng.standard_normal((3, 16, 96)), rng.standard_normal((3, 96, 8))
+    assert np.array_equal(fp8.tc_matmul(a, b), a @ b)
+    assert np.allclose(fp8.tc_matmul(a, b, 50), a @ b, rtol=1e-12, atol=1e-12)
+    rough = fp8.tc_matmul(a, b, 8)
+    assert 1e-4 < np.abs(rough - a @ b).max() < 0.5        # 8 bits: visibly coarse, still the same product
+    acc = rng.standard_normal((3, 16, 8))
+    assert np.allclose(fp8.tc_matmul(a, b, None, acc=acc), acc + a @ b)
+    q, k, v = (rng.standard_normal((1, 70, 2, 64)) for _ in range(3))
+    exact = fp8.forward(q, k, v, block_q=32, block_k=32).out
+    assert np.array_equal(fp8.forward(q, k, v, block_q=32, block_k=32, accumulate_bits=None).out, exact)
+    d14 = np.linalg.norm(fp8.forward(q, k, v, block_q=32, block_k=32, accumulate_bits=14).out - exact)
+    assert 0 < d14 / np.linalg.norm(exact) < 2e-2
 
 
 # ---------------------------------------------------------------------------------------------- fav.fp8 API

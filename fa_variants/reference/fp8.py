@@ -173,6 +173,24 @@ def rotate_qk(q, k, seed: int = 0):
 
 # ----------------------------------------------------------------------------------------------- the model
 
+def _truncate(x: np.ndarray, bits: int) -> np.ndarray:
+    """x with its mantissa cut to ``bits`` bits (toward zero)."""
+    m, e = np.frexp(x)
+    return np.ldexp(np.trunc(m * 2.0 ** bits) / 2.0 ** bits, e)
+
+
+def tc_matmul(a, b, accumulate_bits=None, acc=None):
+    """acc + a @ b as a tensor core computes it: exact products, the reduction in 32-wide steps (one e4m3 MMA
+    instruction each), the running sum cut to ``accumulate_bits`` mantissa bits after every step. None: exact.
+    Hopper's e4m3 wgmma keeps about 14 bits (DeepSeek-V3 report, sec. 3.3.2); bench/NOTES.md compares."""
+    if accumulate_bits is None:
+        return a @ b if acc is None else acc + a @ b
+    out = np.zeros(a.shape[:-1] + b.shape[-1:]) if acc is None else acc
+    for c in range(0, a.shape[-1], 32):
+        out = _truncate(out + a[..., c:c + 32] @ b[..., c:c + 32, :], accumulate_bits)
+    return out
+
+
 def _check_p_scale(p_scale) -> float:
     p = float(p_scale)
     if not (p > 0 and math.isfinite(p) and math.frexp(p)[0] == 0.5 and p <= 256):
@@ -181,12 +199,14 @@ def _check_p_scale(p_scale) -> float:
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=128, block_k=64, rotate=False, seed=0,
-            scaling="block", p_scale=256.0) -> ModelResult:
+            scaling="block", p_scale=256.0, accumulate_bits=None) -> ModelResult:
     """FP8 attention, FA2 loop order; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
 
     scaling="block": Q scales per ``block_q`` rows, K per ``block_k`` rows (the kernel's blocks), V per channel.
     scaling="tensor": one scale each for Q, K and V. ``rotate``: incoherent processing of Q and K with the
-    ``seed``-ed Hadamard rotation. Returns ``ModelResult`` (out float64 in flash layout, lse, hbm, blocks).
+    ``seed``-ed Hadamard rotation. ``accumulate_bits``: both products on a tensor core that keeps that many
+    mantissa bits while accumulating (``tc_matmul``); None is exact. Returns ``ModelResult`` (out float64 in
+    flash layout, lse, hbm, blocks).
     """
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
@@ -236,7 +256,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=128, block_k=6
             hbm.read("K", programs * K_j.shape[2] * d)
             hbm.read("V", programs * V_j.shape[2] * d)
             pair_scale = sq[:, :, i] * sk[:, :, j] * scale   # folded into the softmax scale of this pair
-            S_ij = (Q_i @ K_j.swapaxes(-1, -2)) * pair_scale[..., None, None]
+            S_ij = tc_matmul(Q_i, K_j.swapaxes(-1, -2), accumulate_bits) * pair_scale[..., None, None]
             if causal:
                 S_ij = np.where(causal_visible(np.arange(N_q)[rows], np.arange(N_k)[cols], N_q, N_k),
                                 S_ij, -np.inf)
@@ -245,7 +265,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=128, block_k=6
             alpha = rescale(m_i, m_new)
             l_i = alpha * l_i + P.sum(axis=-1)               # full-precision P, summed before rounding
             P8 = (P * p_scale).astype(E4M3).astype(np.float64)  # exact scaling, then e4m3 rounding
-            O_i = alpha[..., None] * O_i + P8 @ V_j
+            O_i = tc_matmul(P8, V_j, accumulate_bits, acc=alpha[..., None] * O_i)  # O accumulates in the MMA
             m_i = m_new
         # one normalization per row, V's per-channel scale and 1/p_scale with it. Rows with l = 0 (no visible
         # key) give 0 and lse -inf; a NaN l is NOT treated as "no key" (common.normalize would zero it).
