@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD FA_VARIANTS_CACHE=${FA_VARIANTS_CACHE:-/tmp/favc} OPENBLAS_NUM_THREADS=8
 log=${OUT:-gpu-logs}; mkdir -p "$log"
 S=fp16-d64-N67-B2-H3-causal,fp16-d64-N67-B2-H3-full,bf16-d128-N67-B2-H3-causal,bf16-d128-N67-B2-H3-full
-git rev-parse --short HEAD > "$log/commit.txt" 2>/dev/null
+echo "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" > "$log/commit.txt"  # COMMIT=...: the device copy may carry stale git metadata
 timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$log/gputests.log" 2>&1
 for tool in memcheck racecheck; do
   timeout 120 compute-sanitizer --tool $tool python3 bench/profile_one.py fa1,fa2,fa2_fp8 $S --calls 1 \
