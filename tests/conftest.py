@@ -30,10 +30,10 @@ LSE_ATOL_FP8 = 0.25
 FP8_MODEL_LSE_ATOL = 2e-3
 # fa2_fp8 against its own NumPy model (same quantization, same block order): far tighter than against float64,
 # which is what shows that the remaining error is the format's and not a bug. Per kernel: the mma.sync kernel
-# (fp32 accumulation) measured 1.6e-3 on every test case; Hopper's e4m3 wgmma (QGMMA) accumulates with about 14
-# mantissa bits inside the tensor core (DeepSeek-V3 report, sec. 3.3.2), which moves scores by ~1e-4 and flips
-# some of P's e4m3 roundings: measured 2.1e-3 to 6.3e-3 on the H200, and the NumPy model with its accumulation
-# truncated to 14 bits per 32-wide step differs from the exact model by 3.9e-3 (bench/NOTES.md).
+# (fp32 accumulation) measured 1.6e-3 on every test case; Hopper's e4m3 wgmma (QGMMA) keeps fewer accumulator
+# bits than fp32 (DeepSeek-V3 report, sec. 3.3.2: about 14), which moves scores by ~1e-4 and flips some of P's
+# e4m3 roundings: measured 2.1e-3 to 6.3e-3 on the H200, the size by which a 13-14-bit accumulator moves the
+# NumPy model (`python -m fa_variants.fp8_study --accumulation --gpu`, bench/NOTES.md).
 FP8_MODEL_TOL = {"mma_sync": 5e-3, "wgmma": 1e-2}
 # ... and in every case at most this fraction of the kernel's error against float64 (measured <= 0.16).
 FP8_MODEL_TO_FLOAT64 = 0.25
