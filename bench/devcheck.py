@@ -139,6 +139,31 @@ def quant_bandwidth(repeats):
     print(tabulate(rows, headers=["shape", "quantize ms", "GB/s (read + written)"]))
 
 
+def quant_rows_sweep(repeats):
+    """quantize_rows alone on Q of bf16-d128-N4096-B4-H16 for several CTA sizes (vectors per thread = 4 at the
+    launcher's choice): which keeps the most bytes in flight."""
+    import cupy
+    import numpy as np
+    from fa_variants import jit
+    from fa_variants.kernels.fa2_fp8 import _strides
+    shape = Shape(4, 16, 4096, 128, "bfloat16")
+    sets = gpu_input_sets(shape)
+    b, n, h, d = sets[0][0].shape
+    xq = cupy.empty((b, h, n, d), dtype=cupy.uint8)
+    sc = cupy.empty((b, h, n // 128), dtype=cupy.float32)
+    rows = []
+    for threads in (128, 256, 512, 1024):
+        kern = jit.kernel("fp8_quantize.cu", f"quantize_rows<fav::BFloat16, 128, 128, {threads}>")
+        ms = median(time_cuda(lambda q, k, v: kern((n // 128, h, b), (threads,), (q, *_strides(q), np.int32(n), xq, sc)),
+                              warmup=3, repeats=repeats, rotate_inputs=sets))
+        rows.append([threads, 128 * 128 // 8 // threads, f"{ms * 1e3:.1f}", f"{3 * q_bytes(sets) / ms / 1e6:.0f}"])
+    print(tabulate(rows, headers=["threads", "16-byte vectors / thread", "us", "GB/s (read + written)"]))
+
+
+def q_bytes(sets):
+    return sets[0][0].nbytes // 2  # e4m3 bytes written; the bf16 read is twice that
+
+
 def fp8_sweep(shapes, repeats):
     """fa2_fp8 against this library's fa2 (bf16) and torch SDPA, in one run: pre-quantized operands (a KV cache,
     the issue's headline), quantization included, and the mma.sync kernel (emulated e4m3 on sm_90) for contrast."""
@@ -184,6 +209,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--memory", action="store_true", help="fa2 / naive at B=1, H=16, N=131072, d=128")
     ap.add_argument("--quant", action="store_true", help="fp8 quantization bandwidth")
+    ap.add_argument("--quant-rows", action="store_true", help="quantize_rows CTA-size sweep")
     ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
     ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'; "
                     "another table of the launcher: 'fa2_fp8.SM90_TILES:128=128,128,8'")
@@ -202,6 +228,8 @@ def main():
         memory_check()
     if a.quant:
         quant_bandwidth(a.repeats)
+    if a.quant_rows:
+        quant_rows_sweep(a.repeats)
     if a.fp8:
         fp8_sweep(SETS["fp8"], a.repeats)
     for s in filter(None, a.time.split(",")):

@@ -15,8 +15,8 @@
 #include "common/fp8.cuh"
 #include "common/wgmma.cuh"
 
-template <class T, int D, int BN, int NWG>
-__global__ void __launch_bounds__(NWG * 128, 1)
+template <class T, int D, int BN, int NWG, int CTAS_PER_SM = 1>
+__global__ void __launch_bounds__(NWG * 128, CTAS_PER_SM)
 fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* __restrict__ Vt,
                  const float* __restrict__ sq, const float* __restrict__ sk, const float* __restrict__ sv,
                  u16* __restrict__ O, float* __restrict__ LSE,
