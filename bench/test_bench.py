@@ -3,7 +3,8 @@ the same inputs, over the FlashAttention-2 paper's sweep.
 
 Matrix: dtype bf16 and fp16; head dim 64 and 128; N in 1K, 2K, 4K, 8K, 16K with B * N = 16K tokens and
 H * d = 2048; causal and not. FA1's small-grid case (B = 1, H = 16, N = 16K, d = 128: only 16 CTAs for FA1's
-one-CTA-per-head grid) is the matrix's N = 16K, d = 128 row.
+one-CTA-per-head grid) is the matrix's N = 16K, d = 128 row. Plus d = 256 in bf16 for N = 4K, 8K, 16K. Besides
+the registry's variants, ``fa2_fp8_prequant`` times fa2_fp8 on operands quantized before the timed call.
 
 Each round is one call bracketed by CUDA events (``timing.EventTimer.once``) after a pad kernel that hides the
 host's launch overhead; calls rotate among input sets larger than L2 together. pytest-benchmark's timer is
@@ -41,11 +42,17 @@ def _shapes() -> list[Shape]:
                                      causal=causal))
     small_grid = [Shape(batch=1, heads=16, seqlen_q=16384, head_dim=128, dtype=dt, causal=c)
                   for dt in ("bfloat16", "float16") for c in (False, True)]
-    return out + [s for s in small_grid if s not in out]   # already in the matrix: kept once
+    # d = 256, the FP8 issue's other head dim (bf16, N = 4K-16K at the same token and hidden counts)
+    d256 = [Shape(batch=TOKENS // n, heads=HIDDEN // 256, seqlen_q=n, head_dim=256, dtype="bfloat16", causal=c)
+            for n in (4096, 8192, 16384) for c in (False, True)]
+    return out + [s for s in small_grid if s not in out] + d256   # small grid: already in the matrix, kept once
 
 
 SHAPES = _shapes()
-VARIANTS = [v.name for v in registry.variants()] + list(timing.TORCH_BACKENDS)
+# fa2_fp8 on bf16/fp16 inputs quantizes on the fly; PREQUANT is the same kernel on tensors quantized beforehand
+# (fav.fp8.quantize, outside the timed call), as a KV cache would hold them.
+PREQUANT = "fa2_fp8_prequant"
+VARIANTS = [v.name for v in registry.variants()] + [PREQUANT] + list(timing.TORCH_BACKENDS)
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 
 
@@ -97,6 +104,13 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
     if variant in timing.TORCH_BACKENDS:
         torch, fn = _torch(variant, shp, scale)
         sets = [tuple(timing.as_torch_bhnd(torch, a) for a in s) for s in gpu_inputs(shp)]
+    elif variant == PREQUANT:
+        import fa_variants as fav
+        _ours("fa2_fp8", shp, scale)  # skips where fa2_fp8 cannot run
+        sets = [(fav.fp8.quantize(*s),) for s in gpu_inputs(shp)]
+
+        def fn(qz):
+            return fav.fp8.attention(qz, causal=shp.causal, softmax_scale=scale)
     else:
         fn, hbm = _ours(variant, shp, scale)
         sets = gpu_inputs(shp)
