@@ -115,7 +115,7 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
         }
         float alpha[1][2];
         online_softmax_rescale(s, m, l, 1.f, alpha);           // ... while these threads compute P_j
-        hold_registers(s[0]);                                  // (keeps the exponentials above the wait)
+        hold_registers(s[0]);  // exponentials before the wait in PTX (ptxas still sinks some: bench/NOTES.md)
         if constexpr (decltype(prev)::value) {
             wgmma_wait<0>();
             hold_registers(o[0]);
