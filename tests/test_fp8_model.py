@@ -247,6 +247,25 @@ def test_truncated_accumulator_model():
     assert 0 < d14 / np.linalg.norm(exact) < 2e-2
 
 
+def test_fp8_kernel_choice_and_its_tiles(monkeypatch):
+    """sm_90 (and no GPU: the H200 is what the IO model describes) runs the wgmma kernel with SM90_TILES;
+    FA_VARIANTS_FP8_KERNEL=mma_sync selects the mma.sync kernel and its TILES. Both tables cover the entry's
+    head dims, and the tiles reported to the IO model are the chosen kernel's."""
+    from fa_variants import registry
+    entry = registry.get("fa2_fp8")
+    k = entry.kernels
+    assert set(k.TILES) == set(k.SM90_TILES) == set(entry.head_dims)
+    monkeypatch.setattr(registry, "_device_cc", lambda: 90)
+    assert k.uses_wgmma()
+    assert all(k.tiles(d) == tuple(k.SM90_TILES[d][0][:2]) for d in entry.head_dims)
+    monkeypatch.setenv("FA_VARIANTS_FP8_KERNEL", "mma_sync")
+    assert not k.uses_wgmma()
+    assert all(k.tiles(d) == tuple(k.TILES[d][0][:2]) for d in entry.head_dims)
+    monkeypatch.delenv("FA_VARIANTS_FP8_KERNEL")
+    monkeypatch.setattr(registry, "_device_cc", lambda: 89)
+    assert not k.uses_wgmma()
+
+
 # ---------------------------------------------------------------------------------------------- fav.fp8 API
 def test_fp8_api_rejects_misuse_before_touching_a_gpu():
     import fa_variants as fav

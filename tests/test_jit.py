@@ -84,6 +84,18 @@ def test_every_specialization_compiles_without_spills(variant, arch):
             assert r.registers > 0, r
 
 
+def test_a_source_is_compiled_only_for_the_archs_it_names():
+    """fa2_fp8's wgmma source is sm_90a-only; its mma.sync source and the quantizers go to every arch it lists.
+    Every .cu of cuda_src is some launcher's unit for at least one arch (none is left uncompiled)."""
+    mod = registry.get("fa2_fp8").kernels
+    assert set(compile_units(mod, "sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE}
+    assert set(compile_units(mod, "sm_90a")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.SM90_SOURCE}
+    for source, archs in getattr(mod, "SOURCE_ARCHS", {}).items():
+        assert set(archs) <= set(registry.get("fa2_fp8").archs), f"{source}: an arch the entry does not build"
+    used = {s for v in registry.variants() for a in v.archs for s in compile_units(v.kernels, a)}
+    assert used == set(_sources()), f"sources no launcher compiles: {set(_sources()) - used}"
+
+
 # ----------------------------------------------------------------------------------------------- cache key
 def _direct_includes(src_dir, name):
     return sorted(set(INCLUDE.findall((src_dir / name).read_text())))
