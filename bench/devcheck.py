@@ -73,6 +73,7 @@ def check(names):
 def time_sweep(shapes, names, repeats):
     import cupy
     torch, why = torch_status()
+    timed = lambda fn, s: median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=s))  # noqa: E731
     rows = []
     for i, shape in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {shape.id}", file=sys.stderr, flush=True)
@@ -80,16 +81,8 @@ def time_sweep(shapes, names, repeats):
         scale = 1 / math.sqrt(shape.head_dim)
         res = {}
         for name in names:
-            fn = lambda q, k, v, name=name: attention(q, k, v, variant=name, causal=shape.causal)  # noqa: E731
-            res[name] = median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=sets))
-        if torch is not None and not torch_sdpa_unsupported(shape):
-            tsets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in sets]
-            for peer in ("torch-flash", "torch-cudnn"):
-                try:
-                    res[peer] = median(time_cuda(torch_sdpa_fn(torch, peer, shape, scale), warmup=3,
-                                                 repeats=repeats, rotate_inputs=tsets))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {peer}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+            res[name] = timed(lambda q, k, v, name=name: attention(q, k, v, variant=name, causal=shape.causal), sets)
+        res.update(torch_peers(torch, shape, scale, sets, timed))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
         tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
@@ -142,26 +135,30 @@ def quant_bandwidth(repeats):
 def quant_rows_sweep(repeats):
     """quantize_rows alone on Q of bf16-d128-N4096-B4-H16 for several CTA sizes (vectors per thread = 4 at the
     launcher's choice): which keeps the most bytes in flight."""
-    import cupy
-    import numpy as np
-    from fa_variants import jit
-    from fa_variants.kernels.fa2_fp8 import _strides
-    shape = Shape(4, 16, 4096, 128, "bfloat16")
-    sets = gpu_input_sets(shape)
-    b, n, h, d = sets[0][0].shape
-    xq = cupy.empty((b, h, n, d), dtype=cupy.uint8)
-    sc = cupy.empty((b, h, n // 128), dtype=cupy.float32)
+    from fa_variants.kernels import fa2_fp8
+    sets = gpu_input_sets(Shape(4, 16, 4096, 128, "bfloat16"))
+    moved = 3 * sets[0][0].nbytes // 2  # bf16 read, e4m3 written
     rows = []
     for threads in (128, 256, 512, 1024):
-        kern = jit.kernel("fp8_quantize.cu", f"quantize_rows<fav::BFloat16, 128, 128, {threads}>")
-        ms = median(time_cuda(lambda q, k, v: kern((n // 128, h, b), (threads,), (q, *_strides(q), np.int32(n), xq, sc)),
+        ms = median(time_cuda(lambda q, k, v: fa2_fp8.quantize_rows(q, 128, "fav::BFloat16", 128, threads),
                               warmup=3, repeats=repeats, rotate_inputs=sets))
-        rows.append([threads, 128 * 128 // 8 // threads, f"{ms * 1e3:.1f}", f"{3 * q_bytes(sets) / ms / 1e6:.0f}"])
+        rows.append([threads, 128 * 128 // 8 // threads, f"{ms * 1e3:.1f}", f"{moved / ms / 1e6:.0f}"])
     print(tabulate(rows, headers=["threads", "16-byte vectors / thread", "us", "GB/s (read + written)"]))
 
 
-def q_bytes(sets):
-    return sets[0][0].nbytes // 2  # e4m3 bytes written; the bf16 read is twice that
+def torch_peers(torch, shape, scale, sets, timed) -> dict:
+    """{peer: median ms} of torch SDPA's flash and cuDNN backends on ``sets``, timed by ``timed(fn, sets)``;
+    empty without torch or for a shape SDPA does not take."""
+    if torch is None or torch_sdpa_unsupported(shape):
+        return {}
+    tsets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in sets]
+    res = {}
+    for peer in ("torch-flash", "torch-cudnn"):
+        try:
+            res[peer] = timed(torch_sdpa_fn(torch, peer, shape, scale), tsets)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {peer}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+    return res
 
 
 def fp8_sweep(shapes, repeats):
@@ -188,10 +185,7 @@ def fp8_sweep(shapes, repeats):
             res[tag + " +quant"] = t(lambda q, k, v: attention(q, k, v, variant="fa2_fp8", causal=shape.causal,
                                                                softmax_scale=scale))
         os.environ.pop("FA_VARIANTS_FP8_KERNEL")
-        if torch is not None and not torch_sdpa_unsupported(shape):
-            tsets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in sets]
-            for peer in ("torch-flash", "torch-cudnn"):
-                res[peer] = t(torch_sdpa_fn(torch, peer, shape, scale), tsets)
+        res.update(torch_peers(torch, shape, scale, sets, t))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
         tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}

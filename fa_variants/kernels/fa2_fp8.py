@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from .. import jit
-from .common import CTYPE, cdiv, check_grid, pick_tiles, scale_log2
+from .common import CTYPE, cdiv, check_grid, ensure_vector_aligned, pick_tiles, scale_log2
 
 SOURCE = "fa2_fp8_fwd.cu"
 SM90_SOURCE = "fa2_fp8_fwd_sm90.cu"
@@ -112,16 +112,15 @@ def _strides(a):
     return [np.int64(s // a.dtype.itemsize) for s in a.strides[:3]]
 
 
-def quantize_rows(x, block: int, ctype: str, d: int, cfg):
-    """(B, N, H, d) fp16/bf16 -> ((B, H, N, d) e4m3 bytes, (B, H, ceil(N/block)) float32 scales)."""
+def quantize_rows(x, block: int, ctype: str, d: int, threads: int | None = None):
+    """(B, N, H, d) fp16/bf16 -> ((B, H, N, d) e4m3 bytes, (B, H, ceil(N/block)) float32 scales). ``threads``:
+    the CTA size (default rows_threads; bench/devcheck.py --quant-rows sweeps it)."""
     import cupy
-    from .. import arrays
-    if not arrays.aligned_for_vector_loads(x):
-        x = x.copy()  # the kernel reads 16-byte vectors; a fresh C-contiguous copy has aligned rows
+    x = ensure_vector_aligned(x)  # the kernel reads 16-byte vectors
     b, n, h, _ = x.shape
     xq = cupy.empty((b, h, n, d), dtype=cupy.uint8)
     sc = cupy.empty((b, h, cdiv(n, block)), dtype=cupy.float32)
-    threads = rows_threads(block, d)
+    threads = threads or rows_threads(block, d)
     jit.kernel(QUANT_SOURCE, f"quantize_rows<{ctype}, {d}, {block}, {threads}>")(
         (cdiv(n, block), h, b), (threads,), (x, *_strides(x), np.int32(n), xq, sc))
     return xq, sc
@@ -130,9 +129,7 @@ def quantize_rows(x, block: int, ctype: str, d: int, cfg):
 def quantize_v(v, block_k: int, ctype: str, d: int):
     """(B, N, H, d) -> (V^T (B, H, d, N_pad) e4m3 bytes in vt_key order, (B, H, d) float32 per-channel scales)."""
     import cupy
-    from .. import arrays
-    if not arrays.aligned_for_vector_loads(v):
-        v = v.copy()  # both kernels read 16-byte vectors; a fresh C-contiguous copy has aligned rows
+    v = ensure_vector_aligned(v)  # both kernels read 16-byte vectors
     b, n, h, _ = v.shape
     n_pad = cdiv(n, block_k) * block_k
     amax = cupy.zeros((b, h, d), dtype=cupy.float32)
@@ -152,7 +149,7 @@ def quantize_q(q) -> dict:
     from .. import arrays
     d = q.shape[3]
     cfg = config(d)
-    qq, sq = quantize_rows(q, cfg[0], CTYPE[arrays.dtype_name(q.dtype)], d, cfg)
+    qq, sq = quantize_rows(q, cfg[0], CTYPE[arrays.dtype_name(q.dtype)], d)
     return dict(q=qq, sq=sq, out_dtype=q.dtype)
 
 
@@ -162,7 +159,7 @@ def quantize_kv(k, v) -> dict:
     d = k.shape[3]
     cfg = config(d)
     ctype = CTYPE[arrays.dtype_name(k.dtype)]
-    kq, sk = quantize_rows(k, cfg[1], ctype, d, cfg)
+    kq, sk = quantize_rows(k, cfg[1], ctype, d)
     vt, sv = quantize_v(v, cfg[1], ctype, d)
     return dict(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=k.dtype)
 
