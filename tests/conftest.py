@@ -131,10 +131,17 @@ def place(a: np.ndarray, xp=None, strided=False, role: str = "q"):
     contiguous and whose strides stay multiples of 16 bytes: q is a (B, H, N, d) buffer transposed to
     (B, N, H, d); k and v are slices of a packed (B, N, 2, H, d + 8) buffer (flash-attn's kvpacked layout with
     padded rows). strided="unaligned": views of a (B, N, H, d + 1) buffer: every row starts at an odd element.
+    strided="offset": C-contiguous, but starting one element into its buffer (a base that is not 16-byte aligned).
     """
     xp = _xp_module(xp)
     if not strided:
         return xp.asarray(np.ascontiguousarray(a))
+    if strided == "offset":
+        buf = xp.asarray(np.concatenate([np.zeros(1, a.dtype), a.ravel()]))
+        view = buf[1:].reshape(a.shape)
+        ptr = view.ctypes.data if xp is np else view.data.ptr
+        assert view.flags.c_contiguous and ptr % 16
+        return view
     b, n, h, d = a.shape
     if strided == "unaligned":
         buf = np.zeros((b, n, h, d + 1), a.dtype)

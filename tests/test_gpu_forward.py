@@ -39,6 +39,7 @@ CASES = [
     Case(2, 257, 300, 16, 2, 64, True),          # GQA 8:1, causal
     Case(2, 200, 200, 4, 1, 64, True, True),     # MQA, strided
     Case(1, 200, 150, 4, 2, 128, False, "unaligned"),  # rows start at odd elements: still honoured
+    Case(1, 70, 70, 2, 2, 64, True, "offset"),   # contiguous, but the base is not 16-byte aligned
 ]
 
 

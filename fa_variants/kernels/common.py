@@ -11,9 +11,9 @@ CTYPE = {"float16": "fav::Half", "bfloat16": "fav::BFloat16"}
 
 def ensure_vector_aligned(a):
     """The kernels copy 16 bytes at a time: pointer and outer strides must be multiples of 8 elements.
-    Anything else (rare: odd slicing) is copied once into a contiguous array; the caller's array is untouched."""
-    import cupy
-    return a if arrays.aligned_for_vector_loads(a) else cupy.ascontiguousarray(a)
+    Anything else (rare: odd slicing) is copied once into a fresh, aligned array; the caller's array is untouched.
+    (A copy, not ascontiguousarray: that returns an already-contiguous array with a misaligned base as it is.)"""
+    return a if arrays.aligned_for_vector_loads(a) else a.copy()
 
 
 @dataclasses.dataclass
