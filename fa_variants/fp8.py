@@ -19,6 +19,7 @@ runs e4m3 wgmma (cuda_src/fa2_fp8_fwd_sm90.cu), since ptxas only emulates e4m3 m
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from . import arrays
 from .reference.fp8 import hadamard_rotation
@@ -60,13 +61,21 @@ def _check_rotation(rotate, seed):
     return seed if rotate else None
 
 
+@functools.lru_cache(maxsize=16)
+def _rotation_on_device(d: int, seed: int, device_id: int):
+    """The fp32 rotation matrix on one device, built once: a KV cache rotates every new q with it."""
+    import cupy
+    with cupy.cuda.Device(device_id):
+        return cupy.asarray(hadamard_rotation(d, seed), dtype=cupy.float32)
+
+
 def _rotated(x, seed):
     """x R for the seeded Hadamard rotation R of reference.fp8.hadamard_rotation, computed in fp32 and rounded
     back to x's dtype (that rounding, 2^-9 relative for bf16, is far below e4m3's 2^-4); x itself is unchanged."""
     if seed is None:
         return x
     import cupy
-    R = cupy.asarray(hadamard_rotation(x.shape[3], seed), dtype=cupy.float32)
+    R = _rotation_on_device(x.shape[3], seed, x.device.id)
     return (x.astype(cupy.float32) @ R).astype(x.dtype)
 
 
