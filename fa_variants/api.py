@@ -52,7 +52,7 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, retur
             out, lse = arrays.to_cupy(out), arrays.to_cupy(lse)
     else:
         qd, kd, vd = (inp.q, inp.k, inp.v) if inp.on_gpu else (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
-        out, lse = entry.kernels.forward(qd, kd, vd, causal=bool(causal), softmax_scale=scale,
+        out, lse = entry.launcher.forward(qd, kd, vd, causal=bool(causal), softmax_scale=scale,
                                          return_lse=bool(return_lse))
         if not inp.on_gpu:
             out = arrays.to_numpy(out)

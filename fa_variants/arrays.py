@@ -128,8 +128,8 @@ def check_shapes(inp: Inputs, variant) -> None:
     if dts[0] not in variant.dtypes:
         raise TypeError(f"variant {variant.name!r} accepts dtypes {list(variant.dtypes)}, got {dts[0]}")
     d = q.shape[3]
-    if variant.head_dims is not None and d not in variant.head_dims:
-        raise ValueError(f"variant {variant.name!r} accepts head_dim in {list(variant.head_dims)}, got {d}")
+    if d not in variant.head_dims:
+        raise ValueError(f"variant {variant.name!r} accepts head_dim in {variant.head_dims_text}, got {d}")
     for n in NAMES:
         a = getattr(inp, n)
         item = a.dtype.itemsize

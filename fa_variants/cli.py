@@ -20,7 +20,7 @@ import numpy as np
 from tabulate import tabulate
 
 from . import iomodel, jit, timing
-from .kernels import compile_units
+from .api import attention
 from .reference.dense import attention64, pick_pairs, rel_error
 from .registry import VARIANTS, get, variants
 
@@ -97,16 +97,16 @@ def _describe(shape: timing.Shape) -> str:
 
 def _unsupported(entry, shape) -> str:
     if not entry.supports(shape.dtype, shape.head_dim):
-        dims = "any" if entry.head_dims is None else list(entry.head_dims)
-        return f"does not take {shape.dtype} with head_dim {shape.head_dim} (dtypes {list(entry.dtypes)}, head dims {dims})"
+        return (f"does not take {shape.dtype} with head_dim {shape.head_dim} (dtypes {list(entry.dtypes)}, "
+                f"head dims {entry.head_dims_text})")
     return ""
 
 
-def _modeled_hbm(name, shape, tiles) -> float | None:
+def _modeled_hbm(entry, shape, tiles) -> float | None:
     try:
         bq, bk = tiles
-        return iomodel.hbm_bytes(name, shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
-                                 bq, bk, shape.causal, shape.itemsize)
+        return entry.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
+                               bq, bk, shape.causal, shape.itemsize)
     except Exception:  # noqa: BLE001 - no model for this variant (yet): leave the cell empty
         return None
 
@@ -174,7 +174,7 @@ def _compare_numpy(args, chosen, why) -> int:
 def _model_blocks(entry, head_dim):
     """(blocks, where they come from): the launcher's tiles when importable, else the model's defaults."""
     try:
-        t = tuple(entry.kernels.tiles(head_dim))
+        t = entry.launcher.tiles(head_dim)
         return t, "kernel"
     except Exception:  # noqa: BLE001 - launcher missing or head dim it does not tile
         return None, "model default"
@@ -292,15 +292,15 @@ def _run_variant(entry, shape, scale, sets, ref, pairs, args) -> dict:
     extra, how = None, ""
     try:
         with timing.PeakMemory() as pm:
-            out, lse = entry.forward(q, k, v, causal=shape.causal, softmax_scale=scale, return_lse=True)
+            out, lse = attention(q, k, v, variant=entry.name, causal=shape.causal, softmax_scale=scale, return_lse=True, backend="cuda")
             cupy.cuda.get_current_stream().synchronize()
         extra = max(0, pm.peak - timing.nbytes_rounded(out, lse))
     except MemoryError:
         raise
     except Exception:  # noqa: BLE001 - a memory hook that will not install: fall back to the launcher's number
-        out, lse = entry.forward(q, k, v, causal=shape.causal, softmax_scale=scale, return_lse=True)
+        out, lse = attention(q, k, v, variant=entry.name, causal=shape.causal, softmax_scale=scale, return_lse=True, backend="cuda")
         try:
-            extra, how = entry.kernels.extra_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk,
+            extra, how = entry.launcher.extra_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk,
                                                    shape.head_dim, shape.itemsize, heads_kv=shape.hkv), "*"
         except Exception:  # noqa: BLE001
             extra = None
@@ -308,14 +308,14 @@ def _run_variant(entry, shape, scale, sets, ref, pairs, args) -> dict:
     del out, lse
 
     def call(q, k, v):
-        return entry.forward(q, k, v, causal=shape.causal, softmax_scale=scale)
+        return attention(q, k, v, variant=entry.name, causal=shape.causal, softmax_scale=scale, backend="cuda")
 
     times = timing.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=sets)
     try:
-        tiles = tuple(entry.kernels.tiles(shape.head_dim))
+        tiles = entry.launcher.tiles(shape.head_dim)
     except Exception:  # noqa: BLE001
         tiles = (None, None)
-    return dict(variant=entry.name, ms=timing.median(times), err=err, hbm=_modeled_hbm(entry.name, shape, tiles),
+    return dict(variant=entry.name, ms=timing.median(times), err=err, hbm=_modeled_hbm(entry, shape, tiles),
                 extra=extra, extra_how=how, tiles="—" if tiles[0] is None else f"{tiles[0]}x{tiles[1]}")
 
 
@@ -339,7 +339,7 @@ def _run_torch(torch, peer, shape, scale, sets, ref, pairs, args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ explain
 def cmd_explain(args) -> int:
-    print(iomodel.explain(args.variant, args.seqlen, args.head_dim, args.sram))
+    print(iomodel.explain(get(args.variant), args.seqlen, args.head_dim, args.sram))
     return 0
 
 
@@ -359,18 +359,18 @@ def cmd_build(args) -> int:
     rows, tasks, bad = [], [], False
     for entry in chosen:
         try:
-            mod = entry.kernels
-            compile_units(mod)  # a launcher whose unit list fails to build is reported here
-            options = tuple(getattr(mod, "NVRTC_OPTIONS", ()))
+            launcher = entry.launcher
+            launcher.compile_units()  # a launcher whose unit list fails to build is reported here
+            options = ()
         except Exception as e:  # noqa: BLE001 - a launcher that does not import is a build failure, reported
             bad = True
-            rows.append([entry.name, f"(launcher fa_variants.kernels.{entry.launcher})", "", "", "", "",
+            rows.append([entry.name, f"(launcher {entry.launcher!r})", "", "", "", "",
                          f"error: {_err_text(e)}"])
             continue
         archs = [a for a in entry.archs if wanted is None or jit.normalize_arch(a) in wanted]
         if not archs:
             _progress(f"{entry.name}: none of its archs {list(entry.archs)} was asked for; skipped")
-        tasks += [(entry.name, source, e, a, options) for a in archs for source, exprs in compile_units(mod, a).items()
+        tasks += [(entry.name, source, e, a, options) for a in archs for source, exprs in launcher.compile_units(a).items()
                   for e in exprs]
     print(f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}: compiling {len(tasks)} kernel instances "
           f"with {args.jobs} threads", file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ import functools
 
 from . import arrays
 from .reference.fp8 import hadamard_rotation
+from .kernels import fa2_fp8 as _launcher
 from .registry import get
 
 NAME = "fa2_fp8"
@@ -35,12 +36,12 @@ class Quantized:
     wrap: object   # hands results back as the caller's array type
 
 
-def _entry():
-    entry = get(NAME)
-    ok, why = entry.available()
+def _kernels():
+    """fa2_fp8's launcher module, once the GPU is known to run it."""
+    ok, why = get(NAME).available()
     if not ok:
         raise RuntimeError(f"{NAME} cannot run on this GPU: {why}")
-    return entry
+    return _launcher
 
 
 def _import_gpu(q, k, v):
@@ -85,7 +86,7 @@ def quantize(q, k, v, *, rotate=False, seed=0) -> Quantized:
     matrix before quantization."""
     rot = _check_rotation(rotate, seed)
     inp = _import_gpu(q, k, v)
-    parts = _entry().kernels.quantize(_rotated(inp.q, rot), _rotated(inp.k, rot), inp.v)
+    parts = _kernels().quantize(_rotated(inp.q, rot), _rotated(inp.k, rot), inp.v)
     return Quantized({**parts, "rotation": rot}, inp.wrap)
 
 
@@ -93,7 +94,7 @@ def quantize_kv(k, v, *, rotate=False, seed=0) -> Quantized:
     """Quantize K and V only (a KV cache); ``attention(kv, q=...)`` quantizes each q on the fly (rotated like K)."""
     rot = _check_rotation(rotate, seed)
     inp = _import_gpu(k, k, v)  # k stands in for q: the checks of q against k are then trivially met
-    parts = _entry().kernels.quantize_kv(_rotated(inp.k, rot), inp.v)
+    parts = _kernels().quantize_kv(_rotated(inp.k, rot), inp.v)
     return Quantized({**parts, "rotation": rot}, inp.wrap)
 
 
@@ -108,7 +109,7 @@ def _with_q(parts: dict, q):
     if qa.dtype != parts["kv_dtype"]:
         raise TypeError(f"q's dtype {arrays.dtype_name(qa.dtype)} differs from the quantized K/V's "
                         f"({arrays.dtype_name(parts['kv_dtype'])})")
-    return {**parts, **_entry().kernels.quantize_q(_rotated(qa, parts["rotation"]))}, inp.wrap
+    return {**parts, **_kernels().quantize_q(_rotated(qa, parts["rotation"]))}, inp.wrap
 
 
 def attention(qz: Quantized, *, q=None, causal=False, softmax_scale=None, return_lse=False):
@@ -123,6 +124,6 @@ def attention(qz: Quantized, *, q=None, causal=False, softmax_scale=None, return
     arrays.check_scalars(causal, softmax_scale, return_lse)
     parts, wrap = (qz.parts, qz.wrap) if q is None else _with_q(qz.parts, q)
     scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=parts["q"].shape[3])
-    out, lse = get(NAME).kernels.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
+    out, lse = _launcher.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
                                                      return_lse=bool(return_lse))
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)

@@ -1,4 +1,5 @@
-"""The papers' HBM-traffic formulas, per head, in elements; and modeled bytes for a whole call.
+"""The papers' HBM-traffic formulas, per head, in elements, and ``explain``. Element sizes and modeled bytes of
+a whole call belong to each registry entry (``Variant.hbm_bytes``).
 
 Every ``*_accesses`` function returns the same keys as ``AccessCounter.by_tensor()`` of its NumPy model run on
 one (batch, head), plus "total". They are exact for every size, not only when the blocks divide the seqlens:
@@ -16,14 +17,10 @@ import math
 import numpy as np
 from tabulate import tabulate
 
-from .reference import fa1 as _fa1
-from .reference import fa2 as _fa2
-from .reference import fp8 as _fp8
-from .reference import naive as _naive
 from .reference.common import DEFAULT_SRAM, paper_blocks, resolve_blocks
 
 __all__ = ["standard_attention", "paper_blocks", "kv_reread", "flash_ratio", "fa1_extra", "naive_accesses",
-           "fa1_accesses", "fa2_accesses", "hbm_bytes", "explain", "DEFAULT_SRAM"]
+           "fa1_accesses", "fa2_accesses", "explain", "DEFAULT_SRAM"]
 
 
 # ----------------------------------------------------------------------------------------------- paper terms
@@ -113,63 +110,29 @@ def fa2_accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causa
 
 # ----------------------------------------------------------------------------------------------- bytes, explain
 
-_MODELS = {  # variant -> (NumPy model module, exact per-head counts)
-    "naive": (_naive, naive_accesses),
-    "fa1": (_fa1, fa1_accesses),
-    "fa2": (_fa2, fa2_accesses),
-    "fa2_fp8": (_fp8, fa2_accesses),  # FA2's loop order and counts; its model adds the quantization
-}
-
-#: Tensors stored in fp32 whatever the input dtype: the softmax statistics, the naive kernel's S/P buffer,
-#: and FA1's O, which makes its T_c round trips through an fp32 workspace (the final half-precision copy
-#: of O is outside Algorithm 1 and not modeled).
-FP32_TENSORS = {"naive": {"S", "P"}, "fa1": {"O", "l", "m"}, "fa2": {"LSE"}, "fa2_fp8": {"LSE"}}
-#: Tensors the kernel reads as e4m3, one byte each (the attention kernel alone: on-the-fly quantization is a
-#: separate pass, not modeled here).
-FP8_TENSORS = {"fa2_fp8": {"Q", "K", "V"}}
-
-
-def _lookup(variant_name):
-    if variant_name not in _MODELS:
-        raise ValueError(f"variant must be one of {sorted(_MODELS)}, got {variant_name!r}")
-    return _MODELS[variant_name]
-
-
-def hbm_bytes(variant_name, batch, heads, seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None,
-              causal=False, itemsize=2) -> int:
-    """Modeled HBM bytes of one call: per-head counts x batch x heads (GQA shares no K/V reads between the
-    query heads' programs), each tensor at ``itemsize`` bytes except ``FP32_TENSORS`` at 4 and ``FP8_TENSORS``
-    at 1."""
-    _, accesses = _lookup(variant_name)
-    counts = accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal=causal)
-    fp32, fp8 = FP32_TENSORS[variant_name], FP8_TENSORS.get(variant_name, set())
-    size = lambda t: 4 if t in fp32 else 1 if t in fp8 else itemsize  # noqa: E731
-    per_head = sum(n * size(t) for t, n in counts.items() if t != "total")
-    return batch * heads * per_head
-
-
 _NAIVE_MAX_N = 8192
 
 
-def explain(variant_name, N, d, M=DEFAULT_SRAM) -> str:
-    """The variant's loop structure, then its per-head HBM traffic: formula vs counted by the NumPy model
-    (run once on random N(0,1) data of size N x d, non-causal, with the paper's blocks for M)."""
-    model, accesses = _lookup(variant_name)
-    B_r, B_c = paper_blocks(M, d)
+def explain(entry, N, d, M=DEFAULT_SRAM, blocks=None) -> str:
+    """A registry entry's loop structure, then its per-head HBM traffic: formula vs counted by its NumPy model
+    (run once on random N(0,1) data of size N x d, non-causal) with ``blocks`` = (B_r, B_c), by default the
+    paper's blocks for M."""
+    variant_name, accesses = entry.name, entry.io_model
+    B_r, B_c = blocks if blocks is not None else paper_blocks(M, d)
     formula = accesses(N, N, d, B_r, B_c)
     if variant_name == "naive" and N > _NAIVE_MAX_N:   # the model would hold N^2 float64 scores
         counted = {t: "not run" for t in formula}
     else:
         rng = np.random.default_rng()
         q, k, v = (rng.standard_normal((1, N, 1, d)) for _ in range(3))
-        by = model.forward(q, k, v, block_q=B_r, block_k=B_c).hbm.by_tensor()
+        by = entry.reference(q, k, v, block_q=B_r, block_k=B_c).hbm.by_tensor()
         counted = {t: f"{n:,}" for t, n in {**by, "total": sum(by.values())}.items()}
     rows = [(t, f"{formula[t]:,}", counted.get(t, "0")) for t in formula]
 
     tiling = "" if variant_name == "naive" else \
         f", B_r={B_r}, B_c={B_c}, T_r={math.ceil(N / B_r)}, T_c={math.ceil(N / B_c)}"
     std = standard_attention(N, d)
-    lines = [f"{variant_name}: N={N}, d={d}, M={M} elements{tiling}", model.LOOPS, "",
+    lines = [f"{variant_name}: N={N}, d={d}, M={M} elements{tiling}", entry.loops, "",
              "HBM accesses per head (elements):",
              tabulate(rows, headers=("tensor", "formula", "counted"), colalign=("left", "right", "right")), "",
              f"standard attention 4N^2+4Nd = {std:,}; this variant moves {formula['total'] / std:.3g}x that"]

@@ -1,22 +1,36 @@
 """The single source of truth: one entry per attention variant.
 
 Tests, benchmarks and the CLI iterate over ``VARIANTS``; adding a version of the algorithm means adding a
-``.cu``, a launcher in ``kernels/``, a NumPy model in ``reference/`` and one entry here.
+``.cu``, a launcher in ``kernels/`` (an object with the ``kernels.Launcher`` interface), a NumPy model in
+``reference/`` and one entry here. Each entry owns everything that describes it: dtypes, head dims, the
+directions it offers, the tensors it stores at a size other than the input's (what the IO model's bytes use),
+its exact HBM access model, its NumPy model and its launcher. This module imports no array library and never
+``api``: ``api`` imports it.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-from typing import Callable
+from typing import Callable, Mapping
 
-from . import iomodel
+from . import gpu, iomodel
+from .kernels import Launcher
+from .kernels import fa1 as k_fa1
+from .kernels import fa2 as k_fa2
+from .kernels import fa2_fp8 as k_fa2_fp8
+from .kernels import naive as k_naive
 from .reference import fa1 as ref_fa1
 from .reference import fa2 as ref_fa2
 from .reference import fp8 as ref_fp8
 from .reference import naive as ref_naive
 
 HALF_DTYPES = ("float16", "bfloat16")
+ALL_HEAD_DIMS = range(1, 257)
+DIRECTIONS = ("forward", "backward")
+
+
+def _dims_text(dims: range) -> str:
+    step = f" in steps of {dims.step}" if dims.step != 1 else ""
+    return f"{dims.start}..{dims[-1]}{step}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,90 +38,112 @@ class Variant:
     name: str
     summary: str
     dtypes: tuple[str, ...]
-    head_dims: tuple[int, ...] | None  # None: any head dim
+    head_dims: range                   # every head dim accepted (the kernels pad to a few template dims inside)
     min_cc: int                        # minimum compute capability, e.g. 80 for sm_80
-    launcher: str                      # module in fa_variants.kernels with forward(), tiles(), specializations()
+    launcher: Launcher                 # the GPU side: forward(), tiles(), compile_units(), extra_bytes()
     reference: Callable                # NumPy model: reference(q, k, v, causal=, softmax_scale=, ...) -> ModelResult
-    io_model: Callable                 # closed-form HBM element accesses per head: io_model(Nq, Nk, d, block_q, block_k)
+    io_model: Callable                 # exact HBM element accesses per head: io_model(Nq, Nk, d, block_q, block_k)
+    tensor_bytes: Mapping[str, int]    # bytes per element of the tensors not stored at the input's itemsize
+    loops: str                         # the algorithm's loop structure, as its NumPy model's LOOPS prints it
+    directions: tuple[str, ...] = ("forward",)
     archs: tuple[str, ...] = ("sm_80", "sm_86", "sm_89", "sm_90a")  # what `fa-variants build` compiles
     operand_dtype: str | None = None   # the tensor cores' operand format when it is not the input's (e4m3)
 
-    @property
-    def kernels(self):
-        """The launcher module (imported lazily: it needs CuPy only when it launches)."""
-        return importlib.import_module(f"fa_variants.kernels.{self.launcher}")
+    def __post_init__(self):
+        unknown = set(self.directions) - set(DIRECTIONS)
+        if unknown:
+            raise ValueError(f"{self.name}: directions must be among {DIRECTIONS}, got {sorted(unknown)}")
 
     def available(self) -> tuple[bool, str]:
         """(usable on this machine's current GPU, why not)."""
-        cc = _device_cc()
-        if isinstance(cc, str):
-            return False, cc
-        if cc < self.min_cc:
-            return False, f"needs compute capability >= {self.min_cc / 10:.1f}, this GPU is {cc / 10:.1f}"
+        p = gpu.probe()
+        if not p.ok:
+            return False, p.reason
+        if p.cc < self.min_cc:
+            return False, f"needs compute capability >= {self.min_cc / 10:.1f}, this GPU is {p.cc / 10:.1f}"
         return True, ""
 
-    def forward(self, q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-        """Run this variant's GPU kernel (validated like ``fa_variants.attention``)."""
-        from .api import attention
-        return attention(q, k, v, variant=self.name, causal=causal, softmax_scale=softmax_scale,
-                         return_lse=return_lse, backend="cuda")
-
     def supports(self, dtype: str, head_dim: int) -> bool:
-        return dtype in self.dtypes and (self.head_dims is None or head_dim in self.head_dims)
+        return dtype in self.dtypes and head_dim in self.head_dims
+
+    @property
+    def head_dims_text(self) -> str:
+        return _dims_text(self.head_dims)
+
+    def element_bytes(self, tensor: str, itemsize: int) -> int:
+        """Bytes per element of ``tensor`` in this variant's kernels, for inputs of ``itemsize`` bytes."""
+        return self.tensor_bytes.get(tensor, itemsize)
+
+    def hbm_bytes(self, batch, heads, seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False,
+                  itemsize=2) -> int:
+        """Modeled HBM bytes of one call: the exact per-head counts x batch x heads (GQA shares no K/V reads
+        between the query heads' programs), each tensor at ``element_bytes``."""
+        counts = self.io_model(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal=causal)
+        per_head = sum(n * self.element_bytes(t, itemsize) for t, n in counts.items() if t != "total")
+        return batch * heads * per_head
+
+    def describe(self) -> str:
+        ok, why = self.available()
+        here = "runs here" if ok else f"not here: {why}"
+        return (f"{self.name:8s} {self.summary}\n{'':8s} dtypes {', '.join(self.dtypes)}; head_dim "
+                f"{self.head_dims_text}; {'/'.join(self.directions)}; sm_{self.min_cc}+; {here}")
+
+    def __repr__(self):
+        ok, why = self.available()
+        return (f"Variant({self.name!r}, dtypes={list(self.dtypes)}, head_dims={self.head_dims_text}, "
+                f"directions={list(self.directions)}, min_cc={self.min_cc}, "
+                f"available={'yes' if ok else 'no: ' + why})")
 
     def __str__(self):
         return self.name
 
 
-@functools.lru_cache(maxsize=1)
-def _device_cc():
-    """Compute capability of the current CUDA device as an int (90), or a string saying why there is none."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means "no CuPy"
-        return f"CuPy is not importable ({type(e).__name__}: {e})"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-        return int(cupy.cuda.Device().compute_capability)
-    except Exception as e:  # noqa: BLE001 - no driver, no device
-        return f"no usable CUDA device ({type(e).__name__})"
+class VariantList(list):
+    """``fav.variants()``: a list of entries that prints as a readable table."""
+
+    def __repr__(self):
+        return "\n".join(v.describe() for v in self)
 
 
+# The softmax statistics are fp32 everywhere; naive stores S and P in fp32; FA1's O makes its T_c round trips
+# through an fp32 workspace (the final half-precision copy of O is outside Algorithm 1 and not modeled);
+# fa2_fp8's kernel reads Q, K, V as one-byte e4m3 (the on-the-fly quantization is a separate pass, not modeled).
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant(
         name="naive",
         summary="standard attention: S = QK^T and P = softmax(S) materialized in device memory (cuBLAS + our softmax)",
-        dtypes=HALF_DTYPES, head_dims=None, min_cc=80, launcher="naive",
-        reference=ref_naive.forward, io_model=iomodel.naive_accesses,
+        dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_naive.LAUNCHER,
+        reference=ref_naive.forward, loops=ref_naive.LOOPS, io_model=iomodel.naive_accesses, tensor_bytes={"S": 4, "P": 4},
     ),
     Variant(
         name="fa1",
         summary="FlashAttention-1 (Alg. 1): outer loop over K/V blocks, O/l/m round-trip HBM, split-K warps",
-        dtypes=HALF_DTYPES, head_dims=(32, 64, 96, 128, 256), min_cc=80, launcher="fa1",
-        reference=ref_fa1.forward, io_model=iomodel.fa1_accesses,
+        dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_fa1.LAUNCHER,
+        reference=ref_fa1.forward, loops=ref_fa1.LOOPS, io_model=iomodel.fa1_accesses, tensor_bytes={"O": 4, "l": 4, "m": 4},
     ),
     Variant(
         name="fa2",
         summary="FlashAttention-2: one CTA per Q block, O in registers, split-Q warps, deferred normalization",
-        dtypes=HALF_DTYPES, head_dims=(32, 64, 96, 128, 256), min_cc=80, launcher="fa2",
-        reference=ref_fa2.forward, io_model=iomodel.fa2_accesses,
+        dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_fa2.LAUNCHER,
+        reference=ref_fa2.forward, loops=ref_fa2.LOOPS, io_model=iomodel.fa2_accesses, tensor_bytes={"LSE": 4},
     ),
     Variant(
         name="fa2_fp8",
         summary="FA2 loop order on e4m3 tensor cores, FA3 block scaling (Q/K per block, V per channel), P x256 to e4m3",
-        dtypes=HALF_DTYPES, head_dims=(64, 128, 256), min_cc=89, launcher="fa2_fp8",
-        reference=ref_fp8.forward, io_model=iomodel.fa2_accesses, archs=("sm_89", "sm_90a"),
-        operand_dtype="float8_e4m3fn",
+        dtypes=HALF_DTYPES, head_dims=range(16, 257, 16), min_cc=89, launcher=k_fa2_fp8.LAUNCHER,
+        reference=ref_fp8.forward, loops=ref_fp8.LOOPS, io_model=iomodel.fa2_accesses, archs=("sm_89", "sm_90a"),
+        tensor_bytes={"LSE": 4, "Q": 1, "K": 1, "V": 1}, operand_dtype="float8_e4m3fn",
     ),
 )}
 
 
-def variants() -> list[Variant]:
-    return list(VARIANTS.values())
+def variants() -> VariantList:
+    """Every registry entry; prints as one readable line pair per variant, saying whether it runs here."""
+    return VariantList(VARIANTS.values())
 
 
 def get(name: str) -> Variant:
+    """One registry entry by name (a ValueError naming the choices otherwise)."""
     if not isinstance(name, str) or name not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
     return VARIANTS[name]

@@ -74,8 +74,14 @@ def test_build_naive_for_sm90a(capsys):
 
 
 def test_build_reports_a_launcher_that_does_not_import(monkeypatch, capsys):
-    broken = registry.Variant(name="broken", summary="", dtypes=("float16",), head_dims=None, min_cc=80,
-                              launcher="does_not_exist", reference=None, io_model=None)
+    from fa_variants.kernels import KernelLauncher
+
+    def no_sources():
+        raise ModuleNotFoundError("no module named 'does_not_exist'")
+
+    broken = registry.Variant(name="broken", summary="", dtypes=("float16",), head_dims=range(1, 257), min_cc=80,
+                              launcher=KernelLauncher(no_sources, None, None, None), reference=None,
+                              io_model=None, tensor_bytes={}, loops="")
     monkeypatch.setitem(registry.VARIANTS, "broken", broken)
     rc = cli.main(["build", "--arch", "90a", "--variants", "broken"])
     out = capsys.readouterr().out

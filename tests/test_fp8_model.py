@@ -251,18 +251,18 @@ def test_fp8_kernel_choice_and_its_tiles(monkeypatch):
     """sm_90 (and no GPU: the H200 is what the IO model describes) runs the wgmma kernel with SM90_TILES;
     FA_VARIANTS_FP8_KERNEL=mma_sync selects the mma.sync kernel and its TILES. Both tables cover the entry's
     head dims, and the tiles reported to the IO model are the chosen kernel's."""
-    from fa_variants import registry
+    from fa_variants import gpu, registry
+    from fa_variants.kernels import fa2_fp8 as k
     entry = registry.get("fa2_fp8")
-    k = entry.kernels
-    assert set(k.TILES) == set(k.SM90_TILES) == set(entry.head_dims)
-    monkeypatch.setattr(registry, "_device_cc", lambda: 90)
+    assert set(k.TILES) == set(k.SM90_TILES)
+    monkeypatch.setattr(gpu, "compute_capability", lambda: 90)
     assert k.uses_wgmma()
-    assert all(k.tiles(d) == tuple(k.SM90_TILES[d][0][:2]) for d in entry.head_dims)
+    assert all(k.tiles(d) == tuple(k.SM90_TILES[d][0][:2]) for d in k.TILES)
     monkeypatch.setenv("FA_VARIANTS_FP8_KERNEL", "mma_sync")
     assert not k.uses_wgmma()
-    assert all(k.tiles(d) == tuple(k.TILES[d][0][:2]) for d in entry.head_dims)
+    assert all(k.tiles(d) == tuple(k.TILES[d][0][:2]) for d in k.TILES)
     monkeypatch.delenv("FA_VARIANTS_FP8_KERNEL")
-    monkeypatch.setattr(registry, "_device_cc", lambda: 89)
+    monkeypatch.setattr(gpu, "compute_capability", lambda: 89)
     assert not k.uses_wgmma()
 
 
@@ -278,7 +278,7 @@ def test_fp8_api_rejects_misuse_before_touching_a_gpu():
     with pytest.raises(ValueError, match="pass q exactly when qz holds only K and V"):
         fav.fp8.attention(kv_only)
     with pytest.raises(ValueError, match="head_dim"):
-        fav.fp8.quantize(np.ones((1, 8, 2, 48), dtype=np.float16), q[..., :48], q[..., :48])
+        fav.fp8.quantize(np.ones((1, 8, 2, 40), dtype=np.float16), q[..., :40], q[..., :40])
     with pytest.raises(TypeError, match="rotate must be True or False"):
         fav.fp8.quantize(q, q, q, rotate=1)
     with pytest.raises(ValueError, match="seed must be an int >= 0"):

@@ -96,23 +96,23 @@ def test_fa1_moves_more_than_fa2_by_fa1_extra(N, d, M):
 def test_hbm_bytes():
     b, h, n, d = 2, 4, 256, 64
     per = {name: f(n, n, d, 64, 64) for name, (_, f) in MODELS.items()}
-    assert iomodel.hbm_bytes("naive", b, h, n, n, d, 64, 64, False, 2) == b * h * (
+    assert registry.get("naive").hbm_bytes(b, h, n, n, d, 64, 64, False, 2) == b * h * (
         2 * (per["naive"]["Q"] + per["naive"]["K"] + per["naive"]["V"] + per["naive"]["O"])
         + 4 * (per["naive"]["S"] + per["naive"]["P"]))
-    assert iomodel.hbm_bytes("fa2", b, h, n, n, d, 64, 64, False, 2) == b * h * (
+    assert registry.get("fa2").hbm_bytes(b, h, n, n, d, 64, 64, False, 2) == b * h * (
         2 * (per["fa2"]["total"] - per["fa2"]["LSE"]) + 4 * per["fa2"]["LSE"])
     fa1_fp32 = per["fa1"]["O"] + per["fa1"]["l"] + per["fa1"]["m"]   # O makes its round trips in fp32
-    assert iomodel.hbm_bytes("fa1", b, h, n, n, d, 64, 64, False, 2) == b * h * (
+    assert registry.get("fa1").hbm_bytes(b, h, n, n, d, 64, 64, False, 2) == b * h * (
         2 * (per["fa1"]["total"] - fa1_fp32) + 4 * fa1_fp32)
-    causal, full = (iomodel.hbm_bytes("fa2", b, h, n, n, d, 64, 64, c, 2) for c in (True, False))
+    causal, full = (registry.get("fa2").hbm_bytes(b, h, n, n, d, 64, 64, c, 2) for c in (True, False))
     assert causal < full
-    with pytest.raises(ValueError, match="variant"):
-        iomodel.hbm_bytes("fa9", b, h, n, n, d, 64, 64, False, 2)
+    assert registry.get("fa2_fp8").hbm_bytes(b, h, n, n, d, 64, 64, False, 2) == b * h * (
+        per["fa2"]["Q"] + per["fa2"]["K"] + per["fa2"]["V"] + 2 * per["fa2"]["O"] + 4 * per["fa2"]["LSE"])
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_explain_shows_formula_equal_to_count(name):
-    text = iomodel.explain(name, 512, 64, 32_768)
+    text = iomodel.explain(registry.get(name), 512, 64, 32_768)
     total = MODELS[name][1](512, 512, 64, *iomodel.paper_blocks(32_768, 64))["total"]
     line = next(ln for ln in text.splitlines() if ln.startswith("total"))
     assert line.split()[1:] == [f"{total:,}", f"{total:,}"]

@@ -9,18 +9,12 @@ import shutil
 import pytest
 
 from fa_variants import jit, registry
-from fa_variants.kernels import compile_units
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 def _sources():
     return sorted(p.name for p in jit.cuda_src_dir().glob("*.cu"))
-
-
-def _launcher_missing(v) -> str | None:
-    mod = f"fa_variants.kernels.{v.launcher}"
-    return None if importlib.util.find_spec(mod) is not None else mod
 
 
 @pytest.fixture
@@ -59,21 +53,15 @@ def test_flatten_nested_and_repeated_includes_once(src_copy):
 # ----------------------------------------------------------------------------------------------- compile
 def _compile_cases():
     for v in registry.variants():
-        missing = _launcher_missing(v)
         for arch in v.archs:
-            marks = ()
-            if missing:
-                marks = pytest.mark.xfail(raises=ModuleNotFoundError, strict=True,
-                                          reason=f"launcher module {missing} does not exist yet")
-            yield pytest.param(v, arch, id=f"{v.name}-{arch}", marks=marks)
+            yield pytest.param(v, arch, id=f"{v.name}-{arch}")
 
 
 @pytest.mark.parametrize("variant, arch", list(_compile_cases()))
 def test_every_specialization_compiles_without_spills(variant, arch):
-    mod = variant.kernels  # ModuleNotFoundError while the launcher is not written yet (xfail above)
-    for source, exprs in compile_units(mod, arch).items():
-        assert exprs, f"{variant.launcher}: no instances of {source}"
-        compiled = jit.compile_source(source, exprs, arch, tuple(getattr(mod, "OPTIONS", ())))
+    for source, exprs in variant.launcher.compile_units(arch).items():
+        assert exprs, f"{variant.name}: no instances of {source}"
+        compiled = jit.compile_source(source, exprs, arch)
         assert compiled.cubin, "empty cubin"
         reports = {r.kernel: r for r in compiled.reports()}
         missing = [e for e in exprs if e not in reports]
@@ -87,12 +75,13 @@ def test_every_specialization_compiles_without_spills(variant, arch):
 def test_a_source_is_compiled_only_for_the_archs_it_names():
     """fa2_fp8's wgmma source is sm_90a-only; its mma.sync source and the quantizers go to every arch it lists.
     Every .cu of cuda_src is some launcher's unit for at least one arch (none is left uncompiled)."""
-    mod = registry.get("fa2_fp8").kernels
-    assert set(compile_units(mod, "sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE}
-    assert set(compile_units(mod, "sm_90a")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.SM90_SOURCE}
-    for source, archs in getattr(mod, "SOURCE_ARCHS", {}).items():
+    from fa_variants.kernels import fa2_fp8 as mod
+    launcher = registry.get("fa2_fp8").launcher
+    assert set(launcher.compile_units("sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE}
+    assert set(launcher.compile_units("sm_90a")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.SM90_SOURCE}
+    for source, archs in mod.SOURCE_ARCHS.items():
         assert set(archs) <= set(registry.get("fa2_fp8").archs), f"{source}: an arch the entry does not build"
-    used = {s for v in registry.variants() for a in v.archs for s in compile_units(v.kernels, a)}
+    used = {s for v in registry.variants() for a in v.archs for s in v.launcher.compile_units(a)}
     assert used == set(_sources()), f"sources no launcher compiles: {set(_sources()) - used}"
 
 

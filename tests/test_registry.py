@@ -9,6 +9,7 @@ import pytest
 
 import fa_variants as fav
 from fa_variants import jit, registry
+from fa_variants.kernels import Launcher
 from conftest import has_gpu
 
 ENTRIES = registry.variants()
@@ -51,14 +52,15 @@ def test_entry_fields(v):
     assert isinstance(v.dtypes, tuple) and v.dtypes, v.dtypes
     for dt in v.dtypes:
         assert _numpy_dtype(dt).name == dt, f"{dt!r} is not a dtype name NumPy/ml_dtypes knows"
-    if v.head_dims is not None:
-        assert isinstance(v.head_dims, tuple) and v.head_dims
-        assert all(isinstance(d, int) and d > 0 for d in v.head_dims), v.head_dims
-        assert list(v.head_dims) == sorted(set(v.head_dims)), v.head_dims
+    assert isinstance(v.head_dims, range) and v.head_dims and v.head_dims.start >= 1 and v.head_dims[-1] == 256
+    assert set(v.directions) <= set(registry.DIRECTIONS) and "forward" in v.directions
+    assert all(isinstance(n, int) and n in (1, 2, 4) for n in v.tensor_bytes.values()), v.tensor_bytes
+    assert isinstance(v.loops, str) and ("for" in v.loops or v.name == "naive")
     assert isinstance(v.min_cc, int) and v.min_cc >= 80, v.min_cc
     assert callable(v.reference), v.reference
     assert callable(v.io_model), v.io_model
-    assert isinstance(v.launcher, str) and re.fullmatch(r"[a-z_][a-z0-9_]*", v.launcher), v.launcher
+    assert isinstance(v.launcher, Launcher), f"{v.name}: launcher {v.launcher!r} lacks the Launcher interface"
+    assert v.launcher.compile_units(), f"{v.name}: a launcher must compile at least one kernel"
     assert v.archs, "an entry must name the archs `fa-variants build` compiles"
     for arch in v.archs:
         assert jit.normalize_arch(arch) == arch
@@ -69,11 +71,36 @@ def test_entry_fields(v):
 @pytest.mark.parametrize("v", ENTRIES, ids=IDS)
 def test_supports_agrees_with_fields(v):
     dt = v.dtypes[0]
-    assert v.supports(dt, (v.head_dims or (64,))[0])
-    assert not v.supports("float32", (v.head_dims or (64,))[0])
-    if v.head_dims is not None:
-        missing = next(d for d in (48, 72, 100, 512) if d not in v.head_dims)
-        assert not v.supports(dt, missing)
+    assert v.supports(dt, v.head_dims[0]) and v.supports(dt, 256)
+    assert not v.supports("float32", v.head_dims[0])
+    assert not v.supports(dt, 0) and not v.supports(dt, 257) and not v.supports(dt, 512)
+    assert v.head_dims_text in repr(v)
+
+
+def test_variants_print_readably():
+    text = repr(fav.variants())
+    for v in ENTRIES:
+        assert v.name in text and v.head_dims_text in text
+    assert "0x" not in text and "function" not in text, "no function addresses in the listing"
+    assert ("runs here" in text) or ("not here" in text)
+
+
+def test_registry_does_not_import_api():
+    """api imports the registry; the registry (and the launchers it imports) never import api: no cycle."""
+    import ast
+    import inspect
+    for mod in (registry, *[inspect.getmodule(v.launcher.forward_fn) for v in ENTRIES]):
+        tree = ast.parse(inspect.getsource(mod))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+                   {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m == "api" or m.endswith(".api") for m in imported), f"{mod.__name__} imports api"
+
+
+def test_one_gpu_probe():
+    from fa_variants import gpu
+    p = gpu.probe()
+    assert p.ok == (p.cc is not None) and (p.ok or p.reason)
+    assert gpu.available() == p.ok
 
 
 @pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present")

@@ -1,22 +1,52 @@
-"""One launcher per variant. Each module defines:
+"""One launcher per variant, each an object with the ``Launcher`` interface (its module builds it as ``LAUNCHER``).
 
-    SOURCE                      the .cu file in cuda_src/
-    specializations()           every template instance of SOURCE that `fa-variants build` compiles
-    SOURCES (optional)          {source: instances} when the variant needs more than one .cu (fa2_fp8's quantizer)
-    SOURCE_ARCHS (optional)     {source: archs} for a source that only some archs can compile (wgmma: sm_90a)
-    tiles(head_dim)             (block_q, block_k) the kernel uses: what the IO model is evaluated with
-    forward(q, k, v, *, causal, softmax_scale, return_lse) -> (out, lse or None)
-                                on validated CuPy arrays, on the current stream
-    extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize)
-                                device memory allocated beyond the output and the LSE
+A launcher works on validated CuPy arrays, on the current stream; ``fa_variants.api`` does the validation and
+the conversions. Importing a launcher module needs no GPU and no CuPy: they are imported when a kernel launches.
 """
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Protocol, runtime_checkable
 
 
-def compile_units(mod, arch: str | None = None) -> dict:
-    """{source file: template instances} that make up a launcher for ``arch`` (all archs when None): what `build`
-    and the tests compile."""
-    units = {mod.SOURCE: tuple(mod.specializations())}
-    for source, exprs in getattr(mod, "SOURCES", {}).items():
-        units[source] = units.get(source, ()) + tuple(exprs)
-    only = getattr(mod, "SOURCE_ARCHS", {})
-    return {s: e for s, e in units.items() if arch is None or s not in only or arch in only[s]}
+@runtime_checkable
+class Launcher(Protocol):
+    """What the registry, the API, the CLI and the tests may ask of a variant's GPU side."""
+
+    def forward(self, q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool) -> tuple:
+        """(out, lse or None) for validated CuPy q, k, v, on the current stream."""
+
+    def tiles(self, head_dim: int) -> tuple[int, int]:
+        """(block_q, block_k) the kernel uses at this head dim on this device: what the IO model is run with."""
+
+    def compile_units(self, arch: str | None = None) -> dict[str, tuple[str, ...]]:
+        """{source file in cuda_src/: template instances} that make up this launcher for ``arch`` (every arch
+        when None): what `fa-variants build` and the NVRTC tests compile."""
+
+    def extra_bytes(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, itemsize: int = 2,
+                    heads_kv: int | None = None) -> int:
+        """Device memory allocated beyond the output and the LSE."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLauncher:
+    """The ``Launcher`` a kernel module builds from its functions: sources and their instances, per-arch
+    restrictions (a wgmma source only for sm_90a), tile choice, launch, extra memory."""
+    sources: Callable[[], Mapping[str, tuple[str, ...]]]       # {source: instances}, every arch
+    forward_fn: Callable
+    tiles_fn: Callable[[int], tuple]
+    extra_bytes_fn: Callable
+    source_archs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def forward(self, q, k, v, *, causal, softmax_scale, return_lse):
+        return self.forward_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+    def tiles(self, head_dim):
+        return tuple(self.tiles_fn(head_dim))[:2]
+
+    def compile_units(self, arch=None):
+        return {s: tuple(e) for s, e in self.sources().items()
+                if arch is None or s not in self.source_archs or arch in self.source_archs[s]}
+
+    def extra_bytes(self, batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
+        return self.extra_bytes_fn(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize, heads_kv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
+from . import KernelLauncher
 from .common import CTYPE, cdiv, check_grid, prepare, scale_log2, tile_lookup
 
 SOURCE = "fa2_fwd.cu"
@@ -58,3 +59,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
                                 np.int32(L.heads // L.heads_kv), np.float32(scale_log2(softmax_scale)),
                                 np.int32(bool(causal))), shared_mem=smem)
     return L.out, (L.lse if return_lse else None)
+
+
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations()}, forward_fn=forward, tiles_fn=tiles,
+                          extra_bytes_fn=extra_bytes)

@@ -10,7 +10,8 @@ import os
 
 import numpy as np
 
-from .. import jit
+from .. import gpu, jit
+from . import KernelLauncher
 from .common import CTYPE, cdiv, check_grid, ensure_vector_aligned, pick_tiles, scale_log2
 
 SOURCE = "fa2_fp8_fwd.cu"
@@ -49,9 +50,8 @@ def uses_wgmma() -> bool:
     """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
     if os.environ.get("FA_VARIANTS_FP8_KERNEL", "").replace(".", "_") == "mma_sync":
         return False
-    from ..registry import _device_cc
-    cc = _device_cc()
-    return isinstance(cc, str) or cc == 90
+    cc = gpu.compute_capability()
+    return cc is None or cc == 90
 
 
 def config(head_dim: int, limit=None):
@@ -198,3 +198,7 @@ def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_
 def forward(q, k, v, *, causal, softmax_scale, return_lse):
     qz = quantize(q, k, v)
     return attention_quantized(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), **SOURCES}, forward_fn=forward,
+                          tiles_fn=tiles, extra_bytes_fn=extra_bytes, source_archs=SOURCE_ARCHS)

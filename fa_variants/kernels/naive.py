@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 from .. import jit
+from . import KernelLauncher
 from .common import scale_log2
 
 SOURCE = "naive_softmax.cu"
@@ -65,3 +66,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     o = cupy.matmul(s, vf)                                                # (b, hkv, g, nq, d)
     out = o.reshape(b, h, nq, d).transpose(0, 2, 1, 3).astype(q.dtype)
     return cupy.ascontiguousarray(out), (lse if return_lse else None)
+
+
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations()}, forward_fn=forward, tiles_fn=tiles,
+                          extra_bytes_fn=extra_bytes)
