@@ -1,35 +1,54 @@
-"""``fa-variants``: compare the variants on this machine, explain their HBM traffic, build every kernel.
+"""``fa-variants``: compare the variants on this machine, explain their HBM traffic, build every kernel, profile
+their DRAM traffic.
 
     fa-variants compare [--batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bfloat16 --causal ...]
-    fa-variants explain fa2 [--seqlen 4096 --head-dim 128 --sram 32768]
+    fa-variants explain fa2 [--seqlen 4096 --head-dim 128] [--paper-blocks [--sram 32768] | --blocks 128x64]
     fa-variants build [--arch 80,86,89,90a] [--variants fa1,fa2]
+    fa-variants profile [shape flags of compare] [--variants fa2]     (needs a GPU and Nsight Compute's ncu)
 
 The report goes to stdout; progress lines go to stderr. ``python -m fa_variants.cli`` works without installing.
+One shape means the same problem with and without a GPU: without one, ``compare`` runs the NumPy models, scaled
+down to a CPU-sized version of that shape unless ``--full-size`` (the first line says which shape ran).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import math
 import os
 import sys
 import time
 import traceback
+from typing import Sequence
 
+import ml_dtypes
 import numpy as np
 from tabulate import tabulate
 
-from . import iomodel, jit, timing
+from . import __version__, arrays, gpu, iomodel, jit, timing
 from .api import attention
+from .reference.common import DEFAULT_SRAM, paper_blocks
 from .reference.dense import attention64, pick_pairs, rel_error
-from .registry import VARIANTS, get, variants
+from .registry import VARIANTS, Variant, get, variants
 
-CPU_SHAPE = dict(batch=1, heads=2, seqlen=256, head_dim=64)
-GPU_SHAPE = dict(batch=4, heads=16, seqlen=4096, head_dim=128)
+# One default shape, with and without a GPU (what `fa-variants compare` means does not depend on the machine).
+SHAPE_DEFAULTS = dict(batch=4, heads=16, seqlen=4096, head_dim=128)
+GPU_SHAPE = SHAPE_DEFAULTS  # (the name older code used)
+# Without a GPU the NumPy models run a scaled-down version of the shape (unless --full-size) when it exceeds
+# either budget: B*H*Nq*Nk*d (the models' arithmetic: about a second for all four variants at the limit) and
+# B*H*Nq*Nk (naive's model holds a few float64 arrays of the scores).
+CPU_WORK_BUDGET = 2**29
+CPU_SCORES_BUDGET = 2**23
 REF_FLOP_BUDGET_GPU = 2e12      # float64 FLOPs spent on the reference before falling back to a subset of heads
 REF_FLOP_BUDGET_CPU = 2e10
+# explain runs the NumPy model once; more (B_r x B_c) block pairs than this would take minutes in Python loops
+EXPLAIN_MAX_BLOCK_PAIRS = 1 << 18
 # failures that are a statement about the problem size, not a bug: reported in the table, exit code stays 0
 EXPECTED_FAILURES = (MemoryError,)
+_HALF = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+_CUDA_MODULES = ("cupy", "cupy_backends", "cuda", "fastrlock")
+_INSTALL_HINT = 'install CuPy with the cuda extra: pip install "fa-variants[cuda12]" (or [cuda13] for a CUDA 13 driver)'
 
 
 def _progress(msg: str) -> None:
@@ -41,26 +60,13 @@ def _err_text(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _gpu_reason() -> str:
-    """'' when a CUDA device is usable through CuPy, else why not."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001
-        return f"CuPy is not importable ({type(e).__name__})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001
-        return f"no usable CUDA driver/device ({type(e).__name__})"
-    return "" if n > 0 else "no CUDA device"
-
-
-def _parse_variants(text: str | None) -> list:
+def _parse_variants(text: str | None, command: str = "compare") -> list[Variant]:
     if not text:
-        return variants()
+        return list(variants())
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"fa-variants: unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    if unknown or not names:
+        raise SystemExit(f"fa-variants {command}: unknown variant(s) {unknown or [text]}; choose from {sorted(VARIANTS)}")
     return [get(n) for n in names]
 
 
@@ -70,24 +76,135 @@ def _fmt(x, spec: str, missing: str = "") -> str:
     return format(x, spec)
 
 
-# ------------------------------------------------------------------------------------------------ compare
-def _shape_from_args(args, defaults) -> timing.Shape:
-    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]  # noqa: E731
-    return timing.Shape(batch=pick("batch"), heads=pick("heads"), seqlen_q=pick("seqlen"), head_dim=pick("head_dim"),
+# ------------------------------------------------------------------------------------------------ argument types
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
+
+
+def _blocks_arg(text: str) -> tuple[int, int]:
+    """'128x64' (or 128,64) -> (128, 64)."""
+    parts = text.lower().replace(",", "x").split("x")
+    try:
+        b_r, b_c = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BRxBC such as 128x64, got {text!r}") from None
+    if b_r < 1 or b_c < 1:
+        raise argparse.ArgumentTypeError(f"block sizes must be >= 1, got {text!r}")
+    return b_r, b_c
+
+
+# ------------------------------------------------------------------------------------------------ blocks
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The one block-size choice of ``compare``, ``explain`` and ``profile`` for the IO model (and the NumPy
+    models): each kernel's tiles (default), the paper's blocks for ``sram`` elements, or ``given`` for all."""
+    mode: str = "kernel"                      # "kernel" | "paper" | "given"
+    sram: int = DEFAULT_SRAM
+    given: tuple[int, int] | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Blocks":
+        if getattr(args, "blocks", None):
+            return cls("given", args.sram, tuple(args.blocks))
+        return cls("paper" if getattr(args, "paper_blocks", False) else "kernel", args.sram)
+
+    def pick(self, entry: Variant, head_dim: int) -> tuple[tuple[int | None, int | None], str]:
+        """((B_r, B_c), source) for ``entry`` at ``head_dim``: source is "kernel", "paper", "given", "fallback"
+        (the paper's, because the launcher has no tiles at this head dim) or "untiled" (blocks (None, None))."""
+        if _untiled(entry, head_dim):
+            return (None, None), "untiled"
+        if self.mode == "given":
+            return self.given, "given"
+        if self.mode == "paper":
+            return paper_blocks(self.sram, head_dim), "paper"
+        try:
+            b_r, b_c = entry.launcher.tiles(head_dim)
+        except Exception:  # noqa: BLE001 - a head dim the launcher has no tiles for (yet): the paper's, said so
+            return paper_blocks(self.sram, head_dim), "fallback"
+        return (int(b_r), int(b_c)), "kernel"
+
+    def source_text(self, source: str, entry: Variant, head_dim: int) -> str:
+        """Where ``pick``'s blocks come from, in words."""
+        where = "this GPU" if gpu.available() else "an H200 (no GPU here)"
+        return {
+            "kernel": f"{entry.name}'s kernel tiles at d={head_dim}, as its launcher picks them on {where}",
+            "paper": f"the paper's blocks for M={self.sram} elements (B_c = ceil(M/4d), B_r = min(B_c, d))",
+            "given": "given by --blocks",
+            "fallback": f"the paper's blocks for M={self.sram} elements: {entry.name}'s launcher has no tiles "
+                        f"at d={head_dim}",
+            "untiled": f"none: {entry.name} does not tile",
+        }[source]
+
+    def describe(self) -> str:
+        """The choice for every variant, in words (the notes under compare's and profile's tables)."""
+        if self.mode == "given":
+            return f"B_r x B_c = {self.given[0]}x{self.given[1]} for every tiled variant (--blocks)"
+        if self.mode == "paper":
+            return (f"the paper's blocks for M = {self.sram} elements: B_c = ceil(M/4d), B_r = min(B_c, d) "
+                    f"(--paper-blocks)")
+        where = "this GPU" if gpu.available() else "an H200 (no GPU here)"
+        return (f"each kernel's tiles, as its launcher picks them on {where} (the paper's blocks where a "
+                f"launcher has none); --paper-blocks (with --sram) or --blocks BRxBC for others")
+
+
+_SOURCE_TAG = {"kernel": "", "untiled": "", "paper": " (paper)", "given": " (--blocks)",
+               "fallback": " (paper: no kernel tiles)"}
+
+
+def _untiled(entry: Variant, head_dim: int) -> bool:
+    try:
+        return tuple(entry.launcher.tiles(head_dim)) == (None, None)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _blocks_text(blocks) -> str:
+    return "—" if blocks is None or blocks[0] is None else f"{blocks[0]}x{blocks[1]}"
+
+
+def _add_block_args(p: argparse.ArgumentParser, sram_help: str) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--paper-blocks", action="store_true",
+                   help="the IO model with the paper's blocks for --sram instead of each kernel's tiles")
+    g.add_argument("--blocks", type=_blocks_arg, metavar="BRxBC",
+                   help="the IO model with these blocks (e.g. 128x64) instead of each kernel's tiles")
+    p.add_argument("--sram", type=_positive, default=getattr(iomodel, "DEFAULT_SRAM", DEFAULT_SRAM),
+                   help=sram_help + " (default %(default)s)")
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+def _default_heads(heads_kv: int | None) -> int:
+    """16, or the smallest multiple of --heads-kv that is at least 16."""
+    base = SHAPE_DEFAULTS["heads"]
+    return base if heads_kv is None else heads_kv * math.ceil(base / heads_kv)
+
+
+def _shape_from_args(args: argparse.Namespace) -> timing.Shape:
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else SHAPE_DEFAULTS[name]  # noqa: E731
+    heads = args.heads if args.heads is not None else _default_heads(args.heads_kv)
+    return timing.Shape(batch=pick("batch"), heads=heads, seqlen_q=pick("seqlen"), head_dim=pick("head_dim"),
                         dtype=args.dtype, causal=bool(args.causal), heads_kv=args.heads_kv, seqlen_k=args.seqlen_k)
 
 
-def _check_shape(shape: timing.Shape) -> None:
-    for name, val in (("batch", shape.batch), ("heads", shape.heads), ("seqlen", shape.seqlen_q),
-                      ("seqlen-k", shape.nk), ("head-dim", shape.head_dim), ("heads-kv", shape.hkv)):
-        if val < 1:
-            raise SystemExit(f"fa-variants compare: --{name} must be >= 1, got {val}")
-    if shape.heads % shape.hkv:
-        raise SystemExit(f"fa-variants compare: --heads ({shape.heads}) must be a multiple of --heads-kv ({shape.hkv})")
+def _explicit_shape(args: argparse.Namespace) -> bool:
+    return any(getattr(args, n, None) is not None for n in ("batch", "heads", "heads_kv", "seqlen", "seqlen_k", "head_dim"))
 
 
 def _describe(shape: timing.Shape) -> str:
-    s = (f"B={shape.batch}, H={shape.heads}, N={shape.seqlen_q}, d={shape.head_dim}")
+    s = f"B={shape.batch}, H={shape.heads}, N={shape.seqlen_q}, d={shape.head_dim}"
     if shape.hkv != shape.heads:
         s += f", H_kv={shape.hkv}"
     if shape.nk != shape.seqlen_q:
@@ -95,53 +212,128 @@ def _describe(shape: timing.Shape) -> str:
     return s
 
 
-def _unsupported(entry, shape) -> str:
-    if not entry.supports(shape.dtype, shape.head_dim):
-        return (f"does not take {shape.dtype} with head_dim {shape.head_dim} (dtypes {list(entry.dtypes)}, "
-                f"head dims {entry.head_dims_text})")
+def refusal(entry: Variant, shape: timing.Shape) -> str:
+    """'' when ``fav.attention`` takes ``shape`` for ``entry``, else its own error message.
+
+    The check is attention()'s: ``arrays.check_shapes`` on zero-stride NumPy stand-ins of q, k, v (no memory)."""
+    for name, val in (("batch", shape.batch), ("heads", shape.heads), ("heads_kv", shape.hkv),
+                      ("seqlen", shape.seqlen_q), ("seqlen_k", shape.nk), ("head_dim", shape.head_dim)):
+        if val < 1:
+            return f"{name} must be >= 1, got {val}"
+    if shape.dtype not in _HALF:
+        return f"variant {entry.name!r} accepts dtypes {list(entry.dtypes)}, got {shape.dtype}"
+    dt = np.dtype(_HALF[shape.dtype])
+
+    def stand_in(n, h):
+        return np.lib.stride_tricks.as_strided(np.zeros(shape.head_dim, dt), (shape.batch, n, h, shape.head_dim),
+                                               (0, 0, 0, dt.itemsize), writeable=False)
+
+    try:
+        inp = arrays.Inputs(stand_in(shape.seqlen_q, shape.heads), stand_in(shape.nk, shape.hkv),
+                            stand_in(shape.nk, shape.hkv), on_gpu=False, wrap=None)
+        arrays.check_shapes(inp, entry)
+    except (TypeError, ValueError) as e:
+        return str(e)
     return ""
 
 
-def _modeled_hbm(entry, shape, tiles) -> float | None:
+def _validate(command: str, chosen: list[Variant], shape: timing.Shape, explicit: bool) -> tuple[list[Variant], list[str]]:
+    """The variants that take ``shape``, and notes on those left out. A variant named with --variants that
+    ``fav.attention`` would refuse ends the command (one line, non-zero exit); from the default list it is
+    left out with a note, unless none is left."""
+    if shape.heads % shape.hkv:
+        raise SystemExit(f"fa-variants {command}: --heads ({shape.heads}) must be a multiple of --heads-kv ({shape.hkv})")
+    kept, notes, refused = [], [], []
+    for entry in chosen:
+        why = refusal(entry, shape)
+        if not why:
+            kept.append(entry)
+        elif explicit:
+            raise SystemExit(f"fa-variants {command}: fav.attention refuses this shape: {why}")
+        else:
+            refused.append(why)
+            notes.append(f"{entry.name} not run: {why}")
+    if not kept:
+        text = f"fa-variants {command}: no variant takes this shape: {'; '.join(refused)}"
+        raise SystemExit(text if len(text) <= 300 else text[:297] + "...")
+    return kept, notes
+
+
+def _cost(shape: timing.Shape) -> tuple[int, int]:
+    scores = shape.batch * shape.heads * shape.seqlen_q * shape.nk
+    return scores * shape.head_dim, scores
+
+
+def _fits_cpu(shape: timing.Shape) -> bool:
+    work, scores = _cost(shape)
+    return work <= CPU_WORK_BUDGET and scores <= CPU_SCORES_BUDGET
+
+
+def cpu_sized(shape: timing.Shape) -> timing.Shape:
+    """``shape`` when the NumPy models can run it in about a second, else a smaller problem of the same kind:
+    batch 1, a few heads (GQA kept as GQA), Nq and Nk halved together; head_dim, dtype and causality kept."""
+    if _fits_cpu(shape):
+        return shape
+    group = shape.heads // shape.hkv
+    hkv = 1 if group > 1 else min(shape.hkv, 2)
+    heads = hkv * min(group, 4)
+    nq, nk = shape.seqlen_q, shape.nk
+
+    def make(nq, nk):
+        return dataclasses.replace(shape, batch=1, heads=heads, heads_kv=None if hkv == heads else hkv,
+                                   seqlen_q=nq, seqlen_k=None if nk == nq else nk)
+
+    while not _fits_cpu(make(nq, nk)) and max(nq, nk) > 1:
+        nq, nk = max(1, (nq + 1) // 2), max(1, (nk + 1) // 2)
+    return make(nq, nk)
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def _modeled_hbm(entry: Variant, shape: timing.Shape, blocks) -> float | None:
     try:
-        bq, bk = tiles
+        bq, bk = blocks
         return entry.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
                                bq, bk, shape.causal, shape.itemsize)
     except Exception:  # noqa: BLE001 - no model for this variant (yet): leave the cell empty
         return None
 
 
-def cmd_compare(args) -> int:
+def cmd_compare(args: argparse.Namespace) -> int:
     if args.dtype == "fp8":  # the FP8 comparison: fa2_fp8 on bf16 inputs (quantized on the fly) beside bf16 fa2
         args.dtype = "bfloat16"
         args.variants = args.variants or "fa2,fa2_fp8"
     chosen = _parse_variants(args.variants)
-    why_no_gpu = "forced by --numpy" if args.numpy else _gpu_reason()
+    why_no_gpu = "forced by --numpy" if args.numpy else gpu.reason()
     if why_no_gpu:
         return _compare_numpy(args, chosen, why_no_gpu)
     return _compare_gpu(args, chosen)
 
 
-def _compare_numpy(args, chosen, why) -> int:
-    explicit = any(getattr(args, n) is not None for n in CPU_SHAPE)
-    shape = _shape_from_args(args, CPU_SHAPE)
-    _check_shape(shape)
-    size = _describe(shape)
-    lead = "no CUDA GPU" if why != "forced by --numpy" else "--numpy"
-    print(f"{lead}: running the NumPy models at {'the requested' if explicit else 'a small'} size ({size})"
-          + ("" if lead == "--numpy" else f" [{why}]"))
+def _compare_numpy(args: argparse.Namespace, chosen: list[Variant], why: str) -> int:
+    asked = _shape_from_args(args)
+    chosen, notes = _validate("compare", chosen, asked, explicit=bool(args.variants))
+    shape = asked if args.full_size else cpu_sized(asked)
+    blocks = Blocks.from_args(args)
+    lead = "--numpy" if why == "forced by --numpy" else "no CUDA GPU"
+    reason = "" if lead == "--numpy" else f" [{why}]"
+    if shape == asked:
+        which = "the requested" if _explicit_shape(args) else "the default"
+        print(f"{lead}: running the NumPy models at {which} size ({_describe(shape)}){reason}")
+    else:
+        print(f"{lead}: running the NumPy models at a CPU-sized shape ({_describe(shape)}) instead of "
+              f"{_describe(asked)} (--full-size runs that, slowly){reason}")
     print(f"dtype {shape.dtype}, {'causal (bottom-right)' if shape.causal else 'not causal'}; "
           f"the models compute in float64 on the CPU")
     q, k, v = timing.random_inputs(shape, np, seed=args.seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
     pairs = pick_pairs(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim, REF_FLOP_BUDGET_CPU)
     ref, _ = attention64(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
-    rows, notes, failed = [], [], False
+    rows, failed = [], False
     for i, entry in enumerate(chosen, 1):
         _progress(f"[{i}/{len(chosen)}] {entry.name} (NumPy model)")
-        blocks, source = _model_blocks(entry, shape.head_dim)
+        (b_r, b_c), source = blocks.pick(entry, shape.head_dim)
         try:
-            kw = {} if blocks == (None, None) or blocks is None else dict(block_q=blocks[0], block_k=blocks[1])
+            kw = {} if b_r is None else dict(block_q=b_r, block_k=b_c)
             t0 = time.perf_counter()
             res = entry.reference(q, k, v, causal=shape.causal, softmax_scale=scale, **kw)
             wall = (time.perf_counter() - t0) * 1e3
@@ -153,34 +345,30 @@ def _compare_numpy(args, chosen, why) -> int:
                 formula = per_head["total"] * shape.batch * shape.heads
             except Exception:  # noqa: BLE001
                 formula = None
-            blk = "—" if used == (None, None) else f"{used[0]}x{used[1]}" + ("" if source == "kernel" else f" ({source})")
+            blk = _blocks_text(used) + ("" if used[0] is None else _SOURCE_TAG[source])
             rows.append([entry.name, blk, f"{wall:.1f}", f"{err:.1e}", f"{counted / 1e6:.3f}",
                          _fmt(None if formula is None else formula / 1e6, ".3f", "n/a")])
         except Exception as e:  # noqa: BLE001
             failed |= not isinstance(e, EXPECTED_FAILURES)
+            if args.verbose:
+                traceback.print_exc()
             rows.append([entry.name, "", "", f"error: {_err_text(e)}", "", ""])
     print(tabulate(rows, headers=["variant", "blocks B_r x B_c", "time (CPU, ms)", "rel. error",
                                   "HBM accesses counted (M elem.)", "formula (M elem.)"],
                    tablefmt="github", disable_numparse=True))
-    notes.append("time: wall clock of the NumPy model on the CPU (not a GPU number)")
-    notes.append("rel. error: ||out - ref|| / ||ref|| against a direct float64 computation on the same inputs"
-                 + _subset_note(pairs, shape))
-    notes.append("HBM accesses: element reads + writes the model counts (every batch and head), beside the "
-                 "closed-form count of fa_variants.iomodel; `fa-variants explain <variant>` shows the breakdown")
+    notes = [
+        "time: wall clock of the NumPy model on the CPU (not a GPU number)",
+        "rel. error: ||out - ref|| / ||ref|| against a direct float64 computation on the same inputs"
+        + _subset_note(pairs, shape),
+        "HBM accesses: element reads + writes the model counts (every batch and head), beside the closed-form "
+        "count of fa_variants.iomodel; `fa-variants explain <variant>` shows the breakdown",
+        f"blocks: {blocks.describe()}",
+    ] + notes
     _print_notes(notes)
     return 1 if failed else 0
 
 
-def _model_blocks(entry, head_dim):
-    """(blocks, where they come from): the launcher's tiles when importable, else the model's defaults."""
-    try:
-        t = entry.launcher.tiles(head_dim)
-        return t, "kernel"
-    except Exception:  # noqa: BLE001 - launcher missing or head dim it does not tile
-        return None, "model default"
-
-
-def _subset_note(pairs, shape) -> str:
+def _subset_note(pairs, shape: timing.Shape) -> str:
     total = shape.batch * shape.heads
     if len(pairs) == total:
         return ""
@@ -188,20 +376,19 @@ def _subset_note(pairs, shape) -> str:
             f"(the full float64 reference would cost too much)")
 
 
-def _print_notes(notes):
+def _print_notes(notes: Sequence[str]) -> None:
     for i, n in enumerate(notes, 1):
         print(f"  [{i}] {n}")
 
 
-def _compare_gpu(args, chosen) -> int:
+def _compare_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
     import cupy
 
-    shape = _shape_from_args(args, GPU_SHAPE)
-    _check_shape(shape)
+    shape = _shape_from_args(args)
+    chosen, skipped = _validate("compare", chosen, shape, explicit=bool(args.variants))
+    blocks = Blocks.from_args(args)
     dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"GPU: {name} (compute capability {dev.compute_capability}), CuPy {cupy.__version__}, "
+    print(f"GPU: {gpu.probe().name} (compute capability {dev.compute_capability}), CuPy {cupy.__version__}, "
           f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}")
     print(f"shape {_describe(shape)}, {shape.dtype}, {'causal (bottom-right)' if shape.causal else 'not causal'}; "
           f"{shape.flops / 1e12:.3f} TFLOP per call by the 4BHNqNkd{'/2' if shape.causal else ''} convention")
@@ -221,13 +408,12 @@ def _compare_gpu(args, chosen) -> int:
         torch_why = timing.torch_sdpa_unsupported(shape)
         torch = None
     peers = list(timing.TORCH_BACKENDS) if torch is not None else []
-    todo = [e for e in chosen] + peers
+    todo = list(chosen) + peers
     for i, item in enumerate(todo, 1):
         label = item if isinstance(item, str) else item.name
         if not isinstance(item, str):
             ok, why = item.available()
-            why = why or _unsupported(item, shape)
-            if not ok or why:
+            if not ok:
                 unavailable.append((label, why))
                 continue
         _progress(f"[{i}/{len(todo)}] {label} ...")
@@ -235,7 +421,7 @@ def _compare_gpu(args, chosen) -> int:
             if isinstance(item, str):
                 r = _run_torch(torch, item, shape, scale, sets, ref, pairs, args)
             else:
-                r = _run_variant(item, shape, scale, sets, ref, pairs, args)
+                r = _run_variant(item, shape, scale, sets, ref, pairs, args, blocks)
             results.append(r)
         except Exception as e:  # noqa: BLE001 - our variants' failures set the exit code; a peer's do not
             failed |= not isinstance(item, str) and not isinstance(e, EXPECTED_FAILURES)
@@ -248,17 +434,22 @@ def _compare_gpu(args, chosen) -> int:
                 torch.cuda.empty_cache()
 
     ref_ms = {r["variant"]: r["ms"] for r in results if "ms" in r}
-    headers = ["variant", "tiles", "time (ms)", "TFLOP/s", "rel. error", "HBM model (GB)", "extra mem (MB)"]
+    model_col = blocks.mode != "kernel"
+    headers = ["variant", "tiles", "time (ms)", "TFLOP/s", "rel. error", "HBM model (GB)"]
+    headers += ["model blocks"] if model_col else []
+    headers += ["extra mem (MB)"]
     ratio_cols = [p for p in peers if p in ref_ms]
     headers += [f"x {p}" for p in ratio_cols]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["variant"], "", "", "", f"error: {r['error']}", "", ""] + [""] * len(ratio_cols))
+            rows.append([r["variant"], "", "", "", f"error: {r['error']}", ""] + [""] * model_col + [""]
+                        + [""] * len(ratio_cols))
             continue
-        row = [r["variant"], r.get("tiles", "—"), f"{r['ms']:.3f}", f"{timing.tflops(shape.flops, r['ms']):.1f}", f"{r['err']:.1e}",
-               _fmt(None if r.get("hbm") is None else r["hbm"] / 1e9, ".3f", "—"),
-               _fmt(None if r.get("extra") is None else r["extra"] / 2**20, ".1f", "—") + r.get("extra_how", "")]
+        row = [r["variant"], r.get("tiles", "—"), f"{r['ms']:.3f}", f"{timing.tflops(shape.flops, r['ms']):.1f}",
+               f"{r['err']:.1e}", _fmt(None if r.get("hbm") is None else r["hbm"] / 1e9, ".3f", "—")]
+        row += [r.get("model_blocks", "—")] if model_col else []
+        row += [_fmt(None if r.get("extra") is None else r["extra"] / 2**20, ".1f", "—") + r.get("extra_how", "")]
         row += [f"{ref_ms[p] / r['ms']:.2f}" for p in ratio_cols]
         rows.append(row)
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
@@ -270,8 +461,8 @@ def _compare_gpu(args, chosen) -> int:
         f"finds its inputs in L2; a pad kernel before each call keeps host launch overhead out of the events",
         f"TFLOP/s = 4*B*H*Nq*Nk*d / time{', halved for causal' if shape.causal else ''} (the flash-attn convention)",
         "rel. error: ||out - ref|| / ||ref|| against a direct float64 computation on the GPU" + _subset_note(pairs, shape),
-        "HBM model: the papers' closed-form traffic (fa_variants.iomodel) with the kernel's tiles; a model, "
-        "not a measurement (ncu's dram__bytes measures; L2 absorbs part of the K/V re-reads)",
+        f"HBM model: the papers' closed-form traffic (fa_variants.iomodel) with {blocks.describe()}; a model, "
+        "not a measurement (`fa-variants profile` measures with ncu; L2 absorbs part of the K/V re-reads)",
         "extra mem: peak of the memory pool during one call beyond the output and LSE (CuPy pool for our "
         "kernels, torch's caching allocator for SDPA, where the LSE counts as extra); '*' = the launcher's "
         "extra_bytes() where no measurement was possible",
@@ -280,13 +471,14 @@ def _compare_gpu(args, chosen) -> int:
         notes.append("x torch-...: speed relative to that torch SDPA backend on the same inputs (> 1 is faster)")
     if not peers:
         notes.append(f"torch SDPA rows not run: {torch_why}")
+    notes += skipped
     for label, why in unavailable:
         notes.append(f"{label} not run here: {why}")
     _print_notes(notes)
     return 1 if failed or not results else 0
 
 
-def _run_variant(entry, shape, scale, sets, ref, pairs, args) -> dict:
+def _run_variant(entry: Variant, shape, scale, sets, ref, pairs, args, blocks: Blocks) -> dict:
     import cupy
     q, k, v = sets[0]
     extra, how = None, ""
@@ -312,11 +504,13 @@ def _run_variant(entry, shape, scale, sets, ref, pairs, args) -> dict:
 
     times = timing.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=sets)
     try:
-        tiles = entry.launcher.tiles(shape.head_dim)
+        tiles = tuple(entry.launcher.tiles(shape.head_dim))
     except Exception:  # noqa: BLE001
         tiles = (None, None)
-    return dict(variant=entry.name, ms=timing.median(times), err=err, hbm=_modeled_hbm(entry, shape, tiles),
-                extra=extra, extra_how=how, tiles="—" if tiles[0] is None else f"{tiles[0]}x{tiles[1]}")
+    used, source = blocks.pick(entry, shape.head_dim)
+    return dict(variant=entry.name, ms=timing.median(times), err=err, hbm=_modeled_hbm(entry, shape, used),
+                extra=extra, extra_how=how, tiles=_blocks_text(tiles),
+                model_blocks=_blocks_text(used) + _SOURCE_TAG[source])
 
 
 def _run_torch(torch, peer, shape, scale, sets, ref, pairs, args) -> dict:
@@ -338,24 +532,75 @@ def _run_torch(torch, peer, shape, scale, sets, ref, pairs, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ explain
-def cmd_explain(args) -> int:
-    print(iomodel.explain(get(args.variant), args.seqlen, args.head_dim, args.sram))
+def cmd_explain(args: argparse.Namespace) -> int:
+    entry = get(args.variant)
+    n, d = args.seqlen, args.head_dim
+    if d not in entry.head_dims:
+        raise SystemExit(f"fa-variants explain: {entry.name} takes head_dim {entry.head_dims_text}, got {d}")
+    blocks = Blocks.from_args(args)
+    (b_r, b_c), source = blocks.pick(entry, d)
+    if b_r is not None and math.ceil(n / b_r) * math.ceil(n / b_c) > EXPLAIN_MAX_BLOCK_PAIRS:
+        raise SystemExit(f"fa-variants explain: blocks {b_r}x{b_c} at N={n} make {math.ceil(n / b_r) * math.ceil(n / b_c):,} "
+                         f"block pairs, too many for the NumPy model (at most {EXPLAIN_MAX_BLOCK_PAIRS:,}); "
+                         f"use larger blocks or a smaller --seqlen")
+    text = iomodel.explain(entry, n, d, args.sram, blocks=(b_r, b_c))
+    head, _, rest = text.partition("\n")
+    if b_r is None:
+        line = f"(no tiling: {entry.name} materializes S and P; blocks play no part)"
+    else:
+        others = "; --paper-blocks [--sram M] or --blocks BRxBC for others" if source == "kernel" else ""
+        line = f"(blocks {b_r}x{b_c}: {blocks.source_text(source, entry, d)}{others})"
+    print(f"{head}\n{line}\n{rest}")
     return 0
 
 
 # ------------------------------------------------------------------------------------------------ build
-def _build_one(entry, source, expr, arch, options):
+def _build_one(source, expr, arch, options):
     t0 = time.perf_counter()
     compiled = jit.compile_source(source, (expr,), arch, options)
     return compiled, time.perf_counter() - t0
 
 
-def cmd_build(args) -> int:
-    chosen = _parse_variants(args.variants)
+def _build_archs(text: str | None, chosen: list[Variant]) -> list[str] | None:
+    """The archs --arch asks for, normalized; sm_X means sm_Xa where the variants are built only for sm_Xa
+    (Hopper: sm_90 -> sm_90a, said on stderr). An arch that selects no chosen variant ends the command."""
+    if not text:
+        return None
     try:
-        wanted = None if not args.arch else {jit.normalize_arch(a) for a in args.arch.split(",") if a.strip()}
+        asked = [jit.normalize_arch(a) for a in text.split(",") if a.strip()]
     except ValueError as e:
         raise SystemExit(f"fa-variants build: {e}") from None
+    if not asked:
+        raise SystemExit(f"fa-variants build: --arch names no arch: {text!r}")
+    known = {a for e in chosen for a in e.archs}
+    wanted = []
+    for a in asked:
+        if a not in known and a + "a" in known:
+            _progress(f"fa-variants build: {a} means {a}a here: the {a[3:]} kernels are compiled for the "
+                      f"arch-specific target {a}a (Hopper's wgmma and register reallocation exist only there)")
+            a += "a"
+        if a not in wanted:
+            wanted.append(a)
+    none = [a for a in wanted if a not in known]
+    if none:
+        have = sorted(known, key=lambda s: (len(s), s))
+        raise SystemExit(f"fa-variants build: {', '.join(none)} selects no kernel of "
+                         f"{', '.join(e.name for e in chosen)}: they are built for {', '.join(have)}")
+    return wanted
+
+
+def _check_nvrtc() -> tuple[int, int]:
+    try:
+        return jit.nvrtc_version()
+    except ImportError as e:
+        raise SystemExit(f"fa-variants build: NVRTC is not available ({_err_text(e)}); {_INSTALL_HINT}") from None
+    except Exception as e:  # noqa: BLE001 - CuPy present but its NVRTC library missing
+        raise SystemExit(f"fa-variants build: NVRTC is not usable ({_err_text(e)}); {_INSTALL_HINT}") from None
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    chosen = _parse_variants(args.variants, "build")
+    wanted = _build_archs(args.arch, chosen)
     rows, tasks, bad = [], [], False
     for entry in chosen:
         try:
@@ -367,16 +612,19 @@ def cmd_build(args) -> int:
             rows.append([entry.name, f"(launcher {entry.launcher!r})", "", "", "", "",
                          f"error: {_err_text(e)}"])
             continue
-        archs = [a for a in entry.archs if wanted is None or jit.normalize_arch(a) in wanted]
+        archs = [a for a in entry.archs if wanted is None or a in wanted]
         if not archs:
             _progress(f"{entry.name}: none of its archs {list(entry.archs)} was asked for; skipped")
         tasks += [(entry.name, source, e, a, options) for a in archs for source, exprs in launcher.compile_units(a).items()
                   for e in exprs]
-    print(f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}: compiling {len(tasks)} kernel instances "
-          f"with {args.jobs} threads", file=sys.stderr, flush=True)
+    if not tasks and not bad:
+        raise SystemExit("fa-variants build: nothing to compile for these variants and archs")
+    version = _check_nvrtc() if tasks else None
+    if tasks:
+        _progress(f"NVRTC {'.'.join(map(str, version))}: compiling {len(tasks)} kernel instances with {args.jobs} threads")
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:  # NVRTC releases the GIL
-        futs = {pool.submit(_build_one, get(n), s, e, a, o): (n, s, e, a) for n, s, e, a, o in tasks}
+        futs = {pool.submit(_build_one, s, e, a, o): (n, s, e, a) for n, s, e, a, o in tasks}
         for i, fut in enumerate(concurrent.futures.as_completed(futs), 1):
             n, s, e, a = futs[fut]
             try:
@@ -413,55 +661,114 @@ def cmd_build(args) -> int:
     return 1 if bad else 0
 
 
-# ------------------------------------------------------------------------------------------------ main
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fa-variants", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------------------------------------------------ profile
+def cmd_profile(args: argparse.Namespace) -> int:
+    from . import profile
 
-    c = sub.add_parser("compare", help="run every variant (and torch SDPA) on the same inputs: time, "
-                       "TFLOP/s, error, modeled HBM traffic, extra memory")
-    c.add_argument("--batch", type=int, help=f"default {GPU_SHAPE['batch']} (GPU) / {CPU_SHAPE['batch']} (NumPy)")
-    c.add_argument("--heads", type=int, help=f"default {GPU_SHAPE['heads']} / {CPU_SHAPE['heads']}")
-    c.add_argument("--heads-kv", type=int, help="K/V heads for MQA/GQA (default: = heads)")
-    c.add_argument("--seqlen", type=int, help=f"query length, default {GPU_SHAPE['seqlen']} / {CPU_SHAPE['seqlen']}")
-    c.add_argument("--seqlen-k", type=int, help="key length (default: = seqlen); causal is bottom-right aligned")
-    c.add_argument("--head-dim", type=int, help=f"default {GPU_SHAPE['head_dim']} / {CPU_SHAPE['head_dim']}")
+    chosen = _parse_variants(args.variants, "profile")
+    shape = _shape_from_args(args)
+    chosen, notes = _validate("profile", chosen, shape, explicit=bool(args.variants))
+    return profile.run(shape, chosen, Blocks.from_args(args), ncu=args.ncu, torch_peers=not args.no_torch,
+                       seed=args.seed, timeout=args.timeout, verbose=args.verbose, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------ main
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: 'fa-variants explain: error: argument --sram: must be >= 1, got 0'."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_shape_args(c: argparse.ArgumentParser) -> None:
+    d = SHAPE_DEFAULTS
+    c.add_argument("--batch", type=_positive, help=f"default {d['batch']}")
+    c.add_argument("--heads", type=_positive,
+                   help=f"query heads, default {d['heads']} (or the smallest multiple of --heads-kv >= {d['heads']})")
+    c.add_argument("--heads-kv", type=_positive, help="K/V heads for MQA/GQA (default: = heads)")
+    c.add_argument("--seqlen", type=_positive, help=f"query length, default {d['seqlen']}")
+    c.add_argument("--seqlen-k", type=_positive, help="key length (default: = seqlen); causal is bottom-right aligned")
+    c.add_argument("--head-dim", type=_positive, help=f"default {d['head_dim']}")
     c.add_argument("--dtype", choices=["float16", "bfloat16", "fp8"], default="bfloat16",
                    help="fp8: fa2_fp8 (bf16 inputs quantized to e4m3 on the fly) beside fa2 in bf16")
     c.add_argument("--causal", action="store_true")
     c.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
-    c.add_argument("--repeats", type=int, default=30, help="timed calls (median reported), default 30")
-    c.add_argument("--warmup", type=int, default=5, help="untimed calls first, default 5")
     c.add_argument("--no-torch", action="store_true", help="skip the torch SDPA rows")
-    c.add_argument("--numpy", action="store_true", help="run the NumPy models even when there is a GPU")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing variants")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fa-variants", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compare", help="run every variant (and torch SDPA) on the same inputs: time, "
+                       "TFLOP/s, error, modeled HBM traffic, extra memory (the NumPy models without a GPU)")
+    _add_shape_args(c)
+    c.add_argument("--repeats", type=_positive, default=30, help="timed calls (median reported), default 30")
+    c.add_argument("--warmup", type=_non_negative, default=5, help="untimed calls first, default 5")
+    c.add_argument("--numpy", action="store_true", help="run the NumPy models even when there is a GPU")
+    c.add_argument("--full-size", action="store_true",
+                   help="NumPy models: run the requested shape even when it is large (slow), instead of a "
+                   "CPU-sized version of it")
+    _add_block_args(c, "on-chip memory M in elements for --paper-blocks")
     c.set_defaults(func=cmd_compare)
 
     e = sub.add_parser("explain", help="a variant's loop order and HBM traffic: paper formula vs the NumPy "
                        "model's count")
     e.add_argument("variant", choices=list(VARIANTS))
-    e.add_argument("--seqlen", type=int, default=1024, help="N, default 1024 (the model runs once at this size)")
-    e.add_argument("--head-dim", type=int, default=64, help="d, default 64")
-    e.add_argument("--sram", type=int, default=getattr(iomodel, "DEFAULT_SRAM", 32768),
-                   help="on-chip memory M in elements (default %(default)s)")
+    e.add_argument("--seqlen", type=_positive, default=1024, help="N, default 1024 (the model runs once at this size)")
+    e.add_argument("--head-dim", type=_positive, default=64, help="d, default 64")
+    _add_block_args(e, "on-chip memory M in elements: the paper's terms, and the blocks of --paper-blocks")
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser("build", help="compile every kernel specialization with NVRTC (no GPU needed); "
                        "table of registers, shared memory, spills; non-zero exit on an error or a spill")
-    b.add_argument("--arch", help="comma-separated, e.g. 80,86,89,90a (default: each variant's own archs)")
+    b.add_argument("--arch", help="comma-separated, e.g. 80,86,89,90a (default: each variant's own archs; "
+                   "90 means 90a)")
     b.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
-    b.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads (default: CPU count)")
+    b.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, help="compile threads (default: CPU count)")
     b.add_argument("-v", "--verbose", action="store_true", help="full NVRTC logs of failures")
     b.set_defaults(func=cmd_build)
+
+    f = sub.add_parser("profile", help="measure DRAM and L2 bytes of one call per variant with Nsight Compute "
+                       "(ncu), beside the IO model's HBM bytes (needs a GPU and ncu)")
+    _add_shape_args(f)
+    _add_block_args(f, "on-chip memory M in elements for --paper-blocks")
+    f.add_argument("--ncu", default=os.environ.get("NCU", "ncu"), help="the ncu executable (default: $NCU or ncu on PATH)")
+    f.add_argument("--timeout", type=_positive, default=900, help="seconds per ncu run, default 900")
+    f.set_defaults(func=cmd_profile)
     return p
 
 
-def main(argv=None) -> int:
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is no file (captured): nothing to silence
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``fa-variants`` command; returns the exit status."""
     args = _parser().parse_args(argv)
-    if getattr(args, "repeats", 1) < 1 or getattr(args, "warmup", 0) < 0:
-        raise SystemExit("fa-variants: --repeats must be >= 1 and --warmup >= 0")
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:  # `fa-variants explain fa2 | head -3`: the reader left; stop quietly, as cat would
+        _quiet_stdout()
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+    except KeyboardInterrupt:
+        print("fa-variants: interrupted", file=sys.stderr)
+        return 130
+    except ModuleNotFoundError as e:  # CuPy (the cuda extra) missing where a command needs it
+        if (e.name or "").split(".")[0] not in _CUDA_MODULES:
+            raise
+        print(f"fa-variants {args.command}: {_err_text(e)}; {_INSTALL_HINT}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,28 +1,50 @@
 """The ``fa-variants`` command line and the README, on the CPU (no GPU needed; a GPU is hidden where present)."""
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import fa_variants
 from conftest import TOL
-from fa_variants import cli, registry, timing
+from fa_variants import cli, gpu, registry, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    """Make ``compare`` take its no-GPU path even on a machine with a GPU."""
-    monkeypatch.setattr(cli, "_gpu_reason", lambda: "no CUDA device")
+    """Make the library's one GPU probe say "no GPU" (compare takes its NumPy path) even on a machine with one."""
+    monkeypatch.setattr(gpu, "probe", lambda device_id=None: gpu.Probe(None, "no CUDA device"))
+
+
+def run_cli(argv, capsys):
+    """(exit status, stdout, stderr) of ``fa-variants argv`` in-process, as a shell would see them."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        out, err = capsys.readouterr()
+        if isinstance(e.code, str):
+            return 1, out, err + e.code + "\n"
+        return (e.code or 0), out, err
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 def test_compare_without_gpu_runs_the_numpy_models(no_gpu, capsys):
     rc = cli.main(["compare"])
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith("no CUDA GPU: running the NumPy models at a small size (B=1, H=2, N=256, d=64)")
+    # one default shape with and without a GPU; without one, a CPU-sized version of it runs, and says so
+    assert lines[0].startswith("no CUDA GPU: running the NumPy models at a CPU-sized shape (B=1, H=2, N=1024, "
+                               "d=128) instead of B=4, H=16, N=4096, d=128"), lines[0]
     table = [ln for ln in lines if ln.startswith("|")]
     for entry in registry.variants():
         row = [ln for ln in table if ln.split("|")[1].strip() == entry.name]
@@ -131,3 +153,325 @@ def test_compare_fp8_without_gpu_runs_both_models(no_gpu, capsys):
     names = {ln.split("|")[1].strip() for ln in table}
     assert {"fa2", "fa2_fp8"} <= names and "naive" not in names, names
     assert rc == 0
+
+
+# ------------------------------------------------------------------------------------------------ 1: build archs
+def test_build_arch_90_builds_the_sm90a_instances(capsys):
+    rc, out, err = run_cli(["build", "--arch", "90", "--variants", "naive", "--jobs", "1"], capsys)
+    assert rc == 0, out + err
+    assert "sm_90a" in err and "means sm_90a" in err           # said on stderr
+    rows = [ln for ln in out.splitlines() if ln.startswith("| naive")]
+    assert rows and all("| sm_90a" in ln for ln in rows), out
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["build", "--arch", "100", "--variants", "naive"], "sm_100 selects no kernel"),
+    (["build", "--arch", "80", "--variants", "fa2_fp8"], "sm_80 selects no kernel of fa2_fp8"),
+    (["build", "--arch", "86,120", "--variants", "naive"], "sm_120 selects no kernel"),
+])
+def test_build_arch_that_selects_nothing_fails(argv, why, capsys):
+    rc, out, err = run_cli(argv, capsys)
+    assert rc != 0 and why in err, err
+    assert "built for" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------ 3: one-line errors
+@pytest.mark.parametrize("argv, says", [
+    (["explain", "fa2", "--sram", "0"], "--sram: must be >= 1, got 0"),
+    (["explain", "fa2", "--seqlen", "0"], "--seqlen: must be >= 1, got 0"),
+    (["explain", "fa2", "--head-dim", "0"], "--head-dim: must be >= 1, got 0"),
+    (["explain", "fa2", "--head-dim", "300"], "fa2 takes head_dim 1..256, got 300"),
+    (["explain", "fa2_fp8", "--head-dim", "40"], "fa2_fp8 takes head_dim 16..256 in steps of 16, got 40"),
+    (["explain", "fa2", "--blocks", "1x1"], "too many for the NumPy model"),
+    (["explain", "fa2", "--blocks", "0x64"], "block sizes must be >= 1"),
+    (["explain", "fa2", "--blocks", "64x32", "--paper-blocks"], "not allowed with argument"),
+    (["compare", "--batch", "0"], "--batch: must be >= 1, got 0"),
+    (["compare", "--repeats", "0"], "--repeats: must be >= 1, got 0"),
+])
+def test_bad_arguments_give_one_line_and_nonzero_exit(argv, says, capsys):
+    rc, out, err = run_cli(argv, capsys)
+    assert rc != 0
+    assert says in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_build_without_the_cuda_extra_says_how_to_install(monkeypatch, capsys):
+    # without the cuda extra `from cupy_backends.cuda.libs import nvrtc` raises ModuleNotFoundError: a None in
+    # sys.modules, for the package and every submodule already imported, makes each such import do so
+    for name in [n for n in sys.modules if n.split(".")[0] in ("cupy", "cupy_backends")] + ["cupy", "cupy_backends"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    rc, out, err = run_cli(["build", "--arch", "90a", "--variants", "naive", "--jobs", "1"], capsys)
+    assert rc != 0
+    assert "NVRTC is not available" in err and "fa-variants[cuda12]" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_broken_pipe_exits_quietly():
+    """`fa-variants explain fa2 | head -3`: the reader is gone before the report is written."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-m", "fa_variants.cli", "explain", "fa2", "--seqlen", "256"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    p.stdout.close()                  # the reader leaves at once: every write of the report gets EPIPE
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert rc == 141, (rc, err)
+
+
+def test_head_of_explain_shows_the_blocks():
+    cmd = f"{shlex.quote(sys.executable)} -m fa_variants.cli explain fa2 | head -3"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3, r
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "blocks 128x64" in r.stdout.splitlines()[1]
+
+
+def test_fp8_study_gpu_without_a_gpu_is_one_line(no_gpu):
+    from fa_variants import fp8_study
+    with pytest.raises(SystemExit) as ei:
+        fp8_study.main(["--gpu", "--n", "64"])
+    assert isinstance(ei.value.code, str) and "--gpu needs a CUDA GPU" in ei.value.code
+
+
+# ------------------------------------------------------------------------------------------------ 2, 5: shapes
+README_COMPARE = ["compare", "--causal", "--dtype", "float16", "--seqlen", "8192", "--batch", "2", "--heads-kv", "4",
+                  "--variants", "fa1,fa2"]
+
+
+def test_readme_gqa_compare_runs_without_gpu_at_a_cpu_sized_shape(no_gpu, capsys):
+    t0 = time.perf_counter()
+    rc, out, err = run_cli(README_COMPARE, capsys)
+    assert rc == 0, out + err
+    assert time.perf_counter() - t0 < 60
+    first = out.splitlines()[0]
+    assert first.startswith("no CUDA GPU: running the NumPy models at a CPU-sized shape (B=1, H=4, N=1024, "
+                            "d=128, H_kv=1) instead of B=2, H=16, N=8192, d=128, H_kv=4"), first
+    assert "--full-size" in first
+    names = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| fa")]
+    assert names == ["fa1", "fa2"]
+
+
+def test_default_heads_follow_heads_kv():
+    args = cli._parser().parse_args(["compare", "--heads-kv", "32"])
+    assert cli._shape_from_args(args).heads == 32
+    args = cli._parser().parse_args(["compare", "--heads-kv", "3"])
+    assert cli._shape_from_args(args).heads == 18
+    args = cli._parser().parse_args(["compare"])
+    s = cli._shape_from_args(args)
+    assert (s.batch, s.heads, s.hkv, s.seqlen_q, s.head_dim) == (4, 16, 16, 4096, 128)
+
+
+def test_cpu_sized_keeps_what_matters_and_fits():
+    big = timing.Shape(2, 16, 8192, 128, "float16", True, heads_kv=4, seqlen_k=16384)
+    s = cli.cpu_sized(big)
+    assert (s.head_dim, s.dtype, s.causal) == (128, "float16", True)
+    assert s.heads % s.hkv == 0 and s.heads // s.hkv > 1          # GQA stays GQA
+    assert s.nk == 2 * s.seqlen_q                                 # the N_k / N_q ratio is kept
+    assert cli._fits_cpu(s) and s.batch == 1
+    small = timing.Shape(2, 4, 33, 32, "float16", True, heads_kv=2, seqlen_k=70)
+    assert cli.cpu_sized(small) == small
+
+
+def test_full_size_runs_the_requested_shape(no_gpu, capsys):
+    argv = ["compare", "--variants", "fa2", "--batch", "3", "--heads", "2", "--seqlen", "1024", "--head-dim", "128"]
+    rc, out, _ = run_cli(argv, capsys)
+    assert rc == 0 and "CPU-sized shape" in out.splitlines()[0]
+    rc, out, _ = run_cli(argv + ["--full-size"], capsys)
+    assert rc == 0 and out.splitlines()[0].startswith(
+        "no CUDA GPU: running the NumPy models at the requested size (B=3, H=2, N=1024, d=128)")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--head-dim", "40", "--variants", "fa2_fp8"], "accepts head_dim in 16..256 in steps of 16, got 40"),
+    (["--head-dim", "300"], "no variant takes this shape"),
+    (["--head-dim", "300", "--variants", "fa2"], "accepts head_dim in 1..256, got 300"),
+    (["--heads", "3", "--heads-kv", "2"], "--heads (3) must be a multiple of --heads-kv (2)"),
+    (["--heads", "2", "--heads-kv", "4"], "--heads (2) must be a multiple of --heads-kv (4)"),
+    (["--seqlen-k", "0"], "--seqlen-k: must be >= 1"),
+    (["--dtype", "float32"], "invalid choice"),
+])
+def test_compare_refuses_what_attention_refuses(no_gpu, argv, says, capsys):
+    rc, out, err = run_cli(["compare", *argv], capsys)
+    assert rc != 0 and says in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.strip(), (out, err)
+
+
+def test_compare_default_list_leaves_out_a_variant_that_refuses(no_gpu, capsys):
+    rc, out, err = run_cli(["compare", "--head-dim", "40", "--seqlen", "64", "--batch", "1", "--heads", "1"], capsys)
+    assert rc == 0, out + err
+    names = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("|")][2:]
+    assert "fa2_fp8" not in names and "fa2" in names
+    assert "fa2_fp8 not run: variant 'fa2_fp8' accepts head_dim in 16..256 in steps of 16, got 40" in out
+
+
+@pytest.mark.parametrize("d", [1, 8, 40, 48, 64, 256, 257])
+@pytest.mark.parametrize("heads, heads_kv", [(2, 2), (4, 2), (3, 2)])
+def test_refusal_is_exactly_attention_s(d, heads, heads_kv):
+    """compare refuses a shape for a variant exactly when fav.attention does."""
+    rng = np.random.default_rng(0)
+    shape = timing.Shape(1, heads, 5, d, "float16", False, heads_kv=heads_kv, seqlen_k=7)
+    q = rng.standard_normal((1, 5, heads, d)).astype(np.float16)
+    k = rng.standard_normal((1, 7, heads_kv, d)).astype(np.float16)
+    for entry in registry.variants():
+        try:
+            fa_variants.attention(q, k, k, variant=entry.name, backend="numpy")
+            refused_by_attention = ""
+        except (TypeError, ValueError) as e:
+            refused_by_attention = str(e)
+        assert cli.refusal(entry, shape) == refused_by_attention, entry.name
+
+
+# ------------------------------------------------------------------------------------------------ 4: blocks
+def test_blocks_choice_default_is_the_kernels_tiles():
+    b = cli.Blocks()
+    for entry in registry.variants():
+        blocks, source = b.pick(entry, 128)
+        assert blocks == tuple(entry.launcher.tiles(128)), entry.name
+        assert source == ("untiled" if blocks == (None, None) else "kernel")
+    fa2 = registry.get("fa2")
+    assert cli.Blocks("paper", 32768).pick(fa2, 64) == ((64, 128), "paper")
+    assert cli.Blocks("given", given=(64, 32)).pick(fa2, 64) == ((64, 32), "given")
+    assert cli.Blocks("given", given=(64, 32)).pick(registry.get("naive"), 64) == ((None, None), "untiled")
+
+
+def _explain_total(out: str) -> int:
+    total = [ln for ln in out.splitlines() if ln.strip().startswith("total")][0]
+    return int(re.findall(r"[\d,]+", total)[0].replace(",", ""))
+
+
+@pytest.mark.parametrize("flags", [[], ["--paper-blocks"], ["--paper-blocks", "--sram", "8192"], ["--blocks", "64x32"]])
+def test_compare_and_explain_use_one_block_choice(no_gpu, flags, capsys):
+    n, d = 256, 64
+    rc, out, _ = run_cli(["explain", "fa1", "--seqlen", str(n), "--head-dim", str(d), *flags], capsys)
+    assert rc == 0
+    per_head = _explain_total(out)
+    expected = cli.Blocks.from_args(cli._parser().parse_args(["explain", "fa1", *flags])).pick(registry.get("fa1"), d)[0]
+    assert f"B_r={expected[0]}, B_c={expected[1]}" in out.splitlines()[0]
+    assert out.splitlines()[1].startswith(f"(blocks {expected[0]}x{expected[1]}: ")
+    rc, out, _ = run_cli(["compare", "--variants", "fa1", "--batch", "1", "--heads", "1", "--seqlen", str(n),
+                          "--head-dim", str(d), *flags], capsys)
+    assert rc == 0
+    row = [ln for ln in out.splitlines() if ln.startswith("| fa1")][0].split("|")
+    assert row[2].strip().startswith(f"{expected[0]}x{expected[1]}")
+    assert float(row[6]) == pytest.approx(per_head / 1e6, abs=1e-3)
+    note = [ln for ln in out.splitlines() if "] blocks: " in ln][0]
+    assert ("--blocks" if "--blocks" in flags else "--paper-blocks" if flags else "each kernel's tiles") in note
+
+
+def test_explain_says_where_its_blocks_come_from(capsys):
+    rc, out, _ = run_cli(["explain", "fa2", "--seqlen", "512", "--head-dim", "128"], capsys)
+    assert rc == 0
+    assert "B_r=128, B_c=64" in out.splitlines()[0]
+    assert "fa2's kernel tiles at d=128" in out.splitlines()[1]
+    rc, out, _ = run_cli(["explain", "fa2", "--seqlen", "512", "--head-dim", "128", "--paper-blocks"], capsys)
+    assert "B_r=64, B_c=64" in out.splitlines()[0] and "the paper's blocks for M=32768" in out.splitlines()[1]
+    rc, out, _ = run_cli(["explain", "naive", "--seqlen", "128"], capsys)
+    assert rc == 0 and "no tiling" in out.splitlines()[1]
+
+
+# ------------------------------------------------------------------------------------------------ 6: packaging
+def test_version(capsys):
+    rc, out, _ = run_cli(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"fa-variants {fa_variants.__version__}"
+
+
+def test_license_and_py_typed_are_shipped():
+    assert "MIT License" in (ROOT / "LICENSE").read_text()
+    assert "Copyright (c) 2026 the fa-variants authors" in (ROOT / "LICENSE").read_text()
+    assert (ROOT / "fa_variants" / "py.typed").is_file()
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "py.typed" in data["tool"]["setuptools"]["package-data"]["fa_variants"]
+
+
+# ------------------------------------------------------------------------------------------------ 8: profile
+NCU_SAMPLE = """\
+==PROF== Connected to process 41233 (/usr/bin/python3.12)
+==PROF== Profiling "gemmSN_NN_kernel" - 0: 0%....50%....100% - 1 pass
+==PROF== Profiling "row_softmax" - 1: 0%....50%....100% - 1 pass
+==PROF== Profiling "gemmSN_NN_kernel" - 2: 0%....50%....100% - 1 pass
+==PROF== Disconnected from process 41233
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","41233","python3.12","127.0.0.1","void gemmSN_NN_kernel<float, 256, 4, 2, 8, 4, 4, false>(cublasGemmSmallNParams<float const, float const, float>)","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","2.10"
+"0","41233","python3.12","127.0.0.1","void gemmSN_NN_kernel<float, 256, 4, 2, 8, 4, 4, false>(cublasGemmSmallNParams<float const, float const, float>)","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Kbyte","512.00"
+"0","41233","python3.12","127.0.0.1","void gemmSN_NN_kernel<float, 256, 4, 2, 8, 4, 4, false>(cublasGemmSmallNParams<float const, float const, float>)","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","Mbyte","6.29"
+"1","41233","python3.12","127.0.0.1","row_softmax","1","7","(128, 1, 1)","(1024, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
+"1","41233","python3.12","127.0.0.1","row_softmax","1","7","(128, 1, 1)","(1024, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","524,288"
+"1","41233","python3.12","127.0.0.1","row_softmax","1","7","(128, 1, 1)","(1024, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","Gbyte","0.01"
+"2","41233","python3.12","127.0.0.1","void gemmSN_NN_kernel<float, 256, 4, 2, 8, 4, 4, false>(cublasGemmSmallNParams<float const, float const, float>)","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","KB","100"
+"2","41233","python3.12","127.0.0.1","void gemmSN_NN_kernel<float, 256, 4, 2, 8, 4, 4, false>(cublasGemmSmallNParams<float const, float const, float>)","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","MB","1.5"
+"2","41233","python3.12","127.0.0.1","void gemmSN_NN_kernel<float, 256, 4, 2, 8, 4, 4, false>(cublasGemmSmallNParams<float const, float const, float>)","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","KiB","4"
+"""
+
+
+def test_ncu_csv_sums_every_kernel_in_bytes():
+    from fa_variants import profile
+    r = profile.parse_ncu_csv(NCU_SAMPLE)
+    assert len(r.kernels) == 3 and r.kernels[1] == "row_softmax"
+    assert r.read == pytest.approx(2.10e6 + 1_048_576 + 100e3)
+    assert r.write == pytest.approx(512e3 + 524_288 + 1.5e6)
+    assert r.l2 == pytest.approx(6.29e6 + 0.01e9 + 4 * 1024)
+
+
+def test_ncu_csv_raw_page_and_odd_values():
+    from fa_variants import profile
+    raw = ('"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","lts__t_bytes.sum"\n'
+           '"","","Mbyte","Kbyte","byte"\n'
+           '"0","fa2_fwd<__nv_bfloat16, 128, 128, 64, 4, false>","33.55","262.14","100,000,000"\n'
+           '"1","fa2_fwd<__nv_bfloat16, 128, 128, 64, 4, false>","1,5","0","n/a"\n')
+    r = profile.parse_ncu_csv(raw)
+    assert r.read == pytest.approx(33.55e6 + 1.5e6)             # "1,5": a decimal comma
+    assert r.write == pytest.approx(262.14e3)
+    assert r.l2 == pytest.approx(1e8)
+    assert profile.parse_ncu_csv("==PROF== nothing profiled\n==WARNING== No kernels were profiled.\n").bytes == {}
+    with pytest.raises(ValueError, match="unknown ncu unit"):
+        profile.to_bytes("1", "furlong")
+
+
+def test_ncu_command_is_the_documented_one():
+    from fa_variants import profile
+    cmd = profile.ncu_command("ncu", "/tmp/x.csv")
+    text = " ".join(cmd)
+    assert "--profile-from-start off" in text and "--clock-control none" in text and "--csv" in text
+    assert "--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum" in text
+    shape = timing.Shape(1, 4, 256, 64, "float16", True, heads_kv=2)
+    args = profile.shape_args(shape)
+    assert args[args.index("--heads-kv") + 1] == "2" and "--causal" in args
+
+
+def test_profile_without_ncu_says_so(capsys):
+    rc, out, err = run_cli(["profile", "--variants", "fa2", "--ncu", "/nonexistent/ncu"], capsys)
+    assert rc != 0
+    assert "needs Nsight Compute's ncu" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.strip()
+
+
+def test_profile_without_gpu_says_so(no_gpu, monkeypatch, capsys):
+    from fa_variants import profile
+    monkeypatch.setattr(profile, "find_ncu", lambda ncu="ncu": "/usr/bin/ncu")
+    rc, out, err = run_cli(["profile", "--variants", "fa2"], capsys)
+    assert rc != 0 and "needs a CUDA GPU (no CUDA device)" in err, err
+
+
+def test_profile_validates_the_shape_like_compare(capsys):
+    rc, _, err = run_cli(["profile", "--variants", "fa2_fp8", "--head-dim", "40"], capsys)
+    assert rc != 0 and "accepts head_dim in 16..256" in err
+
+
+@pytest.mark.gpu
+def test_profile_fa2_measures_dram_and_l2(capsys):
+    from fa_variants import profile
+    if profile.find_ncu() is None:
+        pytest.skip("ncu (Nsight Compute) is not on PATH")
+    rc, out, err = run_cli(["profile", "--variants", "fa2", "--batch", "1", "--heads", "4", "--seqlen", "2048",
+                            "--head-dim", "128", "--no-torch"], capsys)
+    assert rc == 0, out + err
+    row = [ln for ln in out.splitlines() if ln.startswith("| fa2")][0]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    modeled, read, write, total, l2, ratio = (float(c) for c in cells[1:])
+    inputs = 3 * 1 * 4 * 2048 * 128 * 2 / 1e9
+    assert read >= 0.5 * inputs, (read, inputs)             # a cold L2: Q, K, V come from DRAM at least once
+    assert total == pytest.approx(read + write, abs=2e-4)
+    assert l2 >= read and modeled > 0 and ratio > 0
+    assert "1 kernel in the call (fa2_fwd" in out

@@ -1,0 +1,359 @@
+"""``fa-variants profile``: DRAM and L2 bytes of ONE attention call, measured by Nsight Compute, beside the IO
+model's HBM bytes.
+
+Method. For each variant (and torch SDPA's flash and cuDNN backends when torch is importable) the parent runs
+
+    ncu --profile-from-start off --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,
+        lts__t_bytes.sum --csv --log-file <tmp> python -m fa_variants.profile --child --target fa2 <shape>
+
+The child allocates the inputs, makes one untimed call (it compiles and loads the kernel and fills the memory
+pool), then brackets exactly one call with ``cudaProfilerStart`` / ``cudaProfilerStop``, synchronizing before
+the stop: every kernel of that call is profiled (naive launches several, fa2_fp8 quantizes Q, K, V in kernels of
+its own) and nothing else. ``parse_ncu_csv`` sums each metric over those kernels, in bytes whatever unit ncu
+printed. ncu flushes the caches before each kernel (its default ``--cache-control all``), so DRAM bytes are
+counted from a cold L2, the IO model's assumption; within a kernel L2 still serves K/V re-reads, which is
+why DRAM/modeled falls below 1 where the model counts re-reads.
+
+``python -m fa_variants.profile [flags]`` without ``--child`` is ``fa-variants profile [flags]``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib.util
+import io
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum")
+READ, WRITE, L2 = METRICS
+# ncu's byte units (it scales to the largest that keeps the number readable unless --print-units base)
+UNIT_BYTES = {
+    "byte": 1, "bytes": 1, "b": 1,
+    "kbyte": 1e3, "kb": 1e3, "mbyte": 1e6, "mb": 1e6, "gbyte": 1e9, "gb": 1e9, "tbyte": 1e12, "tb": 1e12,
+    "kibyte": 2**10, "kib": 2**10, "mibyte": 2**20, "mib": 2**20, "gibyte": 2**30, "gib": 2**30,
+    "tibyte": 2**40, "tib": 2**40,
+}
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+class ProfileError(RuntimeError):
+    """One ncu run that gave no numbers; the message is one line saying why."""
+
+
+@dataclasses.dataclass
+class NcuResult:
+    """Bytes per metric summed over every profiled kernel, and those kernels' names in launch order."""
+    bytes: dict[str, float]
+    kernels: list[str]
+
+    @property
+    def read(self) -> float:
+        return self.bytes.get(READ, math.nan)
+
+    @property
+    def write(self) -> float:
+        return self.bytes.get(WRITE, math.nan)
+
+    @property
+    def l2(self) -> float:
+        return self.bytes.get(L2, math.nan)
+
+
+def to_bytes(value: str, unit: str) -> float:
+    """ncu's ('1,234.5', 'Kbyte') -> 1234500.0. Commas are thousands separators, except in a value like '9,50'
+    (a decimal comma: one comma, one or two digits after it, no point)."""
+    v = value.strip().replace("\u00a0", "").replace(" ", "")
+    if re.fullmatch(r"-?\d+,\d{1,2}", v):
+        v = v.replace(",", ".")
+    else:
+        v = v.replace(",", "")
+    u = unit.strip().lower()
+    if u not in UNIT_BYTES:
+        raise ValueError(f"unknown ncu unit {unit!r} for value {value!r}")
+    return float(v) * UNIT_BYTES[u]
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    """The CSV part of ncu's output: lines starting with a double quote (==PROF==, ==WARNING== and the
+    program's own lines are skipped)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    return [row for row in csv.reader(io.StringIO("\n".join(lines)))]
+
+
+def parse_ncu_csv(text: str, metrics: Sequence[str] = METRICS) -> NcuResult:
+    """Sum ``metrics`` over every kernel in ncu's ``--csv`` output, in bytes.
+
+    Takes the details page (one row per kernel and metric: ..."ID",...,"Kernel Name",...,"Metric Name",
+    "Metric Unit","Metric Value") and the raw page (one row per kernel, a column per metric, units on the
+    second row). A metric that no kernel reported is absent from ``bytes``."""
+    rows = _csv_rows(text)
+    if not rows:
+        return NcuResult({}, [])
+    header = rows[0]
+    col = {name: i for i, name in enumerate(header)}
+    totals: dict[str, float] = {}
+    kernels: dict[str, str] = {}
+    if "Metric Name" in col:
+        i_id, i_k = col.get("ID"), col.get("Kernel Name")
+        i_n, i_u, i_v = col["Metric Name"], col["Metric Unit"], col["Metric Value"]
+        for n, row in enumerate(rows[1:]):
+            if row == header or len(row) <= max(i_n, i_u, i_v):
+                continue
+            kid = row[i_id] if i_id is not None else str(n)
+            kernels.setdefault(kid, row[i_k] if i_k is not None else "?")
+            if row[i_n] in metrics:
+                try:
+                    b = to_bytes(row[i_v], row[i_u])
+                except ValueError:
+                    if row[i_v].strip().lower() in ("n/a", ""):
+                        continue
+                    raise
+                totals[row[i_n]] = totals.get(row[i_n], 0.0) + b
+    else:
+        present = [m for m in metrics if m in col]
+        if not present:
+            return NcuResult({}, [])
+        body = rows[1:]
+        units = {m: "byte" for m in present}
+        if body and (not body[0][0].strip() or body[0][0].strip().lower() in ("", "id")):
+            units = {m: body[0][col[m]] or "byte" for m in present}
+            body = body[1:]
+        i_id, i_k = col.get("ID"), col.get("Kernel Name")
+        for n, row in enumerate(body):
+            kid = row[i_id] if i_id is not None else str(n)
+            kernels.setdefault(kid, row[i_k] if i_k is not None else "?")
+            for m in present:
+                if row[col[m]].strip().lower() not in ("", "n/a"):
+                    totals[m] = totals.get(m, 0.0) + to_bytes(row[col[m]], units[m])
+    return NcuResult(totals, list(kernels.values()))
+
+
+# ------------------------------------------------------------------------------------------------ running ncu
+def find_ncu(ncu: str = "ncu") -> str | None:
+    """The ncu executable: ``ncu`` itself if it is a path to an executable, else its place on PATH, else the
+    CUDA toolkit's usual places; None when there is none."""
+    if os.sep in ncu:
+        return ncu if os.path.isfile(ncu) and os.access(ncu, os.X_OK) else None
+    found = shutil.which(ncu)
+    if found or ncu != "ncu":
+        return found
+    for cand in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu"):
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def ncu_command(ncu: str, log_file: str, metrics: Sequence[str] = METRICS) -> list[str]:
+    return [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(metrics),
+            "--csv", "--log-file", log_file]
+
+
+def shape_args(shape) -> list[str]:
+    """The child's command-line flags for a ``timing.Shape``."""
+    a = ["--batch", str(shape.batch), "--heads", str(shape.heads), "--heads-kv", str(shape.hkv),
+         "--seqlen", str(shape.seqlen_q), "--seqlen-k", str(shape.nk), "--head-dim", str(shape.head_dim),
+         "--dtype", shape.dtype]
+    return a + (["--causal"] if shape.causal else [])
+
+
+def _why_failed(*texts: str) -> str:
+    """The most telling line of ncu's and the child's output, for a run that gave no numbers."""
+    lines = [ln.strip() for t in texts for ln in t.splitlines() if ln.strip()]
+    for key in ("ERR_NVGPUCTRPERM", "==ERROR==", "Error:", "Traceback"):
+        hits = [ln for ln in lines if key in ln]
+        if hits:
+            if key == "ERR_NVGPUCTRPERM":
+                return "ncu may not read the GPU's performance counters here (ERR_NVGPUCTRPERM: needs root or " \
+                       "NVreg_RestrictProfilingToAdminUsers=0)"
+            if key == "Traceback":
+                return lines[-1]
+            return hits[0]
+    if any("No kernels were profiled" in ln for ln in lines):
+        return "no kernel ran between cudaProfilerStart and cudaProfilerStop"
+    return lines[-1] if lines else "no output"
+
+
+def measure(ncu: str, target: str, shape, *, seed: int = 0, timeout: float = 900,
+            python: str = sys.executable) -> NcuResult:
+    """Run the child for ``target`` (a variant name or a key of ``timing.TORCH_BACKENDS``) under ncu and return
+    the summed bytes; ProfileError (one line) when ncu or the child fails or nothing was measured."""
+    with tempfile.TemporaryDirectory(prefix="fa-variants-ncu-") as tmp:
+        log = os.path.join(tmp, "ncu.csv")
+        cmd = ncu_command(ncu, log) + [python, "-m", "fa_variants.profile", "--child", "--target", target,
+                                       "--seed", str(seed)] + shape_args(shape)
+        env = dict(os.environ, LC_ALL="C", LANG="C")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            raise ProfileError(f"ncu did not finish within {timeout:.0f} s (--timeout)") from None
+        text = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+    result = parse_ncu_csv(text)
+    if proc.returncode != 0 or not result.bytes:
+        raise ProfileError(_why_failed(text, proc.stdout, proc.stderr))
+    missing = [m for m in METRICS if m not in result.bytes]
+    if missing:
+        raise ProfileError(f"ncu reported no {', '.join(missing)}")
+    return result
+
+
+def ncu_version(ncu: str) -> str:
+    try:
+        out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except Exception:  # noqa: BLE001
+        return "?"
+    m = re.search(r"Version\s+(\S+)", out)
+    return m.group(1) if m else (out.strip().splitlines() or ["?"])[-1]
+
+
+def _torch_peers(shape) -> tuple[list[str], str]:
+    from . import timing
+    if importlib.util.find_spec("torch") is None:
+        return [], "torch is not importable"
+    why = timing.torch_sdpa_unsupported(shape)
+    return ([], why) if why else (list(timing.TORCH_BACKENDS), "")
+
+
+def _short(names: Iterable[str], limit: int = 110) -> str:
+    counts: dict[str, int] = {}
+    for n in names:
+        base = re.split(r"[<(]", n, maxsplit=1)[0].strip() or n
+        counts[base] = counts.get(base, 0) + 1
+    text = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in counts.items())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run(shape, chosen, blocks, *, ncu: str = "ncu", torch_peers: bool = True, seed: int = 0,
+        timeout: float = 900, verbose: bool = False, notes: Sequence[str] = ()) -> int:
+    """Profile ``chosen`` registry entries (and torch SDPA) at ``shape``; print one table; the exit status."""
+    from tabulate import tabulate
+
+    from . import gpu
+
+    exe = find_ncu(ncu)
+    probe = gpu.probe()
+    missing = []
+    if exe is None:
+        missing.append(f"Nsight Compute's ncu ({ncu!r} is not on PATH; --ncu or $NCU names another)")
+    if not probe.ok:
+        missing.append(f"a CUDA GPU ({probe.reason})")
+    if missing:
+        print(f"fa-variants profile: needs {' and '.join(missing)}; nothing measured", file=sys.stderr)
+        return 1
+
+    peers, peer_why = _torch_peers(shape) if torch_peers else ([], "--no-torch")
+    print(f"GPU: {probe.name} (compute capability {probe.cc / 10:.1f}); ncu {ncu_version(exe)}; shape "
+          f"B={shape.batch}, H={shape.heads}, H_kv={shape.hkv}, N={shape.seqlen_q}, N_k={shape.nk}, "
+          f"d={shape.head_dim}, {shape.dtype}, {'causal' if shape.causal else 'not causal'}; one call each")
+    rows, lines, failed = [], list(notes), False
+    todo = list(chosen) + peers
+    for i, item in enumerate(todo, 1):
+        name = item if isinstance(item, str) else item.name
+        modeled = None
+        if not isinstance(item, str):
+            ok, why = item.available()
+            if not ok:
+                lines.append(f"{name} not run here: {why}")
+                continue
+            (b_r, b_c), _ = blocks.pick(item, shape.head_dim)
+            try:
+                modeled = item.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
+                                         b_r, b_c, shape.causal, shape.itemsize)
+            except Exception:  # noqa: BLE001 - no model for this variant: the cell stays empty
+                modeled = None
+        print(f"[{i}/{len(todo)}] {name}: ncu ...", file=sys.stderr, flush=True)
+        try:
+            r = measure(exe, name, shape, seed=seed, timeout=timeout)
+        except ProfileError as e:
+            failed |= not isinstance(item, str)
+            rows.append([name, _gb(modeled), f"error: {e}", "", "", "", ""])
+            continue
+        total = r.read + r.write
+        rows.append([name, _gb(modeled), _gb(r.read), _gb(r.write), _gb(total), _gb(r.l2),
+                     "—" if not modeled else f"{total / modeled:.2f}"])
+        lines.append(f"{name}: {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''} in the call "
+                     f"({_short(r.kernels)})")
+    print(tabulate(rows, headers=["variant", "modeled HBM GB", "DRAM read GB", "DRAM write GB", "DRAM total GB",
+                                  "L2 GB", "DRAM/modeled"], tablefmt="github", disable_numparse=True))
+    head = [
+        "DRAM read/write, L2: ncu's dram__bytes_read.sum, dram__bytes_write.sum, lts__t_bytes.sum, summed over "
+        "every kernel of one call; ncu flushes the caches before each kernel (cold L2) and leaves the clocks "
+        "alone (--clock-control none); L2 counts every byte between the SMs and L2",
+        f"modeled HBM: the registry's hbm_bytes (fa_variants.iomodel) with {blocks.describe()}; fa2_fp8's model "
+        "counts the attention kernel's e4m3 operands, not the quantization kernels the call also runs",
+    ]
+    if not peers:
+        head.append(f"torch SDPA rows not run: {peer_why}")
+    for j, n in enumerate(head + lines, 1):
+        print(f"  [{j}] {n}")
+    return 1 if failed or not rows else 0
+
+
+def _gb(x) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x / 1e9:.4f}"
+
+
+# ------------------------------------------------------------------------------------------------ the child
+def child_main(argv: Sequence[str]) -> int:
+    """Under ncu: inputs, one warm-up call, then exactly one call between cudaProfilerStart and Stop."""
+    ap = argparse.ArgumentParser(prog="python -m fa_variants.profile --child")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--target", required=True, help="a variant name, torch-flash or torch-cudnn")
+    for flag in ("--batch", "--heads", "--heads-kv", "--seqlen", "--seqlen-k", "--head-dim"):
+        ap.add_argument(flag, type=int, required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    import cupy
+
+    from . import timing
+    from .api import attention
+
+    shape = timing.Shape(batch=a.batch, heads=a.heads, seqlen_q=a.seqlen, head_dim=a.head_dim, dtype=a.dtype,
+                         causal=a.causal, heads_kv=a.heads_kv, seqlen_k=a.seqlen_k)
+    q, k, v = timing.random_inputs(shape, cupy, seed=a.seed)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    if a.target in timing.TORCH_BACKENDS:
+        import torch
+        fn = timing.torch_sdpa_fn(torch, a.target, shape, scale)
+        tq, tk, tv = (timing.as_torch_bhnd(torch, x) for x in (q, k, v))
+
+        def call():
+            return fn(tq, tk, tv)
+    else:
+        def call():
+            return attention(q, k, v, variant=a.target, causal=shape.causal, softmax_scale=scale, backend="cuda")
+
+    out = call()                      # warm-up: compile, load, fill the memory pool
+    del out
+    dev = cupy.cuda.Device()
+    dev.synchronize()
+    cupy.cuda.runtime.profilerStart()
+    out = call()
+    dev.synchronize()
+    cupy.cuda.runtime.profilerStop()
+    del out
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--child" in argv:
+        return child_main(argv)
+    from . import cli
+    return cli.main(["profile", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
