@@ -33,6 +33,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from . import gpu as _gpu
 from .reference import fa2, fp8
 from .reference.dense import attention64
 
@@ -168,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--accumulation", action="store_true",
                     help="sensitivity to the tensor cores' accumulator precision instead (default --n 1000)")
     args = ap.parse_args(argv)
+    if args.gpu and _gpu.reason():  # one line, not a CuPy traceback, where there is no usable GPU
+        raise SystemExit(f"python -m fa_variants.fp8_study: --gpu needs a CUDA GPU here: {_gpu.reason()}")
     t0 = time.perf_counter()
     if args.accumulation:
         n = args.n if "--n" in (argv if argv is not None else sys.argv) else 1000
