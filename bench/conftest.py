@@ -4,7 +4,11 @@ Run it with ``pytest bench`` (the root pyproject's ``testpaths`` keeps it out of
 statistic pytest-benchmark prints is a CUDA-event time (see ``fa_variants.timing``). Benchmarks of one shape
 are grouped together, so ``pytest bench --benchmark-compare`` puts naive, fa1, fa2 and torch side by side.
 
-Environment: FAV_BENCH_ROUNDS (timed calls per case, default 20), FAV_BENCH_WARMUP (default 5).
+Each case is also timed "as a user sees it" by ``triton.testing.do_bench`` (``timing.user_view_ms``); the
+summary shows fa2 over torch's flash and cuDNN backends by both timers.
+
+Environment: FAV_BENCH_ROUNDS (timed calls per case, default 20), FAV_BENCH_WARMUP (default 5),
+FAV_BENCH_DO_BENCH=0 (leave out the do_bench timer).
 """
 from __future__ import annotations
 
@@ -77,11 +81,14 @@ def gpu_inputs():
 
 @pytest.fixture
 def bench_record(request):
-    """record(shape, variant, median_ms) for the end-of-session summary table."""
+    """record(shape, variant, median_ms, median_ms_do_bench=None) -> ratios to the torch peers measured so far
+    on the same shape (``timing.peer_ratios``); every record also feeds the end-of-session summary."""
     results = request.config.stash[_RESULTS]
 
-    def record(shape: timing.Shape, variant: str, ms: float):
-        results.append((shape, variant, ms))
+    def record(shape: timing.Shape, variant: str, ms: float, ms_do_bench: float | None = None) -> dict:
+        case = timing.Timed(shape, variant, ms, ms_do_bench)
+        results.append(case)
+        return timing.peer_ratios(results, case)
 
     yield record
     try:  # give memory back between cases: naive's S at N = 16K is tens of GB
@@ -93,31 +100,15 @@ def bench_record(request):
 
 # ------------------------------------------------------------------------------------------------ summary
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    results = config.stash.get(_RESULTS, [])
-    if not results:
+    tables = timing.summary_tables(config.stash.get(_RESULTS, []))
+    if not tables:
         return
     from tabulate import tabulate
 
-    ms = {(s.id, v): t for s, v, t in results}
-    shapes = list(dict.fromkeys(s for s, _, _ in results))
-    names = list(dict.fromkeys(v for _, v, _ in results))
-    ours = [n for n in names if not n.startswith("torch-")]
-    has_flash = "torch-flash" in names
-    headers = ["shape"] + [f"{n} TFLOP/s" for n in names] + ([f"{n} / flash" for n in ours] if has_flash else [])
-    rows = []
-    for s in shapes:
-        row = [s.id]
-        for n in names:
-            t = ms.get((s.id, n))
-            row.append("" if t is None else f"{timing.tflops(s.flops, t):.1f}")
-        if has_flash:
-            f = ms.get((s.id, "torch-flash"))
-            for n in ours:
-                t = ms.get((s.id, n))
-                row.append("" if t is None or f is None else f"{f / t:.2f}")
-        rows.append(row)
     tr = terminalreporter
-    tr.write_sep("=", "fa-variants: forward TFLOP/s (median CUDA-event time; 4BHN^2d, /2 causal)")
-    tr.write_line(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    if has_flash:
-        tr.write_line("X / flash: TFLOP/s of X over torch SDPA's FLASH_ATTENTION backend on the same inputs")
+    for title, headers, rows in tables:
+        tr.write_sep("=", f"fa-variants: {title}")
+        tr.write_line(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    tr.write_line("X / flash: TFLOP/s of X over torch SDPA's FLASH_ATTENTION backend on the same inputs (cudnn: "
+                  "CUDNN_ATTENTION); do_bench: triton.testing.do_bench's median (L2 flushed, host launch cost "
+                  "included where it exceeds the flush), beside the CUDA-event timer's")

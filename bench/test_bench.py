@@ -9,11 +9,16 @@ the registry's variants, ``fa2_fp8_prequant`` times fa2_fp8 on operands quantize
 Each round is one call bracketed by CUDA events (``timing.EventTimer.once``) after a pad kernel that hides the
 host's launch overhead; calls rotate among input sets larger than L2 together. pytest-benchmark's timer is
 ``timing.event_clock``, which advances only by those event times, so its min/median/mean are GPU times.
+A second timer, as a user sees it: ``triton.testing.do_bench`` (``timing.user_view_ms``; L2 flushed before each
+call, no pad kernel), recorded beside it in extra_info (``tflops_do_bench``; empty without triton). The torch
+peers of a shape run before the other variants, so each case also records its ratios to them by both timers
+(``over_torch_flash``, ``over_torch_flash_do_bench``, ``over_torch_cudnn``, ...).
 
     pytest bench                                   # everything (a few minutes on an H200)
     pytest bench -k "fa2 and d128 and N4096"       # a slice
     pytest bench --benchmark-autosave              # save, then later: pytest bench --benchmark-compare
     FAV_BENCH_ROUNDS=50 pytest bench               # more timed calls per case
+    FAV_BENCH_DO_BENCH=0 pytest bench              # without the do_bench timer
 """
 from __future__ import annotations
 
@@ -23,13 +28,14 @@ import os
 
 import pytest
 
-from fa_variants import iomodel, registry, timing
+from fa_variants import registry, timing
 from fa_variants.timing import Shape
 
 TOKENS = 16 * 1024
 HIDDEN = 2048
 ROUNDS = int(os.environ.get("FAV_BENCH_ROUNDS", "20"))
 WARMUP = int(os.environ.get("FAV_BENCH_WARMUP", "5"))
+DO_BENCH = os.environ.get("FAV_BENCH_DO_BENCH", "1") != "0"
 
 
 def _shapes() -> list[Shape]:
@@ -52,7 +58,8 @@ SHAPES = _shapes()
 # fa2_fp8 on bf16/fp16 inputs quantizes on the fly; PREQUANT is the same kernel on tensors quantized beforehand
 # (fav.fp8.quantize, outside the timed call), as a KV cache would hold them.
 PREQUANT = "fa2_fp8_prequant"
-VARIANTS = [v.name for v in registry.variants()] + [PREQUANT] + list(timing.TORCH_BACKENDS)
+# The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
+VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [PREQUANT]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 
 
@@ -131,11 +138,17 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
     if benchmark.stats is None:       # --benchmark-disable: ran once, nothing measured
         return
     med_ms = benchmark.stats.stats.median * 1e3
+    db_ms, db_why = timing.user_view_ms(fn, sets[0]) if DO_BENCH else (None, "FAV_BENCH_DO_BENCH=0")
     benchmark.extra_info.update(
         variant=variant, shape=shp.id, dtype=shp.dtype, batch=shp.batch, heads=shp.heads, heads_kv=shp.hkv,
         seqlen_q=shp.seqlen_q, seqlen_k=shp.nk, head_dim=shp.head_dim, causal=shp.causal,
         median_ms=med_ms, tflops=timing.tflops(shp.flops, med_ms), flops=shp.flops,
+        median_ms_do_bench=db_ms, tflops_do_bench=timing.tflops(shp.flops, db_ms) if db_ms else None,
+        do_bench_note=db_why or None,
         hbm_bytes_model=hbm, input_sets=len(sets), l2_bytes=timing.l2_bytes(),
-        timer="CUDA events (fa_variants.timing.event_clock)", device=_device_name(),
+        timer="CUDA events (fa_variants.timing.event_clock)", timer_do_bench="triton.testing.do_bench median",
+        device=_device_name(),
     )
-    bench_record(shp, variant, med_ms)
+    ratios = bench_record(shp, variant, med_ms, db_ms)
+    if variant not in timing.TORCH_BACKENDS:
+        benchmark.extra_info.update(ratios)

@@ -20,9 +20,14 @@ Method (DESIGN.md, "Speed"):
 times one call and synchronizes (pytest-benchmark's pedantic mode calls it once per round, and
 ``event_clock`` is the timer handed to pytest-benchmark so that the statistics it prints are these CUDA-event
 times).
+
+A second timer, **as a user sees it**: ``user_view_ms`` is ``triton.testing.do_bench`` (median of events around
+each call, a 256 MB memset flushing L2 before each, no pad kernel): the host's enqueue cost shows in it wherever
+it exceeds that flush's GPU time. ``summary_tables`` and ``peer_ratios`` put both timers beside torch SDPA's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -360,8 +365,6 @@ def as_torch_bhnd(torch, x):
 def torch_sdpa_fn(torch, peer: str, shape: Shape, softmax_scale: float):
     """A callable (q, k, v) -> out (torch, (B, H, N, d)) running SDPA with one backend forced, on the
     current CuPy stream. ``peer`` is a key of TORCH_BACKENDS."""
-    import contextlib
-
     import cupy
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -373,9 +376,137 @@ def torch_sdpa_fn(torch, peer: str, shape: Shape, softmax_scale: float):
     ptr = cupy.cuda.get_current_stream().ptr
 
     def fn(q, k, v):
-        same = torch.cuda.current_stream().cuda_stream == ptr
-        ctx = contextlib.nullcontext() if same else torch.cuda.stream(torch.cuda.ExternalStream(ptr))
-        with ctx, sdpa_kernel(backend):
+        with on_cupy_stream(torch, ptr), sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
     return fn
+
+
+def on_cupy_stream(torch, ptr: int | None = None):
+    """A context in which torch's current stream is CuPy's (``ptr``, default: CuPy's current stream), so that
+    torch work, and torch events, are ordered with our kernels; no-op when they are the same stream already."""
+    if ptr is None:
+        import cupy
+        ptr = cupy.cuda.get_current_stream().ptr
+    if torch.cuda.current_stream().cuda_stream == ptr:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(ptr))
+
+
+# ------------------------------------------------------------------------------------------------ user view
+DO_BENCH_ARGS = dict(warmup=25, rep=100, return_mode="median")   # ms of warm-up and of timed calls
+MAX_DO_BENCH_FAILURES = 3      # in a row: then stop trying (a missing C compiler for triton's driver would
+_DO_BENCH_FAILURES: list = []  # otherwise fail, slowly, in every case of a session)
+
+
+def do_bench_status() -> tuple[object, str]:
+    """(triton.testing.do_bench, '') when triton is importable, else (None, why not)."""
+    try:
+        from triton.testing import do_bench
+    except Exception as e:  # noqa: BLE001 - no triton (or a broken one): the column stays empty
+        return None, f"triton is not importable ({type(e).__name__})"
+    return do_bench, ""
+
+
+def user_view_ms(fn, args=()) -> tuple[float | None, str]:
+    """(median ms of ``fn(*args)`` by ``triton.testing.do_bench``, '') or (None, why not).
+
+    do_bench records its events on torch's current stream, so the calls run with torch's stream set to CuPy's
+    (``on_cupy_stream``): otherwise the events would not bracket our kernels."""
+    do_bench, why = do_bench_status()
+    if do_bench is None:
+        return None, why
+    if len(_DO_BENCH_FAILURES) >= MAX_DO_BENCH_FAILURES:
+        return None, f"do_bench not tried after {len(_DO_BENCH_FAILURES)} failures in a row ({_DO_BENCH_FAILURES[-1]})"
+    try:
+        import torch
+        with on_cupy_stream(torch):
+            ms = float(do_bench(lambda: fn(*args), **DO_BENCH_ARGS))
+    except Exception as e:  # noqa: BLE001 - a failing second timer must not fail the measured case
+        _DO_BENCH_FAILURES.append(f"{type(e).__name__}: {str(e)[:200]}")
+        return None, f"do_bench failed: {_DO_BENCH_FAILURES[-1]}"
+    _DO_BENCH_FAILURES.clear()
+    return ms, ""
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """One benchmark case's result: the shape, the variant, and its median time by each timer (ms)."""
+    shape: Shape
+    variant: str
+    ms: float                          # EventTimer: pad kernel, inputs rotating through more than L2
+    ms_do_bench: float | None = None   # user_view_ms (triton do_bench); None where triton is absent
+
+
+def speedup(peer_ms, ms) -> float | None:
+    """TFLOP/s of a case over its peer's on the same shape (= peer time / case time); None if either is missing."""
+    if peer_ms is None or ms is None or not (peer_ms > 0 and ms > 0):
+        return None
+    return peer_ms / ms
+
+
+def _peer_key(peer: str) -> str:
+    return "over_" + peer.replace("-", "_")          # 'torch-flash' -> 'over_torch_flash'
+
+
+def peer_ratios(results, case: Timed) -> dict:
+    """{'over_torch_flash': x, 'over_torch_flash_do_bench': y, 'over_torch_cudnn': ..., ...}: ``case`` against
+    the torch peers among ``results`` on the same shape, by each timer (None where a peer or a time is missing).
+    The bench runs the peers of a shape first, so every other case finds them measured on the same inputs."""
+    found = {(r.shape.id, r.variant): r for r in results}
+    out = {}
+    for peer in TORCH_BACKENDS:
+        p = found.get((case.shape.id, peer))
+        out[_peer_key(peer)] = speedup(p.ms if p else None, case.ms)
+        out[_peer_key(peer) + "_do_bench"] = speedup(p.ms_do_bench if p else None, case.ms_do_bench)
+    return out
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def summary_tables(results, focus=("fa2",)) -> list[tuple[str, list[str], list[list[str]]]]:
+    """[(title, headers, rows)] of the end-of-session summary.
+
+    1. TFLOP/s of every variant per shape (CUDA-event timer) and each of ours over torch-flash.
+    2. For each ``focus`` variant that ran: its TFLOP/s and its ratios over torch-flash and torch-cudnn by
+       both timers (event timer and do_bench), one row per shape."""
+    results = list(results)
+    if not results:
+        return []
+    by = {(r.shape.id, r.variant): r for r in results}
+    shapes = list(dict.fromkeys(r.shape for r in results))
+    seen = list(dict.fromkeys(r.variant for r in results))
+    ours = [n for n in seen if n not in TORCH_BACKENDS]
+    names = ours + [n for n in TORCH_BACKENDS if n in seen]     # ours first, whatever order the cases ran in
+    has_flash = "torch-flash" in names
+    headers = ["shape"] + [f"{n} TFLOP/s" for n in names] + ([f"{n} / flash" for n in ours] if has_flash else [])
+    rows = []
+    for s in shapes:
+        row = [s.id] + [_fmt(tflops(s.flops, by[s.id, n].ms) if (s.id, n) in by else None, ".1f") for n in names]
+        if has_flash:
+            row += [_fmt(peer_ratios(results, by[s.id, n])["over_torch_flash"] if (s.id, n) in by else None)
+                    for n in ours]
+        rows.append(row)
+    tables = [("forward TFLOP/s (median CUDA-event time; 4BHN^2d, /2 causal)", headers, rows)]
+    for v in (f for f in focus if f in names):
+        head = ["shape", f"{v} TFLOP/s", f"{v} TFLOP/s do_bench"]
+        for peer in TORCH_BACKENDS:
+            short = peer.split("-")[1]
+            head += [f"{v} / {short}", f"{v} / {short} do_bench"]
+        body = []
+        for s in shapes:
+            r = by.get((s.id, v))
+            if r is None:
+                continue
+            ratios = peer_ratios(results, r)
+            db = tflops(s.flops, r.ms_do_bench) if r.ms_do_bench else None
+            line = [s.id, _fmt(tflops(s.flops, r.ms), ".1f"), _fmt(db, ".1f")]
+            for peer in TORCH_BACKENDS:
+                line += [_fmt(ratios[_peer_key(peer)]), _fmt(ratios[_peer_key(peer) + "_do_bench"])]
+            body.append(line)
+        tables.append((f"{v} against torch SDPA on the same inputs, both timers (X / peer = peer time / X time)",
+                       head, body))
+    return tables
