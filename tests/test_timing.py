@@ -1,0 +1,281 @@
+"""CPU tests of the benchmarks' pure-Python parts: TFLOP/s with the real head dim, the summary's peer ratios,
+plot's reading of pytest-benchmark JSON and launch_cost's table. Nothing here needs a GPU."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from fa_variants import timing
+from fa_variants.timing import Shape, Timed
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _script(name: str):
+    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+headdims, plot, launch_cost = _script("headdims"), _script("plot"), _script("launch_cost")
+
+
+# ------------------------------------------------------------------------------------------------ head dims
+def test_heads_and_padding():
+    assert [headdims.heads_for(d) for d in (64, 128, 256)] == [32, 16, 8]          # exact where d divides 2048
+    assert [headdims.heads_for(d) for d in (80, 111, 160, 192, 224)] == [26, 18, 13, 11, 9]   # rounded
+    assert [headdims.padded_dim(d) for d in (80, 111, 160, 192, 224)] == [96, 128, 160, 192, 224]
+    assert headdims.padded_dim(160, (32, 64, 96, 128, 256)) == 256               # today's fa2 tile table
+    with pytest.raises(ValueError):
+        headdims.padded_dim(257)
+
+
+def test_templates_come_from_the_tile_table():
+    from fa_variants.kernels import fa2
+    assert headdims.templates_of("fa2") == tuple(sorted(fa2.TILES))
+    assert headdims.templates_of("no_such_variant") == headdims.TEMPLATE_DIMS
+
+
+def test_tflops_use_the_real_head_dim():
+    s = headdims.problem(111, causal=True)
+    assert (s.batch, s.heads, s.seqlen_q, s.head_dim, s.dtype) == (4, 18, 4096, 111, "bfloat16")
+    assert s.flops == 4 * 4 * 18 * 4096 ** 2 * 111 / 2
+    row = headdims.row_values("fa2", 111, True, headdims.TEMPLATE_DIMS, {111: 2.0, 128: 2.5}, peer_ms=None)
+    assert row["pads_to"] == 128 and row["heads"] == 18
+    assert row["tflops"] == pytest.approx(s.flops / 2e-3 / 1e12)
+    t = Shape(4, 18, 4096, 128, "bfloat16", True)                                   # the template, same B, H, N
+    assert row["template_shape"] == t.id
+    assert row["template_tflops"] == pytest.approx(t.flops / 2.5e-3 / 1e12)
+    assert row["padded_over_template"] == pytest.approx(0.8)
+    assert row["torch_flash_tflops"] is None and row["over_torch_flash"] is None and row["error"] is None
+
+
+def test_headdims_rows_with_errors_and_templates():
+    err = headdims.row_values("fa1", 80, False, (32, 64, 96, 128, 256), {80: "d=80: KeyError: 80", 96: 1.0}, 0.5)
+    assert err["ms"] is None and err["padded_over_template"] is None and "KeyError" in err["error"]
+    assert err["torch_flash_tflops"] == pytest.approx(headdims.problem(80, False).flops / 0.5e-3 / 1e12)
+    same = headdims.row_values("fa2", 160, False, headdims.TEMPLATE_DIMS, {160: 1.0}, 2.0)
+    assert same["pads_to"] == 160 and same["padded_over_template"] is None
+    assert same["over_torch_flash"] == pytest.approx(2.0)
+    headers, body = headdims.table([err, same])
+    assert len(body) == 2 and all(len(r) == len(headers) for r in body)
+    assert body[1][4] == "(template)" and body[1][9] == "2.00"
+    json.dumps([err, same])
+
+
+# ------------------------------------------------------------------------------------------------ summary
+S1 = Shape(4, 16, 4096, 128, "bfloat16", False)
+S2 = Shape(2, 16, 8192, 128, "bfloat16", True)
+
+
+def _results():
+    return [Timed(S1, "torch-flash", 2.0, 2.4), Timed(S1, "torch-cudnn", 1.0, 1.2), Timed(S1, "fa2", 1.6, 2.0),
+            Timed(S1, "fa1", 8.0, None), Timed(S2, "torch-flash", 3.0, None), Timed(S2, "fa2", 2.5, None)]
+
+
+def test_speedup_is_peer_time_over_time():
+    assert timing.speedup(2.0, 1.6) == pytest.approx(1.25)
+    assert timing.speedup(None, 1.0) is None and timing.speedup(1.0, None) is None
+    assert timing.speedup(1.0, 0.0) is None
+
+
+def test_peer_ratios_by_both_timers():
+    res = _results()
+    r = timing.peer_ratios(res, res[2])
+    assert r["over_torch_flash"] == pytest.approx(2.0 / 1.6)
+    assert r["over_torch_flash_do_bench"] == pytest.approx(2.4 / 2.0)
+    assert r["over_torch_cudnn"] == pytest.approx(1.0 / 1.6)
+    assert r["over_torch_cudnn_do_bench"] == pytest.approx(1.2 / 2.0)
+    r2 = timing.peer_ratios(res, res[5])                   # S2: no cuDNN, no do_bench
+    assert r2["over_torch_flash"] == pytest.approx(3.0 / 2.5)
+    assert r2["over_torch_flash_do_bench"] is None and r2["over_torch_cudnn"] is None
+    assert timing.peer_ratios([], Timed(S1, "fa2", 1.0))["over_torch_flash"] is None
+
+
+def test_summary_tables():
+    tables = timing.summary_tables(_results())
+    assert len(tables) == 2
+    _, head, rows = tables[0]
+    assert head == ["shape", "fa2 TFLOP/s", "fa1 TFLOP/s", "torch-flash TFLOP/s", "torch-cudnn TFLOP/s",
+                    "fa2 / flash", "fa1 / flash"]                       # ours first, though the peers ran first
+    assert [r[0] for r in rows] == [S1.id, S2.id]
+    assert rows[0][1] == f"{timing.tflops(S1.flops, 1.6):.1f}" and rows[0][5] == "1.25" and rows[0][6] == "0.25"
+    assert rows[1][2] == "" and rows[1][4] == "" and rows[1][6] == ""       # absent cases: empty cells
+    title, head, rows = tables[1]
+    assert "fa2" in title
+    assert head == ["shape", "fa2 TFLOP/s", "fa2 TFLOP/s do_bench", "fa2 / flash", "fa2 / flash do_bench",
+                    "fa2 / cudnn", "fa2 / cudnn do_bench"]
+    assert rows[0][3:] == ["1.25", "1.20", "0.62", "0.60"]
+    assert rows[1][2] == "" and rows[1][3] == "1.20" and rows[1][4:] == ["", "", ""]
+
+
+def test_summary_without_peers_or_results():
+    assert timing.summary_tables([]) == []
+    tables = timing.summary_tables([Timed(S1, "fa1", 1.0)])
+    assert len(tables) == 1 and tables[0][1] == ["shape", "fa1 TFLOP/s"]
+
+
+def test_user_view_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)          # import triton -> ImportError
+    monkeypatch.delitem(sys.modules, "triton.testing", raising=False)
+    ms, why = timing.user_view_ms(lambda: None)
+    assert ms is None and "triton" in why
+
+
+def test_user_view_calls_do_bench_median(monkeypatch):
+    seen = {}
+
+    def do_bench(fn, **kw):
+        seen.update(kw, out=fn())
+        return 1.5
+
+    triton = types.ModuleType("triton")
+    triton.testing = types.SimpleNamespace(do_bench=do_bench)
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setitem(sys.modules, "triton.testing", triton.testing)
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setattr(timing, "on_cupy_stream", lambda torch, ptr=None: contextlib.nullcontext())
+    assert timing.user_view_ms(lambda a, b: a + b, (2, 3)) == (1.5, "")
+    assert seen == {"warmup": 25, "rep": 100, "return_mode": "median", "out": 5}
+
+    def broken(fn, **kw):
+        raise RuntimeError("no device")
+    triton.testing.do_bench = broken
+    monkeypatch.setattr(timing, "_DO_BENCH_FAILURES", [])
+    for _ in range(timing.MAX_DO_BENCH_FAILURES):
+        ms, why = timing.user_view_ms(lambda: None)
+        assert ms is None and "RuntimeError: no device" in why
+    ms, why = timing.user_view_ms(lambda: None)              # then it stops trying
+    assert ms is None and "not tried" in why
+    triton.testing.do_bench = do_bench
+    timing._DO_BENCH_FAILURES.clear()
+    assert timing.user_view_ms(lambda: 1)[0] == 1.5
+
+
+# ------------------------------------------------------------------------------------------------ plot
+def _bench_doc(points):
+    """A pytest-benchmark JSON document with one benchmark per (shape, variant, tflops, tflops_do_bench)."""
+    benches = []
+    for shape, variant, tf, tf_db in points:
+        benches.append({"group": None, "name": f"test_forward[{shape.id}-{variant}]",
+                        "params": {"shape": shape.id, "variant": variant},
+                        "stats": {"median": 0.001},
+                        "extra_info": {"variant": variant, "shape": shape.id, "tflops": tf, "tflops_do_bench": tf_db}})
+    benches.append({"name": "test_other", "params": None, "stats": {}, "extra_info": {}})   # not ours: skipped
+    return {"machine_info": {}, "commit_info": {}, "benchmarks": benches, "datetime": "", "version": "5.1.0"}
+
+
+def _shape(n, d, causal, dtype="bfloat16"):
+    return Shape(16384 // n, 2048 // d, n, d, dtype, causal)
+
+
+def test_plot_reads_pytest_benchmark_json(tmp_path):
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps(_bench_doc([
+        (_shape(2048, 128, False), "fa2", 300.0, 290.0), (_shape(1024, 128, False), "fa2", 280.0, None),
+        (_shape(1024, 128, False), "torch-flash", 270.0, 260.0), (_shape(1024, 64, True), "fa1", 70.0, None),
+        (_shape(1024, 64, False, "float16"), "fa2", 250.0, None)])))
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps(_bench_doc([(_shape(2048, 128, False), "fa2", 310.0, None)])))
+    groups = plot.load([first, second])
+    assert groups[("bfloat16", 128, False)]["fa2"] == [(1024, 280.0), (2048, 310.0)]   # sorted by N; b.json wins
+    assert groups[("bfloat16", 128, False)]["torch-flash"] == [(1024, 270.0)]
+    assert groups[("bfloat16", 64, True)] == {"fa1": [(1024, 70.0)]}
+    db = plot.load([first], timer="do_bench")
+    assert db[("bfloat16", 128, False)] == {"fa2": [(2048, 290.0)], "torch-flash": [(1024, 260.0)]}
+    bf = plot.select(groups, "bf16")
+    assert set(bf) == {("bfloat16", 128, False), ("bfloat16", 64, True)}
+    assert set(plot.select(groups, "all")) == set(groups)
+    assert plot.layout(groups) == ([("bfloat16", False), ("bfloat16", True), ("float16", False)], [64, 128])
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_bench_doc([(_shape(n, d, c), v, 100.0 + n / 100, None)
+                                           for n in (1024, 2048, 4096) for d in (64, 128) for c in (False, True)
+                                           for v in ("fa2", "torch-flash")])))
+    out = tmp_path / "t.png"
+    plot.main([str(path), "-o", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------ launch cost
+def test_launch_cost_table():
+    assert launch_cost.per_call_us(0.03, 2000) == pytest.approx(15.0)
+    rows = [launch_cost.Row("fa2", "cupy", [12.0, 11.0, 13.0], kernels=1.0),
+            launch_cost.Row("fa2", "torch", [30.0, 26.0, 28.0], kernels=1.0, memops=1.0),
+            launch_cost.Row("naive", "cupy", [40.0]),
+            launch_cost.Row("fa2_fp8_prequant", "cupy", note="skipped: needs compute capability >= 8.9"),
+            launch_cost.Row("fa1", "torch", note="error: RuntimeError: boom"),
+            launch_cost.Row("torch-sdpa-flash", "torch", [20.0])]
+    headers, body = launch_cost.table(rows)
+    assert headers[:6] == ["variant", "inputs", "us/call", "min..max", "target us", "meets"]
+    assert body[0][2:7] == ["12.0", "11.0..13.0", "15", "yes", "1"]
+    assert body[1][2:7] == ["28.0", "26.0..30.0", "25", "no", "1 (+1 mem)"]
+    assert body[2][4:6] == ["", ""]                                   # naive: no target
+    assert body[3][2] == "" and body[3][5] == "" and body[3][7].startswith("skipped")
+    assert body[4][7] == "error: RuntimeError: boom"
+    assert body[5][4] == ""                                           # torch SDPA: no target
+    doc = json.loads(json.dumps(launch_cost.report(rows, {"shape": launch_cost.SHAPE.id})))
+    assert doc["shape"] == "fp16-d64-N16-B1-H2-full"
+    assert doc["rows"][0]["median_us"] == 12.0 and doc["rows"][0]["meets"] == "yes"
+    assert doc["rows"][3]["median_us"] is None and doc["rows"][3]["target_us"] == 15.0
+
+
+def test_launch_cost_cases_without_torch():
+    """Every registry variant and the pre-quantized row, with both input types, and the two SDPA rows; without
+    torch the torch rows say why instead of running."""
+    from fa_variants import registry
+    cases = list(launch_cost.cases(None, "torch is not importable"))
+    names = [(n, i) for n, i, _, _ in cases]
+    ours = [v.name for v in registry.variants()] + ["fa2_fp8_prequant"]
+    assert names == [(n, "cupy") for n in ours] + [(n, "torch") for n in ours] + [
+        ("torch-sdpa", "torch"), ("torch-sdpa-flash", "torch")]
+    assert all(why for n, i, why, _ in cases if i == "torch")
+
+
+def test_launch_cost_measure_keeps_going(monkeypatch):
+    """A case whose build or call raises becomes an error row; the others are timed (host-only stand-ins)."""
+    monkeypatch.setattr(launch_cost, "_sync", lambda: None)
+    monkeypatch.setattr(launch_cost, "WARMUP_CALLS", 2)
+
+    def boom():
+        raise RuntimeError("no kernel")
+
+    cases = [("fa2", "cupy", "", lambda: (lambda: None, contextlib.nullcontext())),
+             ("fa1", "cupy", "", boom),
+             ("naive", "torch", "", lambda: (boom, contextlib.nullcontext())),
+             ("fa2_fp8", "cupy", "needs sm_89", boom)]
+    rows = [r for r, _ in launch_cost.measure(cases, calls=10, repeats=3)]
+    assert len(rows[0].us) == 3 and all(u >= 0 for u in rows[0].us) and rows[0].note == ""
+    assert rows[1].note == "error: RuntimeError: no kernel" and rows[2].note.startswith("error: RuntimeError")
+    assert rows[3].note == "skipped: needs sm_89" and rows[3].us == []
+
+
+def test_headdims_measure_rows(monkeypatch):
+    """Every (variant, mask, d) gets a row; the template is timed at the padded problem's B, H, N."""
+    timed = []
+
+    def fake_time(fn, shape, repeats, convert=None):
+        timed.append(shape)
+        return 1.0 + shape.head_dim / 1000
+
+    monkeypatch.setattr(headdims, "_time", fake_time)
+    monkeypatch.setattr(headdims.timing, "torch_status", lambda: (None, "no torch here"))
+    monkeypatch.setattr(headdims, "templates_of", lambda v: headdims.TEMPLATE_DIMS)
+    rows = headdims.measure(["fa1", "fa2"], repeats=1)
+    assert len(rows) == 2 * 2 * len(headdims.PADDED_DIMS)
+    r = next(r for r in rows if r["variant"] == "fa2" and r["head_dim"] == 80 and not r["causal"])
+    assert r["pads_to"] == 96 and r["padded_over_template"] == pytest.approx(1.08 / 1.096)
+    assert Shape(4, 26, 4096, 96, "bfloat16", False) in timed        # d = 96 at d = 80's H = 26
+    assert sum(1 for s in timed if s.head_dim == 160) == 4            # a template itself: timed once per row
