@@ -31,7 +31,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:  # no import of cli at run time: cli imports this module
+    from . import timing
+    from .cli import Blocks
+    from .registry import Variant
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum")
 READ, WRITE, L2 = METRICS
@@ -157,7 +162,7 @@ def ncu_command(ncu: str, log_file: str, metrics: Sequence[str] = METRICS) -> li
             "--csv", "--log-file", log_file]
 
 
-def shape_args(shape) -> list[str]:
+def shape_args(shape: "timing.Shape") -> list[str]:
     """The child's command-line flags for a ``timing.Shape``."""
     a = ["--batch", str(shape.batch), "--heads", str(shape.heads), "--heads-kv", str(shape.hkv),
          "--seqlen", str(shape.seqlen_q), "--seqlen-k", str(shape.nk), "--head-dim", str(shape.head_dim),
@@ -182,8 +187,8 @@ def _why_failed(*texts: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def measure(ncu: str, target: str, shape, *, seed: int = 0, timeout: float = 900,
-            python: str = sys.executable) -> NcuResult:
+def measure(ncu: str, target: str, shape: "timing.Shape", *, seed: int = 0, timeout: float = 900,
+            python: str = sys.executable, verbose: bool = False) -> NcuResult:
     """Run the child for ``target`` (a variant name or a key of ``timing.TORCH_BACKENDS``) under ncu and return
     the summed bytes; ProfileError (one line) when ncu or the child fails or nothing was measured."""
     with tempfile.TemporaryDirectory(prefix="fa-variants-ncu-") as tmp:
@@ -199,6 +204,8 @@ def measure(ncu: str, target: str, shape, *, seed: int = 0, timeout: float = 900
         text = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
     result = parse_ncu_csv(text)
     if proc.returncode != 0 or not result.bytes:
+        if verbose:  # -v: the whole story (ncu's log, then the child's own output) on stderr
+            print("\n".join(["$ " + " ".join(cmd), text, proc.stdout, proc.stderr]), file=sys.stderr)
         raise ProfileError(_why_failed(text, proc.stdout, proc.stderr))
     missing = [m for m in METRICS if m not in result.bytes]
     if missing:
@@ -215,7 +222,7 @@ def ncu_version(ncu: str) -> str:
     return m.group(1) if m else (out.strip().splitlines() or ["?"])[-1]
 
 
-def _torch_peers(shape) -> tuple[list[str], str]:
+def _torch_peers(shape: "timing.Shape") -> tuple[list[str], str]:
     from . import timing
     if importlib.util.find_spec("torch") is None:
         return [], "torch is not importable"
@@ -226,14 +233,15 @@ def _torch_peers(shape) -> tuple[list[str], str]:
 def _short(names: Iterable[str], limit: int = 110) -> str:
     counts: dict[str, int] = {}
     for n in names:
-        base = re.split(r"[<(]", n, maxsplit=1)[0].strip() or n
+        base = re.split(r"[<(]", n, maxsplit=1)[0].strip().removeprefix("void ") or n
         counts[base] = counts.get(base, 0) + 1
     text = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in counts.items())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def run(shape, chosen, blocks, *, ncu: str = "ncu", torch_peers: bool = True, seed: int = 0,
-        timeout: float = 900, verbose: bool = False, notes: Sequence[str] = ()) -> int:
+def run(shape: "timing.Shape", chosen: Sequence["Variant"], blocks: "Blocks", *, ncu: str = "ncu",
+        torch_peers: bool = True, seed: int = 0, timeout: float = 900, verbose: bool = False,
+        notes: Sequence[str] = ()) -> int:
     """Profile ``chosen`` registry entries (and torch SDPA) at ``shape``; print one table; the exit status."""
     from tabulate import tabulate
 
@@ -272,7 +280,7 @@ def run(shape, chosen, blocks, *, ncu: str = "ncu", torch_peers: bool = True, se
                 modeled = None
         print(f"[{i}/{len(todo)}] {name}: ncu ...", file=sys.stderr, flush=True)
         try:
-            r = measure(exe, name, shape, seed=seed, timeout=timeout)
+            r = measure(exe, name, shape, seed=seed, timeout=timeout, verbose=verbose)
         except ProfileError as e:
             failed |= not isinstance(item, str)
             rows.append([name, _gb(modeled), f"error: {e}", "", "", "", ""])
@@ -287,7 +295,8 @@ def run(shape, chosen, blocks, *, ncu: str = "ncu", torch_peers: bool = True, se
     head = [
         "DRAM read/write, L2: ncu's dram__bytes_read.sum, dram__bytes_write.sum, lts__t_bytes.sum, summed over "
         "every kernel of one call; ncu flushes the caches before each kernel (cold L2) and leaves the clocks "
-        "alone (--clock-control none); L2 counts every byte between the SMs and L2",
+        "alone (--clock-control none); L2 counts every byte between the SMs and L2; DRAM write stays below the "
+        "output's size where the output is still in L2 (write-back) when the kernel ends",
         f"modeled HBM: the registry's hbm_bytes (fa_variants.iomodel) with {blocks.describe()}; fa2_fp8's model "
         "counts the attention kernel's e4m3 operands, not the quantization kernels the call also runs",
     ]

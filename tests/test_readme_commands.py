@@ -2,9 +2,9 @@
 
 The commands come from README.md's shell code blocks (``pip install ... && fa-variants compare`` counts as
 ``fa-variants compare``) and from its inline code spans that are whole commands (no ``<placeholder>``, no
-``...``). They run in-process through ``cli.main``. None needs a GPU: without one, ``compare`` runs the NumPy
-models at a CPU-sized shape and ``build`` needs only NVRTC. On a machine with a GPU the same commands take
-their GPU paths.
+``...``). They run in-process through ``cli.main``. Only ``fa-variants profile`` needs a GPU (and ncu), and is
+skipped without one: without a GPU, ``compare`` runs the NumPy models at a CPU-sized shape and ``build`` needs
+only NVRTC. On a machine with a GPU the same commands take their GPU paths.
 """
 from __future__ import annotations
 
@@ -73,6 +73,10 @@ def test_readme_shows_commands():
 def test_readme_command_runs(cmd, where, capsys):
     if cmd == RUN_BY_CI:
         pytest.skip(".ci/run runs this full build (every kernel, every arch) itself")
+    if cmd.startswith("fa-variants profile"):   # the one command that needs a GPU (and Nsight Compute)
+        from fa_variants import gpu, profile
+        if not gpu.available() or profile.find_ncu() is None:
+            pytest.skip("`fa-variants profile` needs a CUDA GPU and ncu")
     argv = shlex.split(cmd)[1:]
     try:
         rc = cli.main(argv)
