@@ -9,8 +9,9 @@
 //
 // O, l, m live in a float32 workspace (the honest choice for a value rescaled Tc times); the output is cast once
 // at the end. Read beside fa2_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
+#include "common/block_range.cuh"
+#include "common/epilogue.cuh"
 #include "common/fragments.cuh"
-#include "common/softmax.cuh"
 
 template <class T, int D, int BM, int BN, int NWARPS>
 struct Fa1Smem {  // byte offsets into dynamic shared memory
@@ -26,13 +27,10 @@ struct Fa1Smem {  // byte offsets into dynamic shared memory
     static constexpr int BYTES = COEF + (NWARPS + 1) * BM * 4;
 };
 
+// D: the template head dim p.head_dim pads to. The workspaces p.o_ws, p.l_ws, p.m_ws are (B*H, rows_pad[, D]).
 template <class T, int D, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-fa1_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
-        u16* __restrict__ O, float* __restrict__ LSE,
-        float* __restrict__ O_ws, float* __restrict__ l_ws, float* __restrict__ m_ws,  // (B*H, rows_pad[, D])
-        i64 q_b, i64 q_n, i64 q_h, i64 k_b, i64 k_n, i64 k_h, i64 v_b, i64 v_n, i64 v_h,
-        int seqlen_q, int seqlen_k, int heads, int group, float scale_log2, int causal) {
+fa1_fwd(const fav::FwdParams p) {
     using namespace fav;
     using S = Fa1Smem<T, D, BM, BN, NWARPS>;
     using TQ = typename S::TQ;
@@ -50,15 +48,19 @@ fa1_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     float* sMW = reinterpret_cast<float*>(smem + S::MW);     // [0][w][r] = m~_w, [1][w][r] = l~_w
     float* sCoef = reinterpret_cast<float*>(smem + S::COEF); // [w][r] for the P~V of warp w, [NWARPS][r] for O_i
 
-    const int h = blockIdx.x, b = blockIdx.y, h_kv = h / group, warp = threadIdx.x / 32;
+    const int h = blockIdx.x, b = blockIdx.y, h_kv = h / p.group, warp = threadIdx.x / 32;
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, d = p.head_dim;
+    const bool causal = p.causal;
+    const float scale_log2 = p.scale_log2;
     const int Tr = (seqlen_q + BM - 1) / BM, Tc = (seqlen_k + BN - 1) / BN, rows_pad = Tr * BM;
     const int diag = seqlen_k - seqlen_q;  // key j is visible to query i iff j <= i + diag
-    const i64 bh = (i64)b * heads + h;
-    const u16* Qb = Q + b * q_b + h * q_h;
-    float* Ob = O_ws + bh * rows_pad * D;
-    float* lb = l_ws + bh * rows_pad;
-    float* mb = m_ws + bh * rows_pad;
+    const i64 bh = (i64)b * p.heads + h;
+    const i64 q_n = p.q_n, k_n = p.k_n, v_n = p.v_n;
+    const u16* Qb = p.q + b * p.q_b + h * p.q_h;
+    float* Ob = p.o_ws + bh * rows_pad * D;
+    float* lb = p.l_ws + bh * rows_pad;
+    float* mb = p.m_ws + bh * rows_pad;
 
     // Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.
     for (int e = threadIdx.x; e < rows_pad * D; e += THREADS) Ob[e] = 0.f;
@@ -68,13 +70,15 @@ fa1_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     for (int j = 0; j < Tc; ++j) {
         const int key0 = j * BN;
         // Q blocks wholly above the causal diagonal for this K/V block are skipped.
-        const int i_first = causal ? max(0, (key0 - diag) / BM) : 0;  // first i with m0 + BM - 1 + diag >= key0
+        const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
         if (i_first >= Tr) break;  // later K/V blocks are invisible to every row too
 
         // Line 6: load K_j, V_j to shared memory (once per outer step), and Q_{i_first}.
-        load_tile_async<BN, D, THREADS>(base + S::K, K + b * k_b + h_kv * k_h + (i64)key0 * k_n, k_n, seqlen_k - key0);
-        load_tile_async<BN, D, THREADS>(base + S::V, V + b * v_b + h_kv * v_h + (i64)key0 * v_n, v_n, seqlen_k - key0);
-        load_tile_async<BM, D, THREADS>(base + S::Q, Qb + (i64)i_first * BM * q_n, q_n, seqlen_q - i_first * BM);
+        load_tile_async<BN, D, THREADS>(base + S::K, p.k + b * p.k_b + h_kv * p.k_h + (i64)key0 * k_n, k_n,
+                                        seqlen_k - key0, d);
+        load_tile_async<BN, D, THREADS>(base + S::V, p.v + b * p.v_b + h_kv * p.v_h + (i64)key0 * v_n, v_n,
+                                        seqlen_k - key0, d);
+        load_tile_async<BM, D, THREADS>(base + S::Q, Qb + (i64)i_first * BM * q_n, q_n, seqlen_q - i_first * BM, d);
         cp_async_commit();
 
         for (int i = i_first; i < Tr; ++i) {
@@ -89,7 +93,7 @@ fa1_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
             cp_async_commit();
             if (i + 1 < Tr)
                 load_tile_async<BM, D, THREADS>(base + S::Q + (stage ^ 1) * TQ::BYTES, Qb + (i64)(m0 + BM) * q_n, q_n,
-                                                seqlen_q - m0 - BM);
+                                                seqlen_q - m0 - BM, d);
             cp_async_commit();
             cp_async_wait<2>();  // K_j, V_j, Q_i have landed
             __syncthreads();
@@ -174,7 +178,7 @@ fa1_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
                 }
                 const float keep = exp2f_approx(m_i * scale_log2 - ref_new);
                 const float l_new = keep * l_i + l_t;
-                const float inv = l_new > 0.f ? 1.f / l_new : 0.f;
+                const float inv = inv_or_zero(l_new);  // epilogue.cuh's rule: NaN stays NaN
 #pragma unroll
                 for (int w = 0; w < NWARPS; ++w) sCoef[w * BM + r] *= inv;
                 sCoef[NWARPS * BM + r] = keep * l_i * inv;
@@ -205,13 +209,13 @@ fa1_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     }
 
     // After the last K/V block O is final (it was normalized at every step): cast it, and LSE = m + ln l.
-    const float ln2 = 0.6931471805599453f;
     for (int r = threadIdx.x; r < seqlen_q; r += THREADS)
-        LSE[bh * seqlen_q + r] = lb[r] > 0.f ? (mb[r] * scale_log2 + __log2f(lb[r])) * ln2 : neg_inf();
-    const i64 o_n = (i64)heads * D;
+        store_lse(p.lse, b, h, p.heads, seqlen_q, r, finish_row(lb[r], mb[r] * scale_log2).lse);
+    u16* Ob16 = p.o + b * p.o_b + h * p.o_h;
     for (int c = threadIdx.x; c < seqlen_q * (D / 2); c += THREADS) {
         const int r = c / (D / 2), col = (c % (D / 2)) * 2;
+        if (col >= d) continue;  // padded columns are not stored
         const float2 x = *reinterpret_cast<const float2*>(Ob + (i64)r * D + col);
-        *reinterpret_cast<u32*>(O + ((i64)b * seqlen_q + r) * o_n + (i64)h * D + col) = T::pack(x.x, x.y);
+        *reinterpret_cast<u32*>(Ob16 + r * p.o_n + col) = T::pack(x.x, x.y);
     }
 }

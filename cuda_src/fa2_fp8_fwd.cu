@@ -13,16 +13,16 @@
 // {2t, 2t+1, 8+2t, 9+2t} and {16+2t, 17+2t, 24+2t, 25+2t}; the A operand of m16n8k32 wants the reduction
 // indices {4t..4t+3} and {16+4t..16+4t+3}. Rather than shuffle P between threads, the quantizer stores V's keys
 // in that order (fp8_quantize.cu: vt_key), so the thread's own values are the right A operand as they stand.
+#include "common/block_range.cuh"
 #include "common/fp8.cuh"
 #include "common/fragments.cuh"
 
 template <class T, int D, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
-fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* __restrict__ Vt,  // e4m3 pairs
-            const float* __restrict__ sq, const float* __restrict__ sk, const float* __restrict__ sv,
-            u16* __restrict__ O, float* __restrict__ LSE,
-            int seqlen_q, int seqlen_k, int seqlen_k_pad, int heads, int group, float scale_log2, int causal) {
+fa2_fp8_fwd(const fav::Fp8FwdParams p) {
     using namespace fav;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, seqlen_k_pad = p.seqlen_k_pad, group = p.group;
+    const bool causal = p.causal;
     constexpr int THREADS = NWARPS * 32;
     constexpr int WM = BM / NWARPS, MT = WM / 16, NT = BN / 8, DT = D / 8;
     constexpr int KC = D / 32;               // k-chunks of Q K^T (32 e4m3 each)
@@ -41,14 +41,13 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
     const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;
     const int diag = seqlen_k - seqlen_q;
-    int n_blocks = (seqlen_k + BN - 1) / BN;
-    if (causal) n_blocks = min(n_blocks, max(0, m0 + BM + diag + BN - 1) / BN);
+    const int n_blocks = kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal).end;
 
-    const i64 bh = (i64)b * heads + h, bhk = (i64)b * (heads / group) + h_kv;
-    const u16* Qi = Qq + (bh * seqlen_q + m0) * (D / 2);
-    const u16* Kb = Kq + bhk * seqlen_k * (D / 2);
-    const u16* Vb = Vt + bhk * D * (seqlen_k_pad / 2);
-    const float q_scale = sq[bh * gridDim.x + i_block];
+    const i64 bh = (i64)b * p.heads + h, bhk = (i64)b * (p.heads / group) + h_kv;
+    const u16* Qi = reinterpret_cast<const u16*>(p.q) + (bh * seqlen_q + m0) * (D / 2);  // e4m3 pairs
+    const u16* Kb = reinterpret_cast<const u16*>(p.k) + bhk * seqlen_k * (D / 2);
+    const u16* Vb = reinterpret_cast<const u16*>(p.vt) + bhk * D * (seqlen_k_pad / 2);
+    const float q_scale = p.sq[bh * gridDim.x + i_block];
     auto load_kv = [&](int j, int stage) {
         load_tile_async<BN, D / 2, THREADS>(sK(stage), Kb + (i64)j * BN * (D / 2), D / 2, seqlen_k - j * BN);
         load_tile_async<D, BN / 2, THREADS>(sV(stage), Vb + j * (BN / 2), seqlen_k_pad / 2, D);  // padded: no edge
@@ -100,7 +99,7 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
             }
         }
         // This block pair's scales fold into one multiplier: scores in log2 units from here on.
-        const float pair_scale = scale_log2 * q_scale * sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
+        const float pair_scale = p.scale_log2 * q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -134,5 +133,5 @@ fa2_fp8_fwd(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* _
     }
     cp_async_wait<0>();
 
-    store_output_fp8<T>(o, m, l, sv + bhk * D, O, LSE, b, h, heads, seqlen_q, m0 + row0);
+    Fp8DequantOut<T, (int)P_SCALE>::store(WarpRows<MT, DT>{o, m, l, 1.f, b, h, m0 + row0}, p, p.sv + bhk * D);
 }

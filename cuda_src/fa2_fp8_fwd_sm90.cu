@@ -12,16 +12,16 @@
 //   pipeline             FA3's intra-warpgroup overlap: block j's softmax runs on the threads while the tensor
 //                        cores do block j-1's P V; all threads cp.async block j+1 meanwhile, into the third of
 //                        three K/V stages; one barrier per block, as in fa2_fwd.cu
+#include "common/block_range.cuh"
 #include "common/fp8.cuh"
 #include "common/wgmma.cuh"
 
 template <class T, int D, int BN, int NWG, int CTAS_PER_SM = 1>
 __global__ void __launch_bounds__(NWG * 128, CTAS_PER_SM)
-fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u16* __restrict__ Vt,
-                 const float* __restrict__ sq, const float* __restrict__ sk, const float* __restrict__ sv,
-                 u16* __restrict__ O, float* __restrict__ LSE,
-                 int seqlen_q, int seqlen_k, int seqlen_k_pad, int heads, int group, float scale_log2, int causal) {
+fa2_fp8_fwd_sm90(const fav::Fp8FwdParams p) {
     using namespace fav;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, seqlen_k_pad = p.seqlen_k_pad, group = p.group;
+    const bool causal = p.causal;
     constexpr int BM = 64 * NWG, THREADS = NWG * 128, NT = BN / 8, DT = D / 8;
     constexpr int DN = D < 128 ? D : 128;    // output columns per P V wgmma (n128 at most here)
     using TQ = SwizzledTile<BM, D>;           // [row][d], e4m3
@@ -38,14 +38,13 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
     const int wg = threadIdx.x / 128, m0 = i_block * BM;
     const int row0 = wg * 64 + (threadIdx.x / 32 % 4) * 16;  // this warp's first row within the CTA's block
     const int diag = seqlen_k - seqlen_q;
-    int n_blocks = (seqlen_k + BN - 1) / BN;
-    if (causal) n_blocks = min(n_blocks, max(0, m0 + BM + diag + BN - 1) / BN);
+    const int n_blocks = kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal).end;
 
-    const i64 bh = (i64)b * heads + h, bhk = (i64)b * (heads / group) + h_kv;
-    const auto* Qi = reinterpret_cast<const unsigned char*>(Qq) + (bh * seqlen_q + m0) * D;
-    const auto* Kb = reinterpret_cast<const unsigned char*>(Kq) + bhk * seqlen_k * D;
-    const auto* Vb = reinterpret_cast<const unsigned char*>(Vt) + bhk * D * seqlen_k_pad;
-    const float q_scale = sq[bh * gridDim.x + i_block];
+    const i64 bh = (i64)b * p.heads + h, bhk = (i64)b * (p.heads / group) + h_kv;
+    const unsigned char* Qi = p.q + (bh * seqlen_q + m0) * D;
+    const unsigned char* Kb = p.k + bhk * seqlen_k * D;
+    const unsigned char* Vb = p.vt + bhk * D * seqlen_k_pad;
+    const float q_scale = p.sq[bh * gridDim.x + i_block];
     auto load_kv = [&](int j, int stage) {
         load_swizzled_async<BN, D, THREADS>(sK(stage), Kb + (i64)j * BN * D, D, seqlen_k - j * BN);
         load_swizzled_async<D, BN, THREADS>(sV(stage), Vb + j * BN, seqlen_k_pad, D);  // padded: no edge
@@ -59,11 +58,11 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
 
     float o[1][DT][4] = {};
     float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};  // as in fa2_fp8_fwd.cu, one m-tile per warp
-    u32 p[BN / 32][4];                                        // P~ of the previous block, e4m3: A of its P V
+    u32 pa[BN / 32][4];                                       // P~ of the previous block, e4m3: A of its P V
 
     // S_j = Q K_j^T for block j, scaled by its scale pair and masked: scores in log2 units.
     auto scores = [&](float (&s)[1][NT][4], int j) {
-        const float pair_scale = scale_log2 * q_scale * sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
+        const float pair_scale = p.scale_log2 * q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -83,14 +82,14 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
         for (int kc = 0; kc < BN / 32; ++kc)
 #pragma unroll
             for (int n = 0; n < D / DN; ++n)
-                wgmma_e4m3_rs(reinterpret_cast<float(&)[DN / 8][4]>(o[0][n * DN / 8]), p[kc],
+                wgmma_e4m3_rs(reinterpret_cast<float(&)[DN / 8][4]>(o[0][n * DN / 8]), pa[kc],
                               TV::desc(sV(stage), n * DN, kc * 32), 1);
         wgmma_commit();
     };
     auto pack_p = [&](const float (&s)[1][NT][4]) {
 #pragma unroll
         for (int kc = 0; kc < BN / 32; ++kc)
-            repack_a_e4m3(p[kc], s[0][4 * kc], s[0][4 * kc + 1], s[0][4 * kc + 2], s[0][4 * kc + 3]);
+            repack_a_e4m3(pa[kc], s[0][4 * kc], s[0][4 * kc + 1], s[0][4 * kc + 2], s[0][4 * kc + 3]);
     };
 
     // One K/V block. With PREV, block j-1's P V runs on the tensor cores while the threads do block j's softmax
@@ -133,5 +132,5 @@ fa2_fp8_fwd_sm90(const u16* __restrict__ Qq, const u16* __restrict__ Kq, const u
     }
     cp_async_wait<0>();
 
-    store_output_fp8<T>(o, m, l, sv + bhk * D, O, LSE, b, h, heads, seqlen_q, m0 + row0);
+    Fp8DequantOut<T, (int)P_SCALE>::store(WarpRows<1, DT>{o, m, l, 1.f, b, h, m0 + row0}, p, p.sv + bhk * D);
 }

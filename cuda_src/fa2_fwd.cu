@@ -7,18 +7,17 @@
 //                                     one barrier per block
 //
 // Read beside fa1_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
+#include "common/block_range.cuh"
+#include "common/epilogue.cuh"
 #include "common/fragments.cuh"
-#include "common/softmax.cuh"
 
 // EARLY_PREFETCH: issue block j+1's loads right after block j's barrier (longest overlap) or after block j's
 // softmax (shorter live ranges: needed at d = 128, where the early position spills). Chosen per head dim by
-// measurement (bench/NOTES.md).
-template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH>
+// measurement (bench/NOTES.md). D: the template head dim p.head_dim pads to. EPI: what the CTA does with its
+// rows at the end (common/epilogue.cuh): O / l and LSE, or a split-KV partial.
+template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH, class EPI = fav::NormalizedOut<T, D>>
 __global__ void __launch_bounds__(NWARPS * 32)
-fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
-        u16* __restrict__ O, float* __restrict__ LSE,
-        i64 q_b, i64 q_n, i64 q_h, i64 k_b, i64 k_n, i64 k_h, i64 v_b, i64 v_n, i64 v_h,
-        int seqlen_q, int seqlen_k, int heads, int group, float scale_log2, int causal) {
+fa2_fwd(const fav::FwdParams p) {
     using namespace fav;
     constexpr int THREADS = NWARPS * 32;
     constexpr int WM = BM / NWARPS, MT = WM / 16;  // rows per warp, m-tiles per warp
@@ -37,23 +36,24 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
 
     // Causal CTAs near the bottom do the most work: launch them first so the tail of the grid is short.
-    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
     const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;  // row0: first row of this warp in Q_i
-    const int diag = seqlen_k - seqlen_q;  // key j is visible to query i iff j <= i + diag
-    int n_blocks = (seqlen_k + BN - 1) / BN;
-    if (causal) n_blocks = min(n_blocks, max(0, m0 + BM + diag + BN - 1) / BN);  // blocks wholly above: skipped
+    const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;  // key j is visible to query i iff j <= i + diag
+    const bool causal = p.causal;
+    const BlockRange blocks = kv_block_range<BM, BN>(m0, p.seqlen_q, seqlen_k, causal, p.kv_block_begin,
+                                                     p.kv_block_end);
 
-    const u16* Qi = Q + b * q_b + h * q_h + m0 * q_n;
-    const u16* Kb = K + b * k_b + h_kv * k_h;
-    const u16* Vb = V + b * v_b + h_kv * v_h;
+    const u16* Qi = p.q + b * p.q_b + h * p.q_h + m0 * p.q_n;
+    const u16* Kb = p.k + b * p.k_b + h_kv * p.k_h;
+    const u16* Vb = p.v + b * p.v_b + h_kv * p.v_h;
     auto load_kv = [&](int j, int stage) {  // one cp.async group per K/V block
-        load_tile_async<BN, D, THREADS>(sK(stage), Kb + (i64)j * BN * k_n, k_n, seqlen_k - j * BN);
-        load_tile_async<BN, D, THREADS>(sV(stage), Vb + (i64)j * BN * v_n, v_n, seqlen_k - j * BN);
+        load_tile_async<BN, D, THREADS>(sK(stage), Kb + (i64)j * BN * p.k_n, p.k_n, seqlen_k - j * BN, p.head_dim);
+        load_tile_async<BN, D, THREADS>(sV(stage), Vb + (i64)j * BN * p.v_n, p.v_n, seqlen_k - j * BN, p.head_dim);
         cp_async_commit();
     };
 
-    load_tile_async<BM, D, THREADS>(sQ, Qi, q_n, seqlen_q - m0);  // Q_i: loaded once, in block 0's group
-    if (n_blocks > 0) load_kv(0, 0);
+    load_tile_async<BM, D, THREADS>(sQ, Qi, p.q_n, p.seqlen_q - m0, p.head_dim);  // Q_i: once, in block 0's group
+    if (blocks.count() > 0) load_kv(blocks.begin, 0);
     else cp_async_commit();
 
     float o[MT][DT][4] = {};                 // unnormalized O_i rows of this warp
@@ -62,14 +62,14 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = neg_inf();
     u32 q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? D / 16 : 1][4];
 
-    for (int j = 0; j < n_blocks; ++j) {
-        const int stage = j % 2;
+    for (int j = blocks.begin; j < blocks.end; ++j) {
+        const int stage = (j - blocks.begin) % 2;
         cp_async_wait<0>();  // K_j and V_j have landed (issued during block j-1)
         // One barrier per block: it publishes K_j and V_j to every warp and proves every warp is done with
         // block j-1. Between barriers the warps drift apart freely: one's softmax overlaps another's MMAs.
         __syncthreads();
-        if (EARLY_PREFETCH && j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
-        if (Q_IN_REGS && j == 0)
+        if (EARLY_PREFETCH && j + 1 < blocks.end) load_kv(j + 1, stage ^ 1);
+        if (Q_IN_REGS && j == blocks.begin)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -104,12 +104,12 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
         if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
             mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
 
-        online_softmax_step(s, m, l, o, scale_log2);
+        online_softmax_step(s, m, l, o, p.scale_log2);
         // The other stage is free for block j+1: every warp passed this block's barrier, so all are done
         // with block j-1. With no barrier before P V any more, V's ldmatrix must not be hoisted above the
         // softmax (its fragments would be live across it): the cp.async below, or an empty volatile asm,
         // pins the order.
-        if (!EARLY_PREFETCH && j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
+        if (!EARLY_PREFETCH && j + 1 < blocks.end) load_kv(j + 1, stage ^ 1);
         if (EARLY_PREFETCH) asm volatile("" ::: "memory");
 
         // O += P~ V_j, with P~ taken straight from the S registers as the A operand.
@@ -133,29 +133,8 @@ fa2_fwd(const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restr
     cp_async_wait<0>();
     __syncthreads();  // with no K/V block to visit, Q's copies (from every thread) may still be landing
 
-    // Epilogue: the one division by l; LSE = m * scale + ln l; O through shared memory for 16-byte stores.
-    // Each warp reuses only its own rows of the Q tile, which only it has read: no CTA barrier needed.
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const float ln2 = 0.6931471805599453f;
-    u16* sO = reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float sum = quad_sum(l[mt][r]);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that saw no key: O = 0, LSE = -inf
-            const int row = mt * 16 + g + 8 * r;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-                *reinterpret_cast<u32*>(sO + row * TQ::STRIDE + dt * 8 + 2 * t) =
-                    T::pack(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-            const int q_row = m0 + row0 + row;
-            if (LSE != nullptr && t == 0 && q_row < seqlen_q)
-                LSE[((i64)b * heads + h) * seqlen_q + q_row] =
-                    sum > 0.f ? (m[mt][r] * scale_log2 + __log2f(sum)) * ln2 : neg_inf();
-        }
-    __syncwarp();
-    const i64 o_n = (i64)heads * D;
-    store_rows_warp<WM, D>(O + ((i64)b * seqlen_q + m0 + row0) * o_n + (i64)h * D, o_n, sO,
-                           seqlen_q - m0 - row0);
+    // Epilogue: the one division by l (or a split's partial); O through shared memory for 16-byte stores. Each
+    // warp reuses only its own rows of the Q tile, which only it has read: no CTA barrier needed.
+    EPI::store(WarpRows<MT, DT>{o, m, l, p.scale_log2, b, h, m0 + row0},
+               p, reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE);
 }

@@ -171,3 +171,8 @@ def aligned_for_vector_loads(a, elements: int = 8) -> bool:
     """True when base pointer and the three outer strides allow 16-byte (8 x fp16) vector loads."""
     item = a.dtype.itemsize
     return a.data.ptr % (elements * item) == 0 and all(s % (elements * item) == 0 for s in a.strides[:3])
+
+
+def launchable_as_is(q, k, v) -> bool:
+    """Whether the 16-bit kernels take q, k, v without a copy: 16-byte aligned rows of a multiple of 8."""
+    return q.shape[3] % 8 == 0 and all(aligned_for_vector_loads(a) for a in (q, k, v))

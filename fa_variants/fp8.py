@@ -32,8 +32,9 @@ NAME = "fa2_fp8"
 @dataclasses.dataclass
 class Quantized:
     """e4m3 Q (optional), K, V^T and their scales, as fa2_fp8's kernel reads them (CuPy arrays on one device)."""
-    parts: dict    # q, sq (absent after quantize_kv), k, sk, vt, sv, seqlen_k, tiles, dtypes
+    parts: dict    # q, sq (absent after quantize_kv), k, sk, vt, sv, seqlen_k, head_dim, tiles, dtypes
     wrap: object   # hands results back as the caller's array type
+    plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # call signature -> plan
 
 
 def _kernels():
@@ -102,7 +103,8 @@ def _with_q(parts: dict, q):
     """K/V-only ``parts`` plus a freshly quantized ``q``, checked against them; and q's wrap."""
     inp = _import_gpu(q, q, q)
     qa = inp.q
-    b, hkv, _, d = parts["k"].shape
+    b, hkv = parts["k"].shape[:2]
+    d = parts["head_dim"]
     if qa.shape[0] != b or qa.shape[3] != d or qa.shape[2] % hkv:
         raise ValueError(f"q must be (batch={b}, seqlen_q, heads (a multiple of {hkv}), head_dim={d}) to match the "
                          f"quantized K/V, got shape {tuple(qa.shape)}")
@@ -121,9 +123,28 @@ def attention(qz: Quantized, *, q=None, causal=False, softmax_scale=None, return
     if ("q" in qz.parts) == (q is not None):
         raise ValueError("pass q exactly when qz holds only K and V (fa_variants.fp8.quantize_kv); "
                          "qz from fa_variants.fp8.quantize already holds q")
+    if q is None:  # pre-quantized: the launch plan of this call signature, made and checked once per qz
+        try:
+            key = (type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
+                   _current_device())
+            plan = qz.plans.get(key)
+        except TypeError:  # an unhashable argument: check_scalars reports it
+            key = plan = None
+        if plan is None:
+            scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=qz.parts["head_dim"])
+            plan = _launcher.plan(qz.parts, causal=bool(causal), softmax_scale=scale, return_lse=bool(return_lse))
+            if key is not None:
+                qz.plans[key] = plan
+        out, lse = _launcher.run_quantized(plan, qz.parts)
+        return (qz.wrap(out), qz.wrap(lse)) if return_lse else qz.wrap(out)
     arrays.check_scalars(causal, softmax_scale, return_lse)
-    parts, wrap = (qz.parts, qz.wrap) if q is None else _with_q(qz.parts, q)
-    scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=parts["q"].shape[3])
+    parts, wrap = _with_q(qz.parts, q)
+    scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=parts["head_dim"])
     out, lse = _launcher.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
-                                                     return_lse=bool(return_lse))
+                                             return_lse=bool(return_lse))
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)
+
+
+def _current_device() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDevice()

@@ -10,6 +10,7 @@ import pytest
 
 import fa_variants as fav
 from fa_variants import registry
+from fa_variants.kernels import fa2_fp8 as fp8_launcher
 from fa_variants.reference import fp8 as model
 
 from conftest import (FP8_MODEL_LSE_ATOL, FP8_MODEL_TO_FLOAT64, FP8_MODEL_TOL, LSE_ATOL_FP8, TOL, Case, new_seed, random_qkv_host, reference64, rel_err,
@@ -25,6 +26,9 @@ CASES = [
     Case(8, 1, 1, 8, 8, 64, False), Case(4, 1, 300, 8, 2, 128, True), Case(2, 37, 37, 4, 4, 64, True),
     Case(1, 1000, 1000, 4, 1, 128, True), Case(1, 37, 1000, 8, 2, 128, True), Case(1, 1000, 37, 4, 4, 256, True),
     Case(1, 4097, 4097, 2, 2, 128, False), Case(2, 257, 513, 4, 1, 256, False), Case(1, 513, 513, 4, 4, 64, True),
+    # padded head dims: quantized into rows of the next template dim (64, 128, 256), zeros beyond d
+    Case(2, 130, 97, 4, 2, 16, True), Case(2, 130, 97, 4, 2, 80, False), Case(1, 300, 300, 4, 2, 160, True),
+    Case(1, 200, 211, 2, 2, 208, False),
 ]
 
 
@@ -64,10 +68,10 @@ def test_against_float64_and_own_model(request, poisoned, case, dtype, fp8_kerne
     assert np.isfinite(o).all(), "output holds NaN/inf: elements left unwritten or a bad scale"
     err = rel_err(o, ref_out)
     assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
-    bm, bn = VARIANT.kernels.tiles(case.head_dim)
+    bm, bn = VARIANT.launcher.tiles(case.head_dim)
     res = model.forward(*host, causal=case.causal, block_q=bm, block_k=bn)
     to_model = rel_err(o, res.out)
-    tol = FP8_MODEL_TOL["wgmma" if VARIANT.kernels.uses_wgmma() else "mma_sync"]
+    tol = FP8_MODEL_TOL["wgmma" if fp8_launcher.uses_wgmma() else "mma_sync"]
     assert to_model <= tol, f"relative difference {to_model:.3e} from the NumPy model > {tol}"
     assert to_model <= FP8_MODEL_TO_FLOAT64 * err or err < 1e-6, \
         f"the kernel should match its model far more tightly ({to_model:.3e}) than float64 ({err:.3e})"
@@ -111,10 +115,10 @@ def test_rotation_matches_the_model_on_rotated_inputs(request, fp8_kernel):
     assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
     R = model.hadamard_rotation(case.head_dim, seed)
     rot = lambda x: (x.astype(np.float64) @ R).astype(x.dtype)  # noqa: E731 - what the GPU computes, rounded
-    bm, bn = VARIANT.kernels.tiles(case.head_dim)
+    bm, bn = VARIANT.launcher.tiles(case.head_dim)
     res = model.forward(rot(host[0]), rot(host[1]), host[2], causal=True, block_q=bm, block_k=bn)
     to_model = rel_err(o, res.out)
-    tol = FP8_MODEL_TOL["wgmma" if VARIANT.kernels.uses_wgmma() else "mma_sync"]
+    tol = FP8_MODEL_TOL["wgmma" if fp8_launcher.uses_wgmma() else "mma_sync"]
     assert to_model <= tol and to_model <= FP8_MODEL_TO_FLOAT64 * err, (to_model, err)
     assert np.abs(to_host(lse) - ref_lse).max() <= LSE_ATOL_FP8
     kv = fav.fp8.quantize_kv(k, v, rotate=True, seed=seed)
@@ -140,7 +144,7 @@ def test_quantize_round_trip_without_saturation(request, scale):
     host = tuple((a.astype(np.float64) / np.abs(a.astype(np.float64)).max() * scale).astype(np.float16) for a in host)
     q, k, v = to_device(host)
     parts = fav.fp8.quantize(q, k, v).parts
-    bm, bn = VARIANT.kernels.tiles(case.head_dim)
+    bm, bn = VARIANT.launcher.tiles(case.head_dim)
     for name, x, block in (("q", host[0], bm), ("k", host[1], bn)):
         x = x.astype(np.float64).transpose(0, 2, 1, 3)                      # (b, h, n, d)
         s = np.repeat(to_host(parts["s" + name]), block, axis=2)[:, :, :x.shape[2], None]

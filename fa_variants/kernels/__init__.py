@@ -27,6 +27,10 @@ class Launcher(Protocol):
                     heads_kv: int | None = None) -> int:
         """Device memory allocated beyond the output and the LSE."""
 
+    def plan(self, q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool):
+        """A launch plan (kernels/launch.py) for validated CuPy q, k, v that the kernel takes as they are
+        (aligned, head dim a multiple of 8), or None when this launcher has none (several launches per call)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelLauncher:
@@ -37,6 +41,7 @@ class KernelLauncher:
     tiles_fn: Callable[[int], tuple]
     extra_bytes_fn: Callable
     source_archs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    plan_fn: Callable | None = None
 
     def forward(self, q, k, v, *, causal, softmax_scale, return_lse):
         return self.forward_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
@@ -50,3 +55,8 @@ class KernelLauncher:
 
     def extra_bytes(self, batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
         return self.extra_bytes_fn(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize, heads_kv)
+
+    def plan(self, q, k, v, *, causal, softmax_scale, return_lse):
+        if self.plan_fn is None:
+            return None
+        return self.plan_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)

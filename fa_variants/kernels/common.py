@@ -1,7 +1,6 @@
-"""What the fa1 and fa2 launchers share: dtype dispatch, 16-byte alignment, strides, output allocation."""
+"""What the launchers share: dtype dispatch, template head dims and padding, 16-byte alignment, the packed
+parameter struct, tile choice."""
 from __future__ import annotations
-
-import dataclasses
 
 from .. import arrays
 
@@ -16,42 +15,66 @@ def ensure_vector_aligned(a):
     return a if arrays.aligned_for_vector_loads(a) else a.copy()
 
 
-@dataclasses.dataclass
-class Launch:
-    q: object
-    k: object
-    v: object
-    out: object
-    lse: object
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_kv: int
-    head_dim: int
-
-    @property
-    def ctype(self) -> str:
-        return CTYPE[arrays.dtype_name(self.q.dtype)]
-
-    def stride_args(self):
-        """Element strides (batch, seqlen, head) of q, k, v as int64 kernel arguments."""
-        import numpy as np
-        out = []
-        for a in (self.q, self.k, self.v):
-            out += [np.int64(s // a.dtype.itemsize) for s in a.strides[:3]]
-        return out
+#: The head dims the 16-bit kernels are instantiated for; any d <= 256 runs on the next one up, with its extra
+#: columns zero-filled on load and never stored (a multiple of 8 is required for 16-byte rows: other d are
+#: copied once into rows padded to the next multiple of 8, as flash-attn does).
+TEMPLATE_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
-def prepare(q, k, v) -> Launch:
-    """Align inputs, allocate O (q's shape, contiguous) and the float32 LSE (always written: the kernels need
-    somewhere to put it; only returned when asked)."""
+def template_dim(head_dim: int, dims=TEMPLATE_DIMS) -> int:
+    """The template head dim a kernel pads ``head_dim`` to."""
+    for t in dims:
+        if head_dim <= t:
+            return t
+    raise ValueError(f"head_dim must be at most {dims[-1]}, got {head_dim}")
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pad_last_dim(a, width: int):
+    """A zero-padded copy of ``a`` with its last dimension widened to ``width`` (q, k, v of a head dim that is
+    not a multiple of 8). Zeros add nothing to Q K^T, and the padded columns of P V are never returned."""
     import cupy
-    q, k, v = (ensure_vector_aligned(a) for a in (q, k, v))
-    b, nq, h, d = q.shape
-    out = cupy.empty((b, nq, h, d), dtype=q.dtype)
-    lse = cupy.empty((b, h, nq), dtype=cupy.float32)
-    return Launch(q, k, v, out, lse, b, nq, k.shape[1], h, k.shape[2], d)
+    out = cupy.zeros(a.shape[:-1] + (width,), dtype=a.dtype)
+    out[..., : a.shape[-1]] = a
+    return out
+
+
+def elem_strides(a) -> tuple:
+    """Element strides (batch, seqlen, head) of a (B, N, H, d) CuPy array."""
+    return tuple(s // a.dtype.itemsize for s in a.strides[:3])
+
+
+def fwd_params(q, k, v, *, head_dim: int, causal: bool, softmax_scale: float, out_strides: tuple,
+               kv_blocks=(0, None)) -> bytes:
+    """FwdParams (cuda_src/common/params.cuh) for aligned q, k, v, all pointers zero: a launch fills them."""
+    from .params import FWD, KV_BLOCKS_ALL
+    b, nq, h, _ = q.shape
+    qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
+    return FWD.pack(q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
+                    q_b=qs[0], q_n=qs[1], q_h=qs[2], k_b=ks[0], k_n=ks[1], k_h=ks[2], v_b=vs[0], v_n=vs[1],
+                    v_h=vs[2], o_b=out_strides[0], o_n=out_strides[1], o_h=out_strides[2], seqlen_q=nq,
+                    seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=head_dim,
+                    kv_block_begin=kv_blocks[0],
+                    kv_block_end=KV_BLOCKS_ALL if kv_blocks[1] is None else kv_blocks[1],
+                    scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+
+
+def forward_via_plan(make_plan, q, k, v, *, causal, softmax_scale, return_lse):
+    """The 16-bit forwards' ``forward``: copy what cannot be launched on as it is (misaligned, or a head dim
+    not a multiple of 8, padded), then run the plan on CuPy arrays. Padded outputs come back as a view of
+    their first head_dim columns."""
+    d = q.shape[3]
+    if d % 8:
+        d8 = round_up(d, 8)
+        q, k, v = (pad_last_dim(a, d8) for a in (q, k, v))
+    else:
+        q, k, v = (ensure_vector_aligned(a) for a in (q, k, v))
+    plan = make_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    out, lse = plan.run_cupy(q, k, v)
+    return (out[..., :d] if d % 8 else out), lse
 
 
 def scale_log2(softmax_scale: float) -> float:

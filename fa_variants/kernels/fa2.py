@@ -1,25 +1,31 @@
-"""Launcher of cuda_src/fa2_fwd.cu: tile sizes per head dim, grid (Q block, head, batch), dynamic shared memory."""
+"""Launcher of cuda_src/fa2_fwd.cu: tile sizes per template head dim, grid (Q block, head, batch), dynamic shared
+memory, and the launch plan of one call signature."""
 from __future__ import annotations
-
-import numpy as np
 
 from .. import jit
 from . import KernelLauncher
-from .common import CTYPE, cdiv, check_grid, prepare, scale_log2, tile_lookup
+from .common import (CTYPE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, template_dim,
+                     tile_lookup)
+from .launch import FwdPlan, function_of
 
 SOURCE = "fa2_fwd.cu"
 
-# head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps, early prefetch), fastest first; each warp
-# owns BM / warps rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and
+# template head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps, early prefetch), fastest first; each
+# warp owns BM / warps rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and
 # sm_86/89 have less). Chosen by the sweeps recorded in bench/NOTES.md; "early prefetch" issues the next K/V
-# block's loads before the QK^T MMAs rather than after the softmax, which spills registers at d >= 96.
+# block's loads before the QK^T MMAs rather than after the softmax, which spills registers at d >= 96. Above
+# d = 128 one warp's 16 rows of O take 4 D / 8 registers a thread, so 8 warps share the 128 rows.
 TILES = {
-    32: [(128, 64, 4, True)],
+    32: [(128, 64, 4, False)],  # early prefetch spills 4 bytes on sm_80 here
     64: [(128, 64, 4, True)],
     96: [(128, 64, 4, False)],
     128: [(128, 64, 4, False), (128, 32, 4, False)],
+    160: [(128, 64, 8, True), (64, 32, 4, True)],
+    192: [(128, 64, 8, True), (64, 32, 4, True)],
+    224: [(128, 64, 8, True), (64, 32, 4, True), (32, 32, 2, True)],
     256: [(128, 64, 8, True), (64, 32, 4, True), (32, 32, 2, True)],
 }
+assert tuple(TILES) == TEMPLATE_DIMS
 
 
 def smem_bytes(d: int, cfg) -> int:
@@ -28,38 +34,92 @@ def smem_bytes(d: int, cfg) -> int:
     return bm * row + 4 * bn * row  # Q + two stages of K and V
 
 
-config, tiles = tile_lookup(TILES, smem_bytes)
+_config, _tiles = tile_lookup(TILES, smem_bytes)
 
 
-def instance(ctype: str, d: int, cfg) -> str:
+def config(head_dim, limit=None):
+    """(BM, BN, warps, early prefetch) of the template head_dim pads to."""
+    return _config(template_dim(head_dim), limit)
+
+
+def tiles(head_dim, limit=None):
+    return _tiles(template_dim(head_dim), limit)
+
+
+def instance(ctype: str, d: int, cfg, epilogue: str = "") -> str:
     bm, bn, w, early = cfg
-    return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}, {'true' if early else 'false'}>"
+    epi = f", {epilogue}" if epilogue else ""
+    return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}, {'true' if early else 'false'}{epi}>"
 
 
 def specializations():
-    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs)
+    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs) + \
+        tuple(instance(c, 64, TILES[64][0], "fav::PartialOut<64>") for c in CTYPE.values())
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
     return 0  # only the output and the LSE
 
 
-def forward(q, k, v, *, causal, softmax_scale, return_lse):
-    L = prepare(q, k, v)
-    d = L.head_dim
+def plan(q, k, v, *, causal, softmax_scale, return_lse, kv_blocks=(0, None), epilogue="") -> FwdPlan:
+    """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8.
+    ``kv_blocks``/``epilogue``: a [begin, end) range of K/V blocks into a split-KV partial (PartialOut)."""
+    import cupy
+    b, nq, h, d = q.shape
+    D = template_dim(d)
     cfg = config(d)
-    kern = jit.kernel(SOURCE, instance(L.ctype, d, cfg))  # compiled on first use, one instance per module
-    smem = smem_bytes(d, cfg)
-    kern.max_dynamic_shared_size_bytes = smem
-    check_grid(L.heads, "heads")
-    check_grid(L.batch, "batch")
-    grid = (cdiv(L.seqlen_q, cfg[0]), L.heads, L.batch)
-    kern(grid, (32 * cfg[2],), (L.q, L.k, L.v, L.out, L.lse, *L.stride_args(),
-                                np.int32(L.seqlen_q), np.int32(L.seqlen_k), np.int32(L.heads),
-                                np.int32(L.heads // L.heads_kv), np.float32(scale_log2(softmax_scale)),
-                                np.int32(bool(causal))), shared_mem=smem)
-    return L.out, (L.lse if return_lse else None)
+    kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, cfg, epilogue))  # compiled on first use
+    smem = smem_bytes(D, cfg)
+    check_grid(h, "heads")
+    check_grid(b, "batch")
+    out_strides = (nq * h * d, h * d, d)
+    return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=32 * cfg[2], smem=smem,
+                   template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
+                                       out_strides=out_strides, kv_blocks=kv_blocks),
+                   fmt="<8Q", out_shape=(b, nq, h, d), dtype=q.dtype,
+                   lse_shape=(b, h, nq) if return_lse else None, ws_rows=0, ws_cols=0,
+                   device=cupy.cuda.Device().id)
+
+
+def forward(q, k, v, *, causal, softmax_scale, return_lse):
+    return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+def forward_partial(q, k, v, *, causal, softmax_scale, kv_blocks):
+    """One split of a split-KV forward (aligned q, k, v with head_dim 64): K/V blocks [begin, end) of
+    ``tiles(64)[1]`` keys into (unnormalized O (B, H, Nq, 64) float32, m (B, H, Nq) in log2 units, l (B, H, Nq)),
+    the PartialOut epilogue's layout. ``merge_partials`` combines splits."""
+    import cupy
+    b, nq, h, d = q.shape
+    if d != 64:
+        raise ValueError(f"forward_partial is instantiated for head_dim 64, got {d}")
+    p = plan(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=False, kv_blocks=kv_blocks,
+             epilogue="fav::PartialOut<64>")
+    o = cupy.empty((b, h, nq, 64), cupy.float32)
+    m = cupy.empty((b, h, nq), cupy.float32)
+    lsum = cupy.empty((b, h, nq), cupy.float32)
+    from .launch import launch
+    launch(p.func, p.grid, p.block, p.smem, cupy.cuda.get_current_stream().ptr, p.template, p.fmt,
+           q.data.ptr, k.data.ptr, v.data.ptr, 0, 0, o.data.ptr, lsum.data.ptr, m.data.ptr)
+    return o, m, lsum
+
+
+def merge_partials(parts, dtype):
+    """Split-KV's combine: (out (B, Nq, H, d) in ``dtype``, lse (B, H, Nq)) from [(o, m, l), ...] of
+    ``forward_partial``. Each split is rescaled by 2^(m_split - m_max); rows no split saw give 0 and -inf."""
+    import cupy
+    m_max = cupy.max(cupy.stack([m for _, m, _ in parts]), axis=0)
+    ref = cupy.where(cupy.isneginf(m_max), 0.0, m_max)
+    num, den = 0.0, 0.0
+    for o, m, lsum in parts:
+        w = cupy.exp2(m - ref)
+        num = num + o * w[..., None]
+        den = den + lsum * w
+    seen = ~(den <= 0)  # a NaN sum stays NaN (epilogue.cuh's rule); only a row no key reached is zero
+    out = cupy.where(seen[..., None], num / cupy.where(seen, den, 1.0)[..., None], 0.0)
+    lse = cupy.where(seen, (ref + cupy.log2(cupy.where(seen, den, 1.0))) * 0.6931471805599453, -cupy.inf)
+    return out.transpose(0, 2, 1, 3).astype(dtype), lse.astype(cupy.float32)
 
 
 LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations()}, forward_fn=forward, tiles_fn=tiles,
-                          extra_bytes_fn=extra_bytes)
+                          extra_bytes_fn=extra_bytes, plan_fn=plan)

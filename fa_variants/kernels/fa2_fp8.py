@@ -12,7 +12,10 @@ import numpy as np
 
 from .. import gpu, jit
 from . import KernelLauncher
-from .common import CTYPE, cdiv, check_grid, ensure_vector_aligned, pick_tiles, scale_log2
+from .common import (CTYPE, cdiv, check_grid, ensure_vector_aligned, pad_last_dim, pick_tiles, scale_log2,
+                     template_dim)
+from .launch import FwdPlan, function_of, launch
+from .params import FP8_FWD
 
 SOURCE = "fa2_fp8_fwd.cu"
 SM90_SOURCE = "fa2_fp8_fwd_sm90.cu"
@@ -54,11 +57,21 @@ def uses_wgmma() -> bool:
     return cc is None or cc == 90
 
 
+#: Head dims the fp8 kernels are instantiated for (wgmma's K-major e4m3 tiles need multiples of 64); any multiple
+#: of 16 up to 256 is quantized into rows of the next one up, its extra columns zero.
+FP8_TEMPLATE_DIMS = (64, 128, 256)
+
+
+def fp8_template_dim(head_dim: int) -> int:
+    return template_dim(head_dim, FP8_TEMPLATE_DIMS)
+
+
 def config(head_dim: int, limit=None):
-    """(BM, BN, warps) of the kernel this device runs."""
+    """(BM, BN, warps) of the kernel this device runs, at the template dim head_dim pads to."""
+    D = fp8_template_dim(head_dim)
     if uses_wgmma():
-        return pick_tiles(SM90_TILES, sm90_smem_bytes, head_dim, limit)
-    return pick_tiles(TILES, smem_bytes, head_dim, limit)
+        return pick_tiles(SM90_TILES, sm90_smem_bytes, D, limit)
+    return pick_tiles(TILES, smem_bytes, D, limit)
 
 
 def tiles(head_dim: int, limit=None):
@@ -103,9 +116,10 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
     """The e4m3 copies of Q, K and V^T (padded) and their scales, when quantizing on the fly."""
     heads_kv = heads if heads_kv is None else heads_kv
     bm, bn = tiles(head_dim)
+    D = fp8_template_dim(head_dim)  # quantized rows are the template dim wide
     nk_pad = cdiv(seqlen_k, bn) * bn
-    return (batch * head_dim * (heads * seqlen_q + heads_kv * (seqlen_k + nk_pad))
-            + 4 * batch * (heads * cdiv(seqlen_q, bm) + heads_kv * (cdiv(seqlen_k, bn) + 2 * head_dim)))
+    return (batch * D * (heads * seqlen_q + heads_kv * (seqlen_k + nk_pad))
+            + 4 * batch * (heads * cdiv(seqlen_q, bm) + heads_kv * (cdiv(seqlen_k, bn) + 2 * D)))
 
 
 def _strides(a):
@@ -144,24 +158,31 @@ def quantize_v(v, block_k: int, ctype: str, d: int):
     return vt, sv
 
 
+def _padded(x):
+    """x with its head dim widened to the template dim by zeros (a copy), or x itself when it is one."""
+    D = fp8_template_dim(x.shape[3])
+    return x if x.shape[3] == D else pad_last_dim(x, D)
+
+
 def quantize_q(q) -> dict:
     """Q's part of the quantized operands (``quantize_kv`` makes K's and V's), with this device's tiles."""
     from .. import arrays
     d = q.shape[3]
     cfg = config(d)
-    qq, sq = quantize_rows(q, cfg[0], CTYPE[arrays.dtype_name(q.dtype)], d)
-    return dict(q=qq, sq=sq, out_dtype=q.dtype)
+    qq, sq = quantize_rows(_padded(q), cfg[0], CTYPE[arrays.dtype_name(q.dtype)], fp8_template_dim(d))
+    return dict(q=qq, sq=sq, out_dtype=q.dtype, head_dim=d)
 
 
 def quantize_kv(k, v) -> dict:
     """K's and V's parts: quantize them once and reuse them with many queries (a KV cache)."""
     from .. import arrays
     d = k.shape[3]
+    D = fp8_template_dim(d)
     cfg = config(d)
     ctype = CTYPE[arrays.dtype_name(k.dtype)]
-    kq, sk = quantize_rows(k, cfg[1], ctype, d)
-    vt, sv = quantize_v(v, cfg[1], ctype, d)
-    return dict(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=k.dtype)
+    kq, sk = quantize_rows(_padded(k), cfg[1], ctype, D)
+    vt, sv = quantize_v(_padded(v), cfg[1], ctype, D)
+    return dict(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=k.dtype, head_dim=d)
 
 
 def quantize(q, k, v) -> dict:
@@ -169,30 +190,47 @@ def quantize(q, k, v) -> dict:
     return {**quantize_q(q), **quantize_kv(k, v)}
 
 
-def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool):
-    """FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be this device's: checked)."""
+def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:
+    """The launch of FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be this device's: checked).
+    Its pointers are q, k, vt, sq, sk, sv, out, lse (params.FP8_FWD)."""
     import cupy
-    b, h, nq, d = qz["q"].shape
+    b, h, nq, D = qz["q"].shape
+    d = qz["head_dim"]
     hkv = qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
     cfg = config(d)
     if tuple(qz["tiles"]) != tuple(cfg):
         raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, this GPU uses {cfg}; quantize again")
-    ctype = CTYPE[qz["out_dtype"].name]
-    out = cupy.empty((b, nq, h, d), dtype=qz["out_dtype"])
-    lse = cupy.empty((b, h, nq), dtype=cupy.float32)
+    ctype = CTYPE[np.dtype(qz["out_dtype"]).name]
     if uses_wgmma():
-        kern, smem = jit.kernel(SM90_SOURCE, sm90_instance(ctype, d, cfg)), sm90_smem_bytes(d, cfg)
+        kern, smem = jit.kernel(SM90_SOURCE, sm90_instance(ctype, D, cfg)), sm90_smem_bytes(D, cfg)
     else:
-        kern, smem = jit.kernel(SOURCE, instance(ctype, d, cfg)), smem_bytes(d, cfg)
-    kern.max_dynamic_shared_size_bytes = smem
+        kern, smem = jit.kernel(SOURCE, instance(ctype, D, cfg)), smem_bytes(D, cfg)
     check_grid(h, "heads")
     check_grid(b, "batch")
-    kern((cdiv(nq, cfg[0]), h, b), (32 * cfg[2],),
-         (qz["q"], qz["k"], qz["vt"], qz["sq"], qz["sk"], qz["sv"], out, lse, np.int32(nq), np.int32(nk),
-          np.int32(nk_pad), np.int32(h), np.int32(h // hkv), np.float32(scale_log2(softmax_scale)),
-          np.int32(bool(causal))), shared_mem=smem)
-    return out, (lse if return_lse else None)
+    template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
+                            seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
+                            scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+    return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=32 * cfg[2], smem=smem,
+                   template=template, fmt=FP8_FWD.pointers_format, out_shape=(b, nq, h, d),
+                   dtype=np.dtype(qz["out_dtype"]), lse_shape=(b, h, nq) if return_lse else None, ws_rows=0,
+                   ws_cols=0, device=cupy.cuda.Device().id)
+
+
+def run_quantized(p: FwdPlan, qz: dict):
+    """(out, lse or None) of plan ``p`` on the operands of ``qz``, on the current stream."""
+    import cupy
+    out = cupy.empty(p.out_shape, p.dtype)
+    lse = None if p.lse_shape is None else cupy.empty(p.lse_shape, cupy.float32)
+    launch(p.func, p.grid, p.block, p.smem, cupy.cuda.get_current_stream().ptr, p.template, p.fmt,
+           *(qz[n].data.ptr for n in ("q", "k", "vt", "sq", "sk", "sv")), out.data.ptr,
+           0 if lse is None else lse.data.ptr)
+    return out, lse
+
+
+def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool):
+    """FA2 on e4m3 operands prepared by ``quantize``."""
+    return run_quantized(plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse), qz)
 
 
 def forward(q, k, v, *, causal, softmax_scale, return_lse):

@@ -1,0 +1,128 @@
+// The end of a forward: what a CTA does with its rows once the K/V loop is over. One rule for every kernel, and
+// one interface (Policy::store(rows, params, ...)) with three policies:
+//   NormalizedOut   O / l in the input's format and LSE = m + ln l                         (fa2)
+//   Fp8DequantOut   O * s_v / (256 l): undoes P's x256 and V's per-channel scale       (fa2_fp8, both kernels)
+//   PartialOut      unnormalized O, m (log2 units) and l to a float32 workspace            (split-KV)
+// fa1 keeps O normalized in HBM at every step (Algorithm 1), so it uses the rule (finish_row) but no policy.
+//
+// The bad-value rule: a row whose sum is exactly 0 saw no key (masked), and gives O = 0, LSE = -inf. Anything
+// else is divided through, so a NaN or Inf in q or k (which makes the row's sum NaN) gives NaN, as torch SDPA
+// does; a NaN in v gives NaN in the columns it reaches through P V.
+#pragma once
+#include "params.cuh"
+#include "softmax.cuh"
+#include "tile.cuh"
+
+namespace fav {
+
+constexpr float LN2 = 0.6931471805599453f;
+
+// 1 / sum, or 0 for a row that saw no key. NaN is not <= 0, so a NaN sum stays NaN.
+__forceinline__ __device__ float inv_or_zero(float sum) { return sum <= 0.f ? 0.f : 1.f / sum; }
+
+struct RowEnd {
+    float inv;   // what O is multiplied by
+    float lse;   // natural-log LSE of the row
+};
+// m_log2: the row max already in log2 units (m * scale_log2); sum: the row's full sum (reduced over the quad).
+__forceinline__ __device__ RowEnd finish_row(float sum, float m_log2) {
+    return {inv_or_zero(sum), sum <= 0.f ? neg_inf() : (m_log2 + __log2f(sum)) * LN2};
+}
+
+// A warp's rows at the end of the K/V loop, as mma.sync C fragments (softmax.cuh's layout): rows g and g+8 of
+// each m-tile, l not yet reduced over the quad. m times m_scale is in log2 units (scale_log2 for fa2, whose m is
+// in score units; 1 for fa2_fp8, which folds the scale into the scores).
+template <int MT, int DT>
+struct WarpRows {
+    const float (&o)[MT][DT][4];
+    const float (&m)[MT][2];
+    const float (&l)[MT][2];
+    float m_scale;
+    int b, h, row0;   // batch, query head, this warp's first query row (absolute)
+};
+
+__forceinline__ __device__ void store_lse(float* lse, int b, int h, int heads, int seqlen_q, int row, float x) {
+    if (lse != nullptr && row < seqlen_q) lse[((i64)b * heads + h) * seqlen_q + row] = x;
+}
+
+// O / l in T through the warp's own rows of a shared tile (stride Tile<*, D>::STRIDE) for 16-byte stores,
+// columns >= head_dim not stored; LSE by the quad's first thread.
+template <class T, int D>
+struct NormalizedOut {
+    template <int MT, int DT>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16* stage) {
+        constexpr int STRIDE = Tile<16, D>::STRIDE;
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
+                const int row = mt * 16 + g + 8 * h2;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<u32*>(stage + row * STRIDE + dt * 8 + 2 * t) =
+                        T::pack(r.o[mt][dt][2 * h2] * e.inv, r.o[mt][dt][2 * h2 + 1] * e.inv);
+                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + row, e.lse);
+            }
+        __syncwarp();
+        store_rows_warp<MT * 16, D>(p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n, stage,
+                                    p.seqlen_q - r.row0, p.head_dim);
+    }
+};
+
+// Unnormalized O (fp32, D columns), m in log2 units and the reduced l, at row ((b * heads + h) * seqlen_q + row)
+// of the workspaces: one launch's share of a split-KV forward, merged afterwards by rescaling each split's O and
+// l by 2^(m_split - m_max). A split that saw no key of a row leaves l = 0, m = -inf there.
+template <int D>
+struct PartialOut {
+    template <int MT, int DT>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16*) {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const float sum = quad_sum(r.l[mt][h2]);
+                const int row = r.row0 + mt * 16 + g + 8 * h2;
+                if (row >= p.seqlen_q) continue;
+                const i64 at = ((i64)r.b * p.heads + r.h) * p.seqlen_q + row;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<float2*>(p.o_ws + at * D + dt * 8 + 2 * t) =
+                        make_float2(r.o[mt][dt][2 * h2], r.o[mt][dt][2 * h2 + 1]);
+                if (t == 0) p.l_ws[at] = sum, p.m_ws[at] = sum <= 0.f ? neg_inf() : r.m[mt][h2] * r.m_scale;
+            }
+    }
+};
+
+// out = O * sv / (P_MULT * l) in T, columns >= head_dim not stored; sv: this kv head's channel scales.
+// P_MULT: the power of two P~ was multiplied by before its rounding to e4m3 (fp8.cuh's P_SCALE).
+template <class T, int P_MULT>
+struct Fp8DequantOut {
+    template <int MT, int DT>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const Fp8FwdParams& p,
+                                                 const float* __restrict__ sv) {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
+                const float inv = e.inv * (1.f / P_MULT);  // exact: a power of two
+                const int row = r.row0 + mt * 16 + g + 8 * h2;
+                if (row >= p.seqlen_q) continue;
+                u16* orow = p.o + r.b * p.o_b + (i64)row * p.o_n + r.h * p.o_h;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int c = dt * 8 + 2 * t;
+                    if (c < p.head_dim)
+                        *reinterpret_cast<u32*>(orow + c) =
+                            T::pack(r.o[mt][dt][2 * h2] * inv * sv[c], r.o[mt][dt][2 * h2 + 1] * inv * sv[c + 1]);
+                }
+                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, row, e.lse);
+            }
+    }
+};
+
+}  // namespace fav

@@ -1,0 +1,58 @@
+// The kernels' parameter structs: one per kernel family, passed by value (it lands in the constant bank, as
+// separate arguments would). fa_variants/kernels/params.py mirrors each field for field and appends
+// static_asserts of the size and of every offset to each compiled source (the generated header included at
+// the end), so a Python/C++ mismatch fails compilation instead of corrupting a launch.
+#pragma once
+#include "math.cuh"
+
+namespace fav {
+
+// The 16-bit forwards (fa1, fa2). Strides are in elements; every pointer is 16-byte aligned and every stride
+// but the last a multiple of 8 elements (the launcher copies inputs that are not).
+struct FwdParams {
+    const u16* q;          // (batch, seqlen_q, heads, head_dim)
+    const u16* k;          // (batch, seqlen_k, heads_kv, head_dim)
+    const u16* v;
+    u16* o;                // (batch, seqlen_q, heads, head_dim), strides o_b, o_n, o_h
+    float* lse;            // (batch, heads, seqlen_q) float32; null: not written
+    float* o_ws;           // fp32 workspaces: fa1's O, l, m (Algorithm 1's HBM-resident state) or a split's
+    float* l_ws;           // partial (unnormalized O, l, m: PartialOut)
+    float* m_ws;
+    i64 q_b, q_n, q_h;
+    i64 k_b, k_n, k_h;
+    i64 v_b, v_n, v_h;
+    i64 o_b, o_n, o_h;
+    int seqlen_q, seqlen_k;
+    int heads, group;      // group = heads / heads_kv: query head h reads kv head h / group
+    int head_dim;          // the real d (a multiple of 8) <= the template D: columns at or past it are
+                           // zero-filled on load and never stored
+    int kv_block_begin;    // [begin, end) sub-range of K/V blocks this launch visits (split-KV); the
+    int kv_block_end;      // causal range clips it further
+    float scale_log2;      // softmax_scale * log2(e)
+    int causal;            // bottom-right aligned
+};
+
+// fa2_fp8's forward: e4m3 operands in the quantizer's layouts (fp8_quantize.cu) and their scales.
+struct Fp8FwdParams {
+    const unsigned char* q;   // (batch, heads, seqlen_q, D) e4m3, columns >= head_dim zero
+    const unsigned char* k;   // (batch, heads_kv, seqlen_k, D)
+    const unsigned char* vt;  // (batch, heads_kv, D, seqlen_k_pad), keys in vt_key order
+    const float* sq;          // (batch, heads, ceil(seqlen_q / BM)) one scale per Q block
+    const float* sk;          // (batch, heads_kv, ceil(seqlen_k / BN)) one per K block
+    const float* sv;          // (batch, heads_kv, D) one per V channel
+    u16* o;                   // (batch, seqlen_q, heads, head_dim) contiguous rows of o_n elements
+    float* lse;
+    i64 o_b, o_n, o_h;
+    int seqlen_q, seqlen_k, seqlen_k_pad;
+    int heads, group;
+    int head_dim;
+    float scale_log2;
+    int causal;
+};
+
+}  // namespace fav
+
+// offsetof for the generated asserts: NVRTC has no <cstddef> and no __builtin_offsetof, but its front end (EDG)
+// folds __INTADDR__ of a member's address off a null base to a constant.
+#define FAV_OFFSETOF(T, field) ((long long)__INTADDR__(&(((T*)0)->field)))
+#include "generated/param_layout.cuh"

@@ -1,0 +1,98 @@
+"""Launch plans: everything about a call that depends only on (variant, shapes, strides, dtype, causal, scale,
+device), worked out once and reused, so that a warm call is a dictionary lookup, the output's allocation and
+one cuLaunchKernel.
+
+A plan holds the CUfunction, grid, block and dynamic shared memory, and the kernel's parameter struct packed
+with everything but the pointers (kernels/params.py). A call copies those bytes, writes the pointers of this
+call's q, k, v, output, LSE and workspace into the copy and launches on the caller's current stream: nothing
+mutable is shared, so one plan serves any number of threads and streams at once. Plans are per device (the
+CUfunction belongs to the device's context).
+
+Two front doors: ``run_cupy`` for CuPy arrays and ``run_torch`` for torch tensors, which never become CuPy
+arrays (no DLPack round trip: the pointers are read off the tensors, the output comes from torch's caching
+allocator on torch's current stream).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import struct
+
+import numpy as np
+
+_LAUNCH = None
+_MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def _driver_launch():
+    global _LAUNCH
+    if _LAUNCH is None:
+        from cupy.cuda import driver
+        _LAUNCH = driver.launchKernel
+    return _LAUNCH
+
+
+def function_of(raw_kernel, smem: int) -> int:
+    """The CUfunction of a cupy.RawKernel, with its dynamic shared-memory limit raised to ``smem``."""
+    from cupy.cuda import driver
+    ptr = raw_kernel.kernel.ptr
+    if smem > 48 * 1024:
+        driver.funcSetAttribute(_MAX_DYNAMIC_SMEM, ptr, smem)
+    return ptr
+
+
+def launch(func: int, grid: tuple, block: int, smem: int, stream: int, template: bytes, fmt: str, *ptrs: int):
+    """One cuLaunchKernel with a single by-value struct argument: ``template`` with its leading pointers set to
+    ``ptrs``. The driver copies the argument during the call, so the buffer may die right after."""
+    buf = ctypes.create_string_buffer(template, len(template))
+    struct.pack_into(fmt, buf, 0, *ptrs)
+    argv = ctypes.c_void_p(ctypes.addressof(buf))
+    _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdPlan:
+    """One 16-bit forward (fa1 or fa2) for one call signature. Pointer order: params.FWD.pointers."""
+    func: int
+    grid: tuple
+    block: int
+    smem: int
+    template: bytes           # FwdParams with zero pointers
+    fmt: str                  # struct format of the leading pointers
+    out_shape: tuple
+    dtype: np.dtype
+    lse_shape: tuple | None   # None: the LSE is not written (the kernel checks for null)
+    ws_rows: int              # fa1: rows of the O / l / m workspace (0: none); ws_cols: D
+    ws_cols: int
+    device: int
+
+    def _ws_ptrs(self, base: int) -> tuple:
+        if not self.ws_rows:
+            return 0, 0, 0
+        o_bytes = self.ws_rows * self.ws_cols * 4
+        return base, base + o_bytes, base + o_bytes + self.ws_rows * 4
+
+    @property
+    def ws_floats(self) -> int:
+        return self.ws_rows * (self.ws_cols + 2)
+
+    def run_cupy(self, q, k, v):
+        import cupy
+        out = cupy.empty(self.out_shape, self.dtype)
+        lse = None if self.lse_shape is None else cupy.empty(self.lse_shape, cupy.float32)
+        ws = cupy.empty(self.ws_floats, cupy.float32) if self.ws_rows else None
+        launch(self.func, self.grid, self.block, self.smem, cupy.cuda.get_current_stream().ptr, self.template,
+               self.fmt, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+               *self._ws_ptrs(0 if ws is None else ws.data.ptr))
+        return out, lse
+
+    def run_torch(self, q, k, v):
+        import torch
+        dev = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        ws = torch.empty(self.ws_floats, dtype=torch.float32, device=dev) if self.ws_rows else None
+        launch(self.func, self.grid, self.block, self.smem, torch.cuda.current_stream(dev).cuda_stream,
+               self.template, self.fmt, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+               0 if lse is None else lse.data_ptr(), *self._ws_ptrs(0 if ws is None else ws.data_ptr()))
+        return out, lse
