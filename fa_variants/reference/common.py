@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
+
+from ..arrays import check_scalars
 
 #: Default on-chip memory M of the papers, in *elements*: 128 KiB of fp32 = 32768. An H200 SM has 228 KB of
 #: shared memory (227 KB usable by one block); the papers' analysis assumes "about 100 KB", and the kernels
@@ -53,7 +56,7 @@ class AccessCounter:
 @dataclasses.dataclass
 class ModelResult:
     out: np.ndarray            # float64 (batch, seqlen_q, heads, head_dim)
-    lse: np.ndarray            # float64 (batch, heads, seqlen_q); -inf for rows that see no key
+    lse: np.ndarray            # float64 (batch, heads, seqlen_q); -inf: no key seen; NaN: a NaN/Inf score
     hbm: AccessCounter
     blocks: tuple | None = None  # (B_r, B_c) the model ran with; None for naive (no tiling)
 
@@ -61,12 +64,71 @@ class ModelResult:
 # ----------------------------------------------------------------------------------------------- inputs
 
 def to_float64(x) -> np.ndarray:
-    """float16, ml_dtypes.bfloat16, float32 or float64 array -> float64 (astype knows the ml_dtypes casts)."""
-    return np.asarray(x).astype(np.float64)
+    """float16, ml_dtypes.bfloat16, float32 or float64 array -> float64 (astype knows the ml_dtypes casts).
+
+    A float64 array comes back as it is, not copied: the models never write to their inputs.
+    """
+    return np.asarray(x).astype(np.float64, copy=False)
 
 
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
+def is_float_dtype(dtype) -> bool:
+    """NumPy's floating types and ml_dtypes' (bfloat16, float8_*): the dtypes a model takes.
+
+    ml_dtypes' types are opaque to NumPy (kind "V"), so they are recognised by ml_dtypes.finfo; complex is
+    refused because the cast to float64 would drop the imaginary part with nothing but a warning.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return True
+    if dtype.kind != "V":
+        return False
+    try:
+        ml_dtypes.finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def check_block(name: str, b):
+    """None, or ``b`` as an int >= 1 (bools are refused: True would silently mean blocks of one row)."""
+    if b is None:
+        return None
+    if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= 1 or None, got {type(b).__name__}")
+    if b < 1:
+        raise ValueError(f"{name} must be an int >= 1 or None, got {b}")
+    return int(b)
+
+
+def validate(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
+    """Every model's argument check, before any arithmetic: (q, k, v widened to float64, softmax scale).
+
+    The scalars go through attention()'s own check (arrays.check_scalars), so a misuse reads the same from
+    either entry point. The shape rules and their wording are those of arrays.check_shapes, without its layout
+    rules (strides, alignment): those are the kernels' needs, and the models take any NumPy array.
+    """
+    check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
+    for name, b in (("block_q", block_q), ("block_k", block_k)):
+        check_block(name, b)
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    for name, a in zip("qkv", (q, k, v)):
+        if not is_float_dtype(a.dtype):
+            raise TypeError(f"{name} must have a floating-point dtype (float16, bfloat16, float32, float64, "
+                            f"float8_*), got {a.dtype}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {a.shape}")
+        if 0 in a.shape:
+            raise ValueError(f"{name} has a zero-size dimension, shape {a.shape}; every dimension must be >= 1")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"head_dim differs: q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}; all three must match")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k and v must have the same (seqlen_k, heads_kv), got {k.shape[1:3]} and {v.shape[1:3]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v ({k.shape[2]}) for MQA/GQA")
+    scale = check_scalars(causal, softmax_scale, False, head_dim=q.shape[3])
+    return to_float64(q), to_float64(k), to_float64(v), scale
 
 
 def kv_head_of(heads: int, heads_kv: int) -> np.ndarray:
@@ -74,27 +136,22 @@ def kv_head_of(heads: int, heads_kv: int) -> np.ndarray:
     return np.arange(heads) // (heads // heads_kv)
 
 
-def prepare(q, k, v, softmax_scale):
-    """(Q, K, V, scale): float64, heads-major (batch, heads, seqlen, d), K and V expanded to one per query head.
+def heads_major(q: np.ndarray, k: np.ndarray, v: np.ndarray):
+    """(Q, K, V): float64, heads-major (batch, heads, seqlen, d), K and V expanded to one per query head.
 
     Expanding K/V mirrors the kernels: each (batch, query head) program reads its kv head's blocks itself,
-    so GQA saves memory but not counted K/V reads.
+    so GQA saves memory but not counted K/V reads. Takes validated inputs (see ``validate``).
     """
-    q, k, v = (to_float64(a) for a in (q, k, v))
-    for name, a in zip("qkv", (q, k, v)):
-        if a.ndim != 4 or 0 in a.shape:
-            raise ValueError(f"{name} must be (batch, seqlen, heads, head_dim) with every size >= 1, got {a.shape}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    heads, heads_kv = q.shape[2], k.shape[2]
-    if heads % heads_kv:
-        raise ValueError(f"heads of q ({heads}) must be a multiple of heads of k/v ({heads_kv})")
-    kv = kv_head_of(heads, heads_kv)
-    Q = q.transpose(0, 2, 1, 3)
-    K = k[:, :, kv].transpose(0, 2, 1, 3)
-    V = v[:, :, kv].transpose(0, 2, 1, 3)
-    scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    return Q, K, V, scale
+    kv = kv_head_of(q.shape[2], k.shape[2])
+    return (to_float64(q).transpose(0, 2, 1, 3), to_float64(k)[:, :, kv].transpose(0, 2, 1, 3),
+            to_float64(v)[:, :, kv].transpose(0, 2, 1, 3))
+
+
+def prepare(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
+    """(Q, K, V, scale): ``validate``, then ``heads_major``. The one entry of the naive, fa1 and fa2 models."""
+    q, k, v, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
+                              block_k=block_k)
+    return (*heads_major(q, k, v), scale)
 
 
 def to_flash_layout(O: np.ndarray) -> np.ndarray:
@@ -129,12 +186,8 @@ def paper_blocks(sram: int, head_dim: int) -> tuple[int, int]:
 def resolve_blocks(head_dim: int, block_q=None, block_k=None, sram=None) -> tuple[int, int]:
     """(B_r, B_c): the ones given, else the paper's for ``sram`` (default ``DEFAULT_SRAM``) elements."""
     b_r, b_c = paper_blocks(DEFAULT_SRAM if sram is None else sram, head_dim)
-    b_r = b_r if block_q is None else block_q
-    b_c = b_c if block_k is None else block_k
-    for name, b in (("block_q", b_r), ("block_k", b_c)):
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {b!r}")
-    return int(b_r), int(b_c)
+    block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
+    return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
 
 
 def block_slices(n: int, b: int) -> list[slice]:
@@ -148,14 +201,25 @@ def exp_shift(m: np.ndarray) -> np.ndarray:
     """The max subtracted before exp: m, or 0 where m = -inf (a row that has seen no visible key yet).
 
     Subtracting -inf would give exp(-inf - -inf) = NaN; with 0 every exp of a masked score is exp(-inf) = 0
-    and the row's sums stay 0. The kernels make the same substitution.
+    and the row's sums stay 0. The kernels make the same substitution. A NaN m is left alone (it is not
+    -inf), so a NaN score poisons its row's sum instead of being dropped.
     """
     return np.where(m == -np.inf, np.zeros((), m.dtype), m)
 
 
+# Under the exponentials below, +Inf - +Inf = NaN is the intended result (a +Inf score poisons its row, as in
+# the kernels and torch SDPA), not something for NumPy to warn about.
+
+def row_exp(S: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """exp(S - m) along each row of S, m one max per row (``exp_shift``: -inf counts as 0)."""
+    with np.errstate(invalid="ignore"):
+        return np.exp(S - exp_shift(m)[..., None])
+
+
 def rescale(m_old: np.ndarray, m_new: np.ndarray) -> np.ndarray:
     """e^(m_old - m_new), the factor that moves sums taken under max m_old to max m_new (0 if m_old = -inf)."""
-    return np.exp(m_old - exp_shift(m_new))
+    with np.errstate(invalid="ignore"):
+        return np.exp(m_old - exp_shift(m_new))
 
 
 def online_softmax_step(m, l, acc, S, V):
@@ -163,24 +227,34 @@ def online_softmax_step(m, l, acc, S, V):
 
     m, l: (..., rows) running max and sum; acc: (..., rows, d) unnormalized output; S: (..., rows, cols)
     scores of this block (-inf where masked); V: (..., cols, d). Returns the new (m, l, acc): after the last
-    block, acc / l is the softmax-weighted sum over every block, exactly.
+    block, acc / l is the softmax-weighted sum over every block, exactly. np.maximum and ndarray.max keep
+    NaN (unlike fmax), so once a row meets a NaN score its m, l and acc stay NaN for the rest of the loop.
     """
     m_new = np.maximum(m, S.max(axis=-1))
-    P = np.exp(S - exp_shift(m_new)[..., None])
+    P = row_exp(S, m_new)
     alpha = rescale(m, m_new)
     return m_new, alpha * l + P.sum(axis=-1), alpha[..., None] * acc + P @ V
 
 
+# The bad-value rule, the kernels' epilogue's too: l == 0 *exactly* means the row saw no visible key (every
+# weight was exp(-inf) = 0); it gives O = 0 and LSE = -inf. A NaN or +Inf score (from a NaN or Inf in q or k)
+# makes l NaN, which is not 0, so it flows through the division and the log: that row's O and LSE are NaN, as
+# torch SDPA gives. Testing ``l > 0`` instead would be false for NaN too and quietly turn a poisoned row into
+# an empty one. (A row whose visible scores are all -inf, which only an infinite input can cause, has l = 0 and
+# reads as empty, as it does in the kernels.)
+
 def normalize(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """acc / l, and 0 for rows with l = 0 (no visible key): zeros, never NaN."""
-    seen = l > 0
-    return np.where(seen[..., None], acc, 0) / np.where(seen, l, 1)[..., None]
+    """acc / l; a row with l = 0 is divided by 1 instead, so it keeps its acc, an exact 0 for finite V.
+
+    Not forced to 0: a NaN in V that met a zero weight is 0 * NaN = NaN in acc, as in the kernels' P V.
+    """
+    return acc / np.where(l == 0, np.ones((), l.dtype), l)[..., None]
 
 
 def logsumexp_from(m: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """LSE = m + log l, -inf for rows with no visible key (without the log(0) warning)."""
-    seen = l > 0
-    return np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
+    """LSE = m + log l; -inf where l = 0 (no visible key), without the log(0) warning; NaN where l is NaN."""
+    empty = l == 0
+    return np.where(empty, -np.inf, m + np.log(np.where(empty, np.ones((), l.dtype), l)))
 
 
 def online_softmax(scores, values, splits, dtype=np.float64):

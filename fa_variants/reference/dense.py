@@ -1,8 +1,9 @@
 """Dense float64 attention from the definition, for checking kernels (CLI, bench/devcheck.py).
 
 Independent of the kernels and of the blocked models: the whole score row at once, bottom-right causal mask,
-head h reads kv head h // (H / Hkv), a row that sees no key gives 0 and lse -inf. Works on NumPy or CuPy
-arrays (the result lives where q does), one (batch, head) pair at a time so large shapes stay affordable.
+head h reads kv head h // (H / Hkv), a row that sees no key gives 0 and lse -inf, a NaN or Inf in q or k gives
+NaN in the rows it reaches (the models' rule, reference/common.py). Works on NumPy or CuPy arrays (the result
+lives where q does), one (batch, head) pair at a time so large shapes stay affordable.
 The tests keep their own copy in tests/conftest.py on purpose: a test must not trust the library it checks.
 """
 from __future__ import annotations
@@ -56,12 +57,14 @@ def attention64(q, k, v, *, causal: bool, scale: float, pairs=None):
         if causal:
             s = xp.where(visible, s, -xp.inf)
         m = s.max(axis=1)
-        m = xp.where(xp.isfinite(m), m, 0.0)
+        m = xp.where(m == -xp.inf, 0.0, m)  # no visible key: exp(-inf - 0) = 0, where -inf - -inf is NaN
         p = xp.exp(s - m[:, None])
         l = p.sum(axis=1)
-        seen = l > 0
-        outs.append(xp.where(seen[:, None], (p @ vv) / xp.where(seen, l, 1.0)[:, None], 0.0))
-        lses.append(xp.where(seen, xp.log(xp.where(seen, l, 1.0)) + m, -xp.inf))
+        # l == 0 exactly: no visible key (0, -inf). A NaN or +Inf score makes l NaN, which this test (unlike
+        # l > 0) lets through: that row is NaN, as the kernels and torch SDPA give.
+        empty = l == 0
+        outs.append((p @ vv) / xp.where(empty, 1.0, l)[:, None])
+        lses.append(xp.where(empty, -xp.inf, xp.log(xp.where(empty, 1.0, l)) + m))
     return xp.stack(outs), xp.stack(lses)
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible, exp_shift,
-                     logsumexp_from, normalize, prepare, rescale, resolve_blocks, to_flash_layout)
+from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible,
+                     logsumexp_from, normalize, prepare, rescale, resolve_blocks, row_exp, to_flash_layout)
 
 LOOPS = """\
 O = 0, l = 0, m = -inf in HBM                                       (line 2)
@@ -27,7 +27,8 @@ for j in 1..T_c:           load K_j, V_j                            (lines 5-6)
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None) -> ModelResult:
     """FA1's forward on float64 copies; ``block_q``/``block_k`` default to the paper's for ``sram`` elements."""
-    Q, K, V, scale = prepare(q, k, v, softmax_scale)
+    Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              block_q=block_q, block_k=block_k)
     batch, heads, N_q, d = Q.shape
     N_k = K.shape[2]
     B_r, B_c = resolve_blocks(d, block_q, block_k, sram)            # line 1
@@ -58,7 +59,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
                 S_ij = np.where(causal_visible(np.arange(N_q)[rows], np.arange(N_k)[cols], N_q, N_k),
                                 S_ij, -np.inf)
             m_tilde = S_ij.max(axis=-1)                             # line 10 (-inf for a fully masked row)
-            P_tilde = np.exp(S_ij - exp_shift(m_tilde)[..., None])
+            P_tilde = row_exp(S_ij, m_tilde)
             l_tilde = P_tilde.sum(axis=-1)
             m_new = np.maximum(m_i, m_tilde)                        # line 11
             l_new = rescale(m_i, m_new) * l_i + rescale(m_tilde, m_new) * l_tilde

@@ -25,7 +25,8 @@ for i in 1..T_r:           (one CTA each) load Q_i; O_i = 0, l_i = 0, m_i = -inf
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None) -> ModelResult:
     """FA2's forward on float64 copies; ``block_q``/``block_k`` default to the paper's for ``sram`` elements."""
-    Q, K, V, scale = prepare(q, k, v, softmax_scale)
+    Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              block_q=block_q, block_k=block_k)
     batch, heads, N_q, d = Q.shape
     N_k = K.shape[2]
     B_r, B_c = resolve_blocks(d, block_q, block_k, sram)

@@ -40,13 +40,15 @@ import math
 import ml_dtypes
 import numpy as np
 
-from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible, exp_shift,
-                     kv_head_of, prepare, rescale, to_flash_layout, to_float64)
+from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible,
+                     heads_major, kv_head_of, logsumexp_from, normalize, rescale, row_exp, to_flash_layout, to_float64,
+                     validate)
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = 448.0
 GRANULARITIES = ("block", "channel", "tensor")
 SCALINGS = ("block", "tensor")
+DEFAULT_BLOCKS = (128, 64)  # forward()'s (block_q, block_k) when they are None
 
 LOOPS = """\
 quantize: Qq, sq per (b, h, B_r rows); Kq, sk per (b, h, B_c rows); Vq, sv per (b, h, channel)
@@ -198,11 +200,12 @@ def _check_p_scale(p_scale) -> float:
     return p
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=128, block_k=64, rotate=False, seed=0,
+def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, rotate=False, seed=0,
             scaling="block", p_scale=256.0, accumulate_bits=None) -> ModelResult:
     """FP8 attention, FA2 loop order; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
 
-    scaling="block": Q scales per ``block_q`` rows, K per ``block_k`` rows (the kernel's blocks), V per channel.
+    scaling="block": Q scales per ``block_q`` rows, K per ``block_k`` rows (the kernel's blocks; None:
+    ``DEFAULT_BLOCKS``), V per channel.
     scaling="tensor": one scale each for Q, K and V. ``rotate``: incoherent processing of Q and K with the
     ``seed``-ed Hadamard rotation. ``accumulate_bits``: both products on a tensor core that keeps that many
     mantissa bits while accumulating (``tc_matmul``); None is exact. Returns ``ModelResult`` (out float64 in
@@ -211,21 +214,20 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=128, block_k=6
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     p_scale = _check_p_scale(p_scale)
-    for name, b in (("block_q", block_q), ("block_k", block_k)):
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {b!r}")
-    q64, k64 = to_float64(q), to_float64(k)
-    # prepare() on the raw inputs validates shapes and resolves the default scale from the original head_dim
-    _, _, _, scale = prepare(q64[:, :1], k64[:, :1], to_float64(v)[:, :1], softmax_scale)
+    # the other models' checks, on the raw inputs: the default scale comes from the original head_dim
+    q64, k64, v64, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
+                                    block_k=block_k)
+    block_q = DEFAULT_BLOCKS[0] if block_q is None else int(block_q)
+    block_k = DEFAULT_BLOCKS[1] if block_k is None else int(block_k)
     if rotate:
         q64, k64 = rotate_qk(q64, k64, seed)
     if scaling == "block":
-        Qz, Kz, Vz = quantize(q64, block=block_q), quantize(k64, block=block_k), quantize(v, granularity="channel")
+        Qz, Kz, Vz = quantize(q64, block=block_q), quantize(k64, block=block_k), quantize(v64, granularity="channel")
     else:
-        Qz, Kz, Vz = (quantize(a, granularity="tensor") for a in (q64, k64, v))
+        Qz, Kz, Vz = (quantize(a, granularity="tensor") for a in (q64, k64, v64))
 
     # heads-major float64 copies of the e4m3 values, K/V expanded to one per query head (as fa2's model)
-    Q, K, V, _ = prepare(Qz.values, Kz.values, Vz.values, scale)
+    Q, K, V = heads_major(Qz.values, Kz.values, Vz.values)
     batch, heads, N_q, d = Q.shape
     N_k = K.shape[2]
     kv = kv_head_of(heads, k64.shape[2])
@@ -261,18 +263,15 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=128, block_k=6
                 S_ij = np.where(causal_visible(np.arange(N_q)[rows], np.arange(N_k)[cols], N_q, N_k),
                                 S_ij, -np.inf)
             m_new = np.maximum(m_i, S_ij.max(axis=-1))       # NaN propagates (np.maximum, ndarray.max)
-            P = np.exp(S_ij - exp_shift(m_new)[..., None])
+            P = row_exp(S_ij, m_new)
             alpha = rescale(m_i, m_new)
             l_i = alpha * l_i + P.sum(axis=-1)               # full-precision P, summed before rounding
             P8 = (P * p_scale).astype(E4M3).astype(np.float64)  # exact scaling, then e4m3 rounding
             O_i = tc_matmul(P8, V_j, accumulate_bits, acc=alpha[..., None] * O_i)  # O accumulates in the MMA
             m_i = m_new
-        # one normalization per row, V's per-channel scale and 1/p_scale with it. Rows with l = 0 (no visible
-        # key) give 0 and lse -inf; a NaN l is NOT treated as "no key" (common.normalize would zero it).
-        empty = l_i == 0
-        denom = np.where(empty, 1.0, l_i * p_scale)[..., None]
-        O[:, :, rows] = np.where(empty[..., None], 0.0, O_i * sv[:, :, None, :] / denom)
-        LSE[:, :, rows] = np.where(empty, -np.inf, m_i + np.log(np.where(empty, 1.0, l_i)))
+        # one normalization per row, V's per-channel scale and 1/p_scale (a power of two: exact) with it
+        O[:, :, rows] = normalize(O_i * (sv / p_scale)[:, :, None, :], l_i)
+        LSE[:, :, rows] = logsumexp_from(m_i, l_i)
         hbm.write("O", programs * O_i.shape[2] * d)
         hbm.write("LSE", programs * O_i.shape[2])
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(block_q, block_k))

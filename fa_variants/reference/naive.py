@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (AccessCounter, ModelResult, causal_visible, exp_shift, logsumexp_from, normalize,
-                     prepare, to_flash_layout)
+from .common import (AccessCounter, ModelResult, causal_visible, logsumexp_from, normalize, prepare, row_exp,
+                     to_flash_layout)
 
 LOOPS = """\
 S = Q K^T * scale          read Q, K; write S (N_q x N_k)
@@ -21,8 +21,10 @@ O = P V                    read P, V; write O"""
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None) -> ModelResult:
-    """softmax(q k^T * scale) v, the direct way. Block sizes and ``sram`` are accepted and ignored (no tiling)."""
-    Q, K, V, scale = prepare(q, k, v, softmax_scale)
+    """softmax(q k^T * scale) v, the direct way. Block sizes (checked like the tiled models') and ``sram``
+    are accepted and unused: there is no tiling."""
+    Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              block_q=block_q, block_k=block_k)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
     programs = batch * heads  # one per (batch, query head); K, V counted per query head (see prepare)
@@ -37,7 +39,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
 
     hbm.read("S", programs * n_q * n_k)
     m = S.max(axis=-1)
-    E = np.exp(S - exp_shift(m)[..., None])
+    E = row_exp(S, m)
     l = E.sum(axis=-1)
     P = normalize(E, l)
     hbm.write("P", programs * n_q * n_k)
