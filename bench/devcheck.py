@@ -9,6 +9,7 @@ run on every iteration; the full correctness suite is `pytest -m gpu tests`. Tim
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 
@@ -212,7 +213,7 @@ def main():
         name, rest = spec.split(":")
         name, _, table = name.partition(".")
         d, cfg = rest.split("=")
-        getattr(registry.get(name).kernels, table or "TILES")[int(d)] = [tuple(int(x) for x in cfg.split(","))]
+        getattr(importlib.import_module(f"fa_variants.kernels.{registry.get(name).name}"), table or "TILES")[int(d)] = [tuple(int(x) for x in cfg.split(","))]
         print(f"tiles override: {name} d={d} -> {cfg}")
     names = [n for n in a.variants.split(",") if n]
     for n in names:

@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from . import gpu as _gpu
+from .kernels import fa2_fp8 as k_fa2_fp8
 from .reference import fa2, fp8
 from .reference.dense import attention64
 
@@ -129,7 +130,7 @@ def accumulation(n: int = 1000, d: int = 128, seed: int = 0, heads: int = 2, gpu
         kernels = []
         for name in ("", "mma_sync"):
             os.environ["FA_VARIANTS_FP8_KERNEL"] = name
-            kernels.append((name or "default", *get("fa2_fp8").kernels.tiles(d)))
+            kernels.append((name or "default", *get("fa2_fp8").launcher.tiles(d)))
         os.environ.pop("FA_VARIANTS_FP8_KERNEL")
     rows, models = [], {}
     for _, bq, bk in kernels:
@@ -148,7 +149,7 @@ def accumulation(n: int = 1000, d: int = 128, seed: int = 0, heads: int = 2, gpu
         qg, kg, vg = (cast_half(cupy.asarray(a, dtype=cupy.float32), "bfloat16") for a in (q, k, v))
         for name, bq, bk in kernels:
             os.environ["FA_VARIANTS_FP8_KERNEL"] = "" if name == "default" else name
-            kind = "wgmma" if get("fa2_fp8").kernels.uses_wgmma() else "mma.sync"
+            kind = "wgmma" if k_fa2_fp8.uses_wgmma() else "mma.sync"
             out = cupy.asnumpy(fav.attention(qg, kg, vg, variant="fa2_fp8")).astype(np.float64)
             for bits in ACCUMULATE_BITS:
                 rows.append([f"GPU {kind} kernel ({bq}x{bk}) vs model, " + (f"accumulator {bits} bits" if bits else "exact"),

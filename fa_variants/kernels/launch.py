@@ -37,7 +37,7 @@ def function_of(raw_kernel, smem: int) -> int:
     from cupy.cuda import driver
     ptr = raw_kernel.kernel.ptr
     if smem > 48 * 1024:
-        driver.funcSetAttribute(_MAX_DYNAMIC_SMEM, ptr, smem)
+        driver.funcSetAttribute(ptr, _MAX_DYNAMIC_SMEM, smem)
     return ptr
 
 
