@@ -45,12 +45,26 @@ def flatten(name: str, _seen: set | None = None) -> str:
     out = []
     for line in path.read_text().splitlines():
         m = _INCLUDE.match(line)
-        if m:
+        if m and m.group(1).startswith("generated/"):
+            out.append(_generated_header(m.group(1), seen))
+        elif m:
             rel = (path.parent / m.group(1)).relative_to(cuda_src_dir().resolve())
             out.append(flatten(str(rel), seen))
         else:
             out.append(line)
     return "\n".join(out) + "\n"
+
+
+def _generated_header(name: str, seen: set) -> str:
+    """A header written by Python at compile time (today: the parameter structs' layout asserts, from
+    kernels/params.py), inlined once like a file so that it is part of the cache key."""
+    from .kernels.params import GENERATED
+    if name not in GENERATED:
+        raise FileNotFoundError(f"#include \"{name}\": no such generated header (known: {sorted(GENERATED)})")
+    if name in seen:
+        return ""
+    seen.add(name)
+    return GENERATED[name]()
 
 
 def normalize_arch(arch: str | int) -> str:
