@@ -2,7 +2,7 @@
 
 NVRTC needs no GPU, so ``compile_source(..., arch="sm_90a")`` works on a machine without one (CI uses that to
 compile every kernel for every supported arch). ``kernel(...)`` compiles for the current device, loads the
-cubin through CuPy and caches the result in memory and on disk.
+cubin through CuPy and caches the result in memory and on disk (``cached_cubin``: the disk half, no GPU needed).
 
 The kernels include no CUDA toolkit header (fp16/bf16 are handled as raw bits through PTX), so the only
 includes are the project's own ``#include "common/..."`` headers. Those are flattened into one translation
@@ -10,16 +10,22 @@ unit before hashing: editing a header changes the cache key.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
+import importlib.util
+import json
 import os
 import re
+import uuid
 from pathlib import Path
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 _BASE_OPTIONS = ("--std=c++17", "-default-device", "--ptxas-options=-v")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+# Part of every cache key. 2: cubins whole (format 1 cached them one byte short) and a manifest per cubin.
+_CACHE_FORMAT = 2
 
 
 class CompileError(RuntimeError):
@@ -76,6 +82,11 @@ def normalize_arch(arch: str | int) -> str:
     return f"sm_{m.group(1)}{m.group(2)}"
 
 
+def nvrtc_available() -> bool:
+    """Whether CuPy's NVRTC binding is installed (the cuda12/cuda13 extra). Compiling needs it, not a GPU."""
+    return importlib.util.find_spec("cupy_backends") is not None
+
+
 def nvrtc_version() -> tuple[int, int]:
     from cupy_backends.cuda.libs import nvrtc
     return tuple(nvrtc.getVersion())
@@ -127,7 +138,7 @@ def _cache_dir() -> Path:
 
 def cache_key(code: str, arch: str, options: tuple, name_expressions: tuple) -> str:
     h = hashlib.sha256()
-    for part in (code, arch, repr(options), repr(name_expressions), repr(nvrtc_version())):
+    for part in (code, arch, repr(options), repr(name_expressions), repr(nvrtc_version()), str(_CACHE_FORMAT)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -156,10 +167,42 @@ def _compile_code(code: str, name: str, name_expressions: tuple, arch: str, opti
             raise CompileError(f"NVRTC failed to compile {name} for {arch} ({e}):\n{log}") from None
         log = nvrtc.getProgramLog(prog).rstrip("\x00")
         lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = get_cubin(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    return Compiled(name, arch, bytes(cubin), log, lowered)
+    return Compiled(name, arch, cubin, log, lowered)
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc_cubin_functions():
+    """(nvrtcGetCUBINSize, nvrtcGetCUBIN) from the very NVRTC library CuPy loaded: CuPy 14 finds it with
+    cuda.pathfinder, whose cached answer we reuse, and dlopen of a path already loaded returns that same copy (a
+    program handle from one copy of NVRTC means nothing to another)."""
+    from cuda import pathfinder
+
+    lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    size_fn, get_fn = lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN
+    size_fn.argtypes, size_fn.restype = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)), ctypes.c_int
+    get_fn.argtypes, get_fn.restype = (ctypes.c_void_p, ctypes.c_char_p), ctypes.c_int
+    return size_fn, get_fn
+
+
+def get_cubin(prog: int) -> bytes:
+    """The whole cubin of compiled NVRTC program ``prog`` (a handle from CuPy's ``nvrtc.createProgram``).
+
+    Not CuPy's ``nvrtc.getCUBIN``: it returns ``cubin_ptr[:cubinSizeRet-1]`` (cupy_backends/cuda/libs/nvrtc.pyx,
+    CuPy 14.2), stripping a "trailing NUL" as for PTX and logs. A cubin is binary and nvrtcGetCUBINSize is its
+    exact size, so that cuts the last byte of the ELF program-header table, which cuobjdump and nvdisasm refuse."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    size_fn, get_fn = _nvrtc_cubin_functions()
+    size = ctypes.c_size_t()
+    nvrtc.check_status(size_fn(prog, ctypes.byref(size)))
+    if size.value == 0:
+        raise CompileError("NVRTC produced no cubin (was a virtual arch, compute_XX, asked for?)")
+    buf = ctypes.create_string_buffer(size.value)
+    nvrtc.check_status(get_fn(prog, buf))
+    return buf.raw
 
 
 def device_arch(device=None) -> str:
@@ -170,24 +213,74 @@ def device_arch(device=None) -> str:
     return f"sm_{cc}a" if cc == 90 else f"sm_{cc}"
 
 
+def _cache_paths(code: str, name: str, name_expressions: tuple, arch: str, options: tuple) -> tuple[Path, Path]:
+    """(cubin, manifest) paths of one compile of flattened source ``code`` in the disk cache."""
+    key = cache_key(code, arch, options, name_expressions)
+    cubin = _cache_dir() / f"{Path(name).stem}-{arch}-{key}.cubin"
+    return cubin, cubin.with_suffix(".json")
+
+
+def _manifest(cubin: bytes, lowered: dict) -> dict:
+    """What the manifest records: the mangled names, and the cubin's size and digest to validate it by."""
+    return {"lowered": lowered, "cubin_bytes": len(cubin), "cubin_sha256": hashlib.sha256(cubin).hexdigest()}
+
+
+def _read_cache(cubin_path: Path, manifest_path: Path, name_expressions: tuple) -> dict | None:
+    """The lowered names of a valid cached entry, or None when it is missing, truncated, corrupt or mismatched
+    (another process's cubin under a manifest it did not write fails the digest): the caller recompiles."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        cubin = cubin_path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    lowered = manifest.get("lowered") if isinstance(manifest, dict) else None
+    if not isinstance(lowered, dict) or sorted(lowered) != sorted(name_expressions):
+        return None
+    return lowered if manifest == _manifest(cubin, lowered) else None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Install ``data`` at ``path`` through a temporary file of its own and os.replace, so a reader in any process
+    or thread sees the old file or the whole new one, never a part. (Not fsync'd: a file that a crash leaves
+    short fails its manifest's digest and is recompiled.)"""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique per writer, in path's file system
+    # os.open rather than mkstemp: mode 0o666 under the umask, as a plain write would give (mkstemp makes 0600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def cached_cubin(name: str, name_expressions: tuple, arch: str, options: tuple = ()) -> tuple[Path, dict]:
+    """(path of the cubin, {name expression: mangled name}) for ``cuda_src/<name>`` on ``arch``, from the disk cache
+    (``FA_VARIANTS_CACHE``) or compiled into it. Needs no GPU.
+
+    Each entry is two files, each installed atomically: the raw cubin (what CuPy loads by path, and what cuobjdump
+    reads) and then a JSON manifest with the mangled names and the cubin's size and SHA-256. Only a pair that
+    matches is served. Processes and threads racing on one key each install a complete pair; which one wins does
+    not matter, since any valid cubin for the key serves."""
+    exprs, arch, options = tuple(name_expressions), normalize_arch(arch), tuple(options)
+    code = flatten(name)  # read once: the key and the compile see the same text even if the file is being edited
+    cubin_path, manifest_path = _cache_paths(code, name, exprs, arch, options)
+    lowered = _read_cache(cubin_path, manifest_path, exprs)
+    if lowered is None:
+        compiled = _compile_code(code, name, exprs, arch, options)
+        cubin_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(cubin_path, compiled.cubin)
+        _write_atomically(manifest_path, json.dumps(_manifest(compiled.cubin, compiled.lowered)).encode())
+        lowered = compiled.lowered
+    return cubin_path, lowered
+
+
 @functools.lru_cache(maxsize=None)
 def _load(name: str, name_expressions: tuple, arch: str, options: tuple, device_id: int):
     import cupy
 
-    code = flatten(name)
-    key = cache_key(code, arch, options, name_expressions)
-    path = _cache_dir() / f"{Path(name).stem}-{arch}-{key}.cubin"
-    names_path = path.with_suffix(".names")
-    if path.exists() and names_path.exists():
-        lowered = dict(line.split("\t") for line in names_path.read_text().splitlines())
-    else:
-        compiled = compile_source(name, name_expressions, arch, options)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(compiled.cubin)
-        os.replace(tmp, path)
-        names_path.write_text("\n".join(f"{k}\t{v}" for k, v in compiled.lowered.items()))
-        lowered = compiled.lowered
+    path, lowered = cached_cubin(name, name_expressions, arch, options)
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(path=str(path))
     return module, lowered

@@ -11,6 +11,8 @@ import pytest
 from fa_variants import jit, registry
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+# the tests that compile or hash with the NVRTC version need CuPy (the cuda extra), not a GPU
+needs_nvrtc = pytest.mark.skipif(not jit.nvrtc_available(), reason="NVRTC comes with the cuda12/cuda13 extra")
 
 
 def _sources():
@@ -94,6 +96,7 @@ def _key(name, arch="sm_80", exprs=("x",)):
     return jit.cache_key(jit.flatten(name), arch, (), exprs)
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("name", _sources())
 def test_cache_key_follows_header_text(src_copy, name):
     headers = _direct_includes(src_copy, name)
@@ -110,6 +113,7 @@ def test_cache_key_follows_header_text(src_copy, name):
         assert _key(name) == base, f"restoring {inc} did not restore the cache key of {name}"
 
 
+@needs_nvrtc
 def test_cache_key_follows_arch_options_and_names():
     name = _sources()[0]
     base = _key(name)
@@ -118,6 +122,7 @@ def test_cache_key_follows_arch_options_and_names():
     assert jit.cache_key(jit.flatten(name), "sm_80", ("-lineinfo",), ("x",)) != base
 
 
+@needs_nvrtc
 def test_compile_source_sees_an_edited_header(src_copy):
     """compile_source must not serve a result compiled from older text."""
     body = '#include "common/math.cuh"\nextern "C" __global__ void probe(float* o) { o[0] = fav::neg_inf(); }\n'
@@ -131,6 +136,7 @@ def test_compile_source_sees_an_edited_header(src_copy):
 
 
 # ----------------------------------------------------------------------------------------------- errors
+@needs_nvrtc
 def test_broken_source_raises_compile_error_with_nvrtc_log(src_copy):
     (src_copy / "broken.cu").write_text(
         '#include "common/math.cuh"\n'
