@@ -47,7 +47,7 @@ def _cupy_key(x):
 
 
 def _torch_key(x):
-    return x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.data_ptr() & 15
+    return x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, x.data_ptr() & 15
 
 
 def _keyer(t):

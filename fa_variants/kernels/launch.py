@@ -87,12 +87,26 @@ class FwdPlan:
         return out, lse
 
     def run_torch(self, q, k, v):
-        import torch
+        torch, stream_of = _torch()
         dev = q.device
         out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
         ws = torch.empty(self.ws_floats, dtype=torch.float32, device=dev) if self.ws_rows else None
-        launch(self.func, self.grid, self.block, self.smem, torch.cuda.current_stream(dev).cuda_stream,
-               self.template, self.fmt, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-               0 if lse is None else lse.data_ptr(), *self._ws_ptrs(0 if ws is None else ws.data_ptr()))
+        launch(self.func, self.grid, self.block, self.smem, stream_of(self.device), self.template, self.fmt,
+               q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+               *self._ws_ptrs(0 if ws is None else ws.data_ptr()))
         return out, lse
+
+
+_TORCH = None
+
+
+def _torch():
+    """(torch, the raw handle of torch's current stream on a device index): torch's own C getter when it has
+    one (a public-API stream object costs microseconds a call)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH = (torch, raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return _TORCH
