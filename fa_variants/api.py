@@ -61,9 +61,32 @@ def _keyer(t):
         return fn
 
 
+_get_device = None
+
+
 def _current_device() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDevice()
+    global _get_device
+    if _get_device is None:
+        import cupy
+        _get_device = cupy.cuda.runtime.getDevice
+    return _get_device()
+
+
+class _Validated:
+    """The cache entry of a signature whose variant launches several kernels (naive, fa2_fp8 quantizing on the
+    fly): no plan to replay, but the checks it passed need not run again."""
+
+    def __init__(self, launcher, causal: bool, scale: float, return_lse: bool):
+        self.launcher, self.kw = launcher, dict(causal=causal, softmax_scale=scale, return_lse=return_lse)
+
+    def run_cupy(self, q, k, v):
+        return self.launcher.forward(q, k, v, **self.kw)
+
+    def run_torch(self, q, k, v):
+        import cupy
+        import torch
+        out, lse = self.launcher.forward(cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(v), **self.kw)
+        return torch.from_dlpack(out), None if lse is None else torch.from_dlpack(lse)
 
 
 def _signature(q, k, v, variant, causal, softmax_scale, return_lse, backend):
@@ -131,21 +154,30 @@ def _attention(q, k, v, variant, causal, softmax_scale, return_lse, backend, key
     import cupy
     with cupy.cuda.Device(inp.q.device.id):
         plan = None
-        if key is not None and key[-1] == inp.q.device.id and arrays.launchable_as_is(inp.q, inp.k, inp.v):
+        cacheable = key is not None and key[-1] == inp.q.device.id
+        if cacheable and arrays.launchable_as_is(inp.q, inp.k, inp.v):
             plan = entry.launcher.plan(inp.q, inp.k, inp.v, causal=bool(causal), softmax_scale=scale,
                                        return_lse=bool(return_lse))
         if plan is None:
+            if cacheable:  # a warm call skips the checks, though it still launches through the launcher
+                _remember(key, _Validated(entry.launcher, bool(causal), scale, bool(return_lse)), q)
             out, lse = entry.launcher.forward(inp.q, inp.k, inp.v, causal=bool(causal), softmax_scale=scale,
                                               return_lse=bool(return_lse))
             out, lse = inp.wrap(out), (None if lse is None else inp.wrap(lse))
         else:
-            torch_in = _keyer(type(q)) is _torch_key
-            with _lock:
-                if len(_PLANS) >= _PLANS_MAX:
-                    _PLANS.clear()
-                _PLANS[key] = (plan, torch_in)
+            torch_in = _remember(key, plan, q)
             out, lse = plan.run_torch(q, k, v) if torch_in else plan.run_cupy(inp.q, inp.k, inp.v)
     return (out, lse) if return_lse else out
+
+
+def _remember(key, plan, q) -> bool:
+    """Cache ``plan`` under ``key``; returns whether the call's arrays are torch tensors."""
+    torch_in = _keyer(type(q)) is _torch_key
+    with _lock:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = (plan, torch_in)
+    return torch_in
 
 
 def clear_plans() -> None:

@@ -190,9 +190,23 @@ def quantize(q, k, v) -> dict:
     return {**quantize_q(q), **quantize_kv(k, v)}
 
 
+_PLANS: dict = {}  # (shapes, flags, device, kernel) -> FwdPlan: quantizing on the fly makes a qz per call
+
+
 def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:
     """The launch of FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be this device's: checked).
     Its pointers are q, k, vt, sq, sk, sv, out, lse (params.FP8_FWD)."""
+    import cupy
+    key = (qz["q"].shape, qz["k"].shape, qz["vt"].shape, qz["seqlen_k"], qz["head_dim"], np.dtype(qz["out_dtype"]),
+           tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice(), uses_wgmma())
+    if key not in _PLANS:
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        _PLANS[key] = _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return _PLANS[key]
+
+
+def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:
     import cupy
     b, h, nq, D = qz["q"].shape
     d = qz["head_dim"]

@@ -77,11 +77,11 @@ class FwdPlan:
         return self.ws_rows * (self.ws_cols + 2)
 
     def run_cupy(self, q, k, v):
-        import cupy
-        out = cupy.empty(self.out_shape, self.dtype)
-        lse = None if self.lse_shape is None else cupy.empty(self.lse_shape, cupy.float32)
-        ws = cupy.empty(self.ws_floats, cupy.float32) if self.ws_rows else None
-        launch(self.func, self.grid, self.block, self.smem, cupy.cuda.get_current_stream().ptr, self.template,
+        empty, stream = _cupy()
+        out = empty(self.out_shape, self.dtype)
+        lse = None if self.lse_shape is None else empty(self.lse_shape, np.float32)
+        ws = empty(self.ws_floats, np.float32) if self.ws_rows else None
+        launch(self.func, self.grid, self.block, self.smem, stream().ptr, self.template,
                self.fmt, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
                *self._ws_ptrs(0 if ws is None else ws.data.ptr))
         return out, lse
@@ -98,7 +98,17 @@ class FwdPlan:
         return out, lse
 
 
+_CUPY = None
 _TORCH = None
+
+
+def _cupy():
+    """(cupy.empty, cupy.cuda.get_current_stream), bound once: a warm call should not pay for imports."""
+    global _CUPY
+    if _CUPY is None:
+        import cupy
+        _CUPY = (cupy.empty, cupy.cuda.get_current_stream)
+    return _CUPY
 
 
 def _torch():
