@@ -54,9 +54,12 @@ def problem(d: int, causal: bool, heads: int | None = None) -> timing.Shape:
 
 
 def templates_of(variant: str) -> tuple[int, ...]:
-    """Head dims the variant's kernels are compiled for: its launcher module's TILES keys (TEMPLATE_DIMS if none)."""
+    """Head dims the kernel this device runs is compiled for: its launcher's SM90_TILES keys where the device
+    runs the wgmma kernel, else its TILES keys (TEMPLATE_DIMS if none)."""
     try:
-        tiles = importlib.import_module(f"fa_variants.kernels.{variant}").TILES
+        mod = importlib.import_module(f"fa_variants.kernels.{variant}")
+        wgmma = getattr(mod, "uses_wgmma", lambda: False)()
+        tiles = mod.SM90_TILES if wgmma and hasattr(mod, "SM90_TILES") else mod.TILES
         return tuple(sorted(int(d) for d in tiles))
     except Exception:  # noqa: BLE001 - no such table: the issue's padding set
         return TEMPLATE_DIMS

@@ -108,7 +108,7 @@ def test_split_kv_partials_merge_to_attention(rng, splits):
     import cupy
     host = _host(rng, b=2, nq=100, nk=700, h=4, hkv=2, d=64)
     q, k, v = to_device(host)
-    bn = fa2_launcher.tiles(64)[1]
+    bn = fa2_launcher.partial_block_k()
     n_blocks = math.ceil(700 / bn)
     edges = np.linspace(0, n_blocks, splits + 1).round().astype(int)
     parts = [fa2_launcher.forward_partial(q, k, v, causal=True, softmax_scale=0.125, kv_blocks=(int(a), int(b)))
@@ -163,3 +163,19 @@ def test_nan_in_v_reaches_the_rows_that_use_it(variant, rng):
     assert np.isnan(out[0, ROWS + DIAG >= 20, 0, 9]).all()
     others = np.delete(out[0, ~EMPTY, 0], 9, axis=-1)
     assert np.isfinite(others).all() and np.isfinite(out[0, :, 1]).all()
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 160, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fa2_mma_sync_kernel_where_wgmma_is_the_default(monkeypatch, rng, d, causal):
+    """On Hopper fa2 runs its wgmma kernel; FA_VARIANTS_FA2_KERNEL=mma_sync runs the paper's mma.sync kernel,
+    which must stay right too (it is what sm_80/86/89 run)."""
+    monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", "mma_sync")
+    api.clear_plans()
+    try:
+        host = _host(rng, b=2, nq=130, nk=97, h=4, hkv=2, d=d, dtype="bfloat16")
+        out, lse = fav.attention(*to_device(host), variant="fa2", causal=causal, return_lse=True)
+        ref_out, ref_lse = reference64(*host, causal)
+        assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what=f"fa2 mma.sync d={d}")
+    finally:
+        api.clear_plans()

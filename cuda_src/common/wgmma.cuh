@@ -1,12 +1,13 @@
-// Hopper (sm_90a) warpgroup MMA on e4m3: shared-memory operand descriptors, the swizzled tiles they describe,
-// and the wgmma.mma_async wrappers fa2_fp8_fwd_sm90.cu uses. A warpgroup is 4 consecutive warps (128 threads,
+// Hopper (sm_90a) warpgroup MMA: shared-memory operand descriptors, the swizzled tiles they describe, and the
+// wgmma.mma_async wrappers the sm_90 kernels use (e4m3: fa2_fp8_fwd_sm90.cu; fp16/bf16: fa2_fwd_sm90.cu). A warpgroup is 4 consecutive warps (128 threads,
 // the first warp index a multiple of 4); one wgmma computes a 64 x N block for the whole warpgroup.
 //
 // Fragments, with w = warp within the warpgroup, g = lane / 4, t = lane % 4:
 //   D (64 x N fp32), float d[N/8][4]:  d[i][0..1] = D[16w + g][8i + 2t .. 8i + 2t + 1], d[i][2..3] = row 16w + g + 8.
 //                                      Per warp this is mma.sync's C layout repeated over N/8 n-tiles, so the
 //                                      softmax helpers of softmax.cuh work on it unchanged (as s[1][N/8][4]).
-//   A from registers (64 x 32 e4m3), u32 a[4]: warp w's 16 rows in mma_16832_e4m3's A layout (ptx.cuh).
+//   A from registers (64 x 32 e4m3), u32 a[4]: warp w's 16 rows in mma_16832_e4m3's A layout (ptx.cuh);
+//                    (64 x 16 fp16/bf16), u32 a[4]: warp w's 16 rows in mma_16816's A layout (repack_a fills it).
 //   A, B from shared memory: K-major (the 32-byte reduction slice contiguous in each row), 128- or 64-byte
 //                            swizzled (SwizzledTile below), addressed by a 64-bit descriptor.
 #pragma once
@@ -43,25 +44,36 @@ struct SwizzledTile {
         const u32 addr = base + (k0 / W) * SLAB + row0 * W + k0 % W;
         return (u64)((addr & 0x3ffff) >> 4) | (1ull << 16) | ((u64)(8 * W / 16) << 32) | (MODE << 62);
     }
+
+    // The same tile read as an MN-major B operand (wgmma's imm-trans-b = 1, 16-bit types only): rows are the
+    // reduction (K) index, row bytes the N index. Operand: rows [k_row0, k_row0 + 16) and N bytes from n0 on.
+    // In the MN-major canonical layout the leading offset steps between W-byte atoms of N (here: slabs) and the
+    // stride offset between 8-row groups of K (8 rows of W bytes).
+    __forceinline__ __device__ static u64 desc_mn(u32 base, int k_row0, int n0) {
+        const u32 addr = base + (n0 / W) * SLAB + k_row0 * W;
+        return (u64)((addr & 0x3ffff) >> 4) | ((u64)(SLAB >> 4) << 16) | ((u64)(8 * W / 16) << 32) | (MODE << 62);
+    }
 };
 
 // Rows [0, ROWS) of a row-major slice of global memory (row stride `ld` bytes) into a SwizzledTile, 16 bytes per
-// cp.async; rows at or beyond `valid_rows` are zero-filled. Not committed: the caller groups.
+// cp.async; rows at or beyond `valid_rows` and bytes at or beyond `valid_bytes` of a row are zero-filled. Not
+// committed: the caller groups.
 // Each thread keeps one 16-byte column and moves down ROWS_PER_PASS rows per pass, a multiple of 8: the swizzle
 // (a function of the row modulo 8) is the same on every pass, so one address steps by a constant.
 template <int ROWS, int KB, int THREADS>
 __forceinline__ __device__ void load_swizzled_async(u32 tile, const unsigned char* __restrict__ g, i64 ld,
-                                                    int valid_rows) {
+                                                    int valid_rows, int valid_bytes = KB) {
     constexpr int CHUNKS = KB / 16, ROWS_PER_PASS = THREADS / CHUNKS;
     static_assert(THREADS % CHUNKS == 0 && ROWS % ROWS_PER_PASS == 0 && ROWS_PER_PASS % 8 == 0,
                   "whole passes that keep each thread's swizzle");
     using Tile = SwizzledTile<ROWS, KB>;
     const int r = threadIdx.x / CHUNKS, k = (threadIdx.x % CHUNKS) * 16;
+    const bool col_ok = k < valid_bytes;  // columns past a padded head dim are zero-filled
     const unsigned char* src = g + r * ld + k;
     u32 dst = tile + Tile::offset(r, k);
 #pragma unroll
     for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
-        const bool ok = r + i * ROWS_PER_PASS < valid_rows;
+        const bool ok = col_ok && r + i * ROWS_PER_PASS < valid_rows;
         cp_async_16(dst, ok ? src : g, ok);
         src += ROWS_PER_PASS * ld;
         dst += ROWS_PER_PASS * Tile::W;
@@ -151,5 +163,74 @@ __forceinline__ __device__ void wgmma_e4m3_rs(float (&d)[16][4], const u32 (&a)[
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }
+
+// D (+)= A B for a 64 x N x 16 block of fp16 or bf16 (T), fp32 accumulators, N = 64 or 128 (the size of d).
+// _ss: A and B K-major in shared memory (S = Q K^T); _rs: A from registers, B N-major in shared memory
+// (O += P V with V stored [key][d]: imm-trans-b = 1).
+template <class T>
+__forceinline__ __device__ void wgmma_16_ss(float (&d)[16][4], u64 a_desc, u64 b_desc, int accumulate) {
+#define FAV_D64 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+    "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+    "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+    "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+    "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+#define FAV_R64 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+    "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54," \
+    "%55,%56,%57,%58,%59,%60,%61,%62,%63"
+    if constexpr (T::is_bf16)
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FAV_R64 "}, %64, %65, p, 1, 1, 0, 0; }"
+                     : FAV_D64 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" FAV_R64 "}, %64, %65, p, 1, 1, 0, 0; }"
+                     : FAV_D64 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+template <class T>
+__forceinline__ __device__ void wgmma_16_rs(float (&d)[16][4], const u32 (&a)[4], u64 b_desc, int accumulate) {
+    if constexpr (T::is_bf16)
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FAV_R64 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 1; }"
+                     : FAV_D64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" FAV_R64 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 1; }"
+                     : FAV_D64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+}
+#undef FAV_D64
+#undef FAV_R64
+template <class T>
+__forceinline__ __device__ void wgmma_16_ss(float (&d)[8][4], u64 a_desc, u64 b_desc, int accumulate) {
+#define FAV_D32 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define FAV_R32 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+    "%28,%29,%30,%31"
+    if constexpr (T::is_bf16)
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FAV_R32 "}, %32, %33, p, 1, 1, 0, 0; }"
+                     : FAV_D32 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" FAV_R32 "}, %32, %33, p, 1, 1, 0, 0; }"
+                     : FAV_D32 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+template <class T>
+__forceinline__ __device__ void wgmma_16_rs(float (&d)[8][4], const u32 (&a)[4], u64 b_desc, int accumulate) {
+    if constexpr (T::is_bf16)
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FAV_R32 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 1; }"
+                     : FAV_D32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" FAV_R32 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 1; }"
+                     : FAV_D32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+}
+#undef FAV_D32
+#undef FAV_R32
 
 }  // namespace fav

@@ -1,14 +1,23 @@
-"""Launcher of cuda_src/fa2_fwd.cu: tile sizes per template head dim, grid (Q block, head, batch), dynamic shared
-memory, and the launch plan of one call signature."""
+"""Launcher of cuda_src/fa2_fwd.cu and fa2_fwd_sm90.cu: tile sizes per template head dim, grid (Q block, head,
+batch), dynamic shared memory, and the launch plan of one call signature.
+
+One algorithm, two kernels: FlashAttention-2 on mma.sync (sm_80, sm_86, sm_89: the paper's kernel) and the same
+loop on Hopper's wgmma (sm_90: its tensor cores reach their rate only through wgmma). FA_VARIANTS_FA2_KERNEL=mma_sync
+runs the mma.sync kernel on Hopper too (the instruction change alone, measured; and FA1 against FA2 on one
+instruction)."""
 from __future__ import annotations
 
-from .. import jit
+import os
+
+from .. import gpu, jit
 from . import KernelLauncher
-from .common import (CTYPE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, template_dim,
-                     tile_lookup)
+from .common import (CTYPE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, pick_tiles,
+                     template_dim, tile_lookup)
 from .launch import FwdPlan, function_of
 
 SOURCE = "fa2_fwd.cu"
+SM90_SOURCE = "fa2_fwd_sm90.cu"
+SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",)}  # wgmma exists only there
 
 # template head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps, early prefetch), fastest first; each
 # warp owns BM / warps rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and
@@ -37,13 +46,40 @@ def smem_bytes(d: int, cfg) -> int:
 _config, _tiles = tile_lookup(TILES, smem_bytes)
 
 
+# wgmma kernel: template head_dim -> (BM = two warpgroups of 64 rows, BN keys, 8 warps). Its tiles are K-major
+# 128-byte swizzled rows of 64, 128 or 256 elements, so other head dims pad to those; n128 key blocks where the O
+# accumulator leaves room for the S and P registers (d = 256: 128 of O, so n64).
+SM90_TILES = {64: [(128, 128, 8)], 128: [(128, 128, 8)], 256: [(128, 64, 8)]}
+SM90_DIMS = tuple(SM90_TILES)
+
+
+def uses_wgmma() -> bool:
+    """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
+    if os.environ.get("FA_VARIANTS_FA2_KERNEL", "").replace(".", "_") == "mma_sync":
+        return False
+    cc = gpu.compute_capability()
+    return cc is None or cc == 90
+
+
+def sm90_smem_bytes(d: int, cfg) -> int:
+    bm, bn = cfg[:2]
+    return 1024 + bm * 2 * d + 2 * 2 * bn * 2 * d  # unpadded swizzled Q, two stages of K and V, 1 KB alignment
+
+
+def kernel_dim(head_dim: int) -> int:
+    """The template head dim of the kernel this device runs."""
+    return template_dim(head_dim, SM90_DIMS) if uses_wgmma() else template_dim(head_dim)
+
+
 def config(head_dim, limit=None):
-    """(BM, BN, warps, early prefetch) of the template head_dim pads to."""
+    """(BM, BN, warps[, early prefetch]) of the kernel this device runs, at the template dim head_dim pads to."""
+    if uses_wgmma():
+        return pick_tiles(SM90_TILES, sm90_smem_bytes, kernel_dim(head_dim), limit)
     return _config(template_dim(head_dim), limit)
 
 
 def tiles(head_dim, limit=None):
-    return _tiles(template_dim(head_dim), limit)
+    return config(head_dim, limit)[:2]
 
 
 def instance(ctype: str, d: int, cfg, epilogue: str = "") -> str:
@@ -52,9 +88,17 @@ def instance(ctype: str, d: int, cfg, epilogue: str = "") -> str:
     return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}, {'true' if early else 'false'}{epi}>"
 
 
+def sm90_instance(ctype: str, d: int, cfg) -> str:
+    return f"fa2_fwd_sm90<{ctype}, {d}, {cfg[1]}>"
+
+
 def specializations():
     return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs) + \
         tuple(instance(c, 64, TILES[64][0], "fav::PartialOut<64>") for c in CTYPE.values())
+
+
+SOURCES = {SM90_SOURCE: tuple(sm90_instance(c, d, cfg) for c in CTYPE.values()
+                              for d, cfgs in SM90_TILES.items() for cfg in cfgs)}
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
@@ -66,10 +110,16 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, kv_blocks=(0, None), epi
     ``kv_blocks``/``epilogue``: a [begin, end) range of K/V blocks into a split-KV partial (PartialOut)."""
     import cupy
     b, nq, h, d = q.shape
-    D = template_dim(d)
-    cfg = config(d)
-    kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, cfg, epilogue))  # compiled on first use
-    smem = smem_bytes(D, cfg)
+    if uses_wgmma() and not epilogue:
+        D = template_dim(d, SM90_DIMS)
+        cfg = pick_tiles(SM90_TILES, sm90_smem_bytes, D)
+        kern = jit.kernel(SM90_SOURCE, sm90_instance(CTYPE[q.dtype.name], D, cfg))
+        smem = sm90_smem_bytes(D, cfg)
+    else:  # the mma.sync kernel (and every split-KV partial: PartialOut is instantiated there)
+        D = template_dim(d)
+        cfg = _config(D)
+        kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, cfg, epilogue))  # compiled on first use
+        smem = smem_bytes(D, cfg)
     check_grid(h, "heads")
     check_grid(b, "batch")
     out_strides = (nq * h * d, h * d, d)
@@ -86,8 +136,8 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
 
 
 def forward_partial(q, k, v, *, causal, softmax_scale, kv_blocks):
-    """One split of a split-KV forward (aligned q, k, v with head_dim 64): K/V blocks [begin, end) of
-    ``tiles(64)[1]`` keys into (unnormalized O (B, H, Nq, 64) float32, m (B, H, Nq) in log2 units, l (B, H, Nq)),
+    """One split of a split-KV forward on the mma.sync kernel (aligned q, k, v with head_dim 64): K/V blocks
+    [begin, end) of ``partial_block_k()`` keys into (unnormalized O (B, H, Nq, 64) float32, m (B, H, Nq) in log2 units, l (B, H, Nq)),
     the PartialOut epilogue's layout. ``merge_partials`` combines splits."""
     import cupy
     b, nq, h, d = q.shape
@@ -102,6 +152,11 @@ def forward_partial(q, k, v, *, causal, softmax_scale, kv_blocks):
     launch(p.func, p.grid, p.block, p.smem, cupy.cuda.get_current_stream().ptr, p.template, p.fmt,
            q.data.ptr, k.data.ptr, v.data.ptr, 0, 0, o.data.ptr, lsum.data.ptr, m.data.ptr)
     return o, m, lsum
+
+
+def partial_block_k() -> int:
+    """Keys per K/V block of forward_partial's kernel: the unit of its [begin, end) ranges."""
+    return _config(64)[1]
 
 
 def merge_partials(parts, dtype):
@@ -121,5 +176,5 @@ def merge_partials(parts, dtype):
     return out.transpose(0, 2, 1, 3).astype(dtype), lse.astype(cupy.float32)
 
 
-LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations()}, forward_fn=forward, tiles_fn=tiles,
-                          extra_bytes_fn=extra_bytes, plan_fn=plan)
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), **SOURCES}, forward_fn=forward,
+                          tiles_fn=tiles, extra_bytes_fn=extra_bytes, source_archs=SOURCE_ARCHS, plan_fn=plan)
