@@ -28,6 +28,7 @@ import os
 
 import pytest
 
+import fa_variants as fav
 from fa_variants import registry, timing
 from fa_variants.timing import Shape
 
@@ -58,8 +59,11 @@ SHAPES = _shapes()
 # fa2_fp8 on bf16/fp16 inputs quantizes on the fly; PREQUANT is the same kernel on tensors quantized beforehand
 # (fav.fp8.quantize, outside the timed call), as a KV cache would hold them.
 PREQUANT = "fa2_fp8_prequant"
+# On Hopper fa2 runs its wgmma kernel; MMA_SYNC is fa2's mma.sync kernel (the one sm_80-89 run) on the same
+# inputs: the instruction's share of fa2's speed, and FA1 against FA2 on one instruction.
+MMA_SYNC = "fa2_mma_sync"
 # The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
-VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [PREQUANT]
+VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [MMA_SYNC, PREQUANT]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 
 
@@ -86,7 +90,7 @@ def _ours(variant: str, shape: Shape, scale: float):
         hbm = None
 
     def fn(q, k, v):
-        return entry.forward(q, k, v, causal=shape.causal, softmax_scale=scale)
+        return fav.attention(q, k, v, variant=variant, causal=shape.causal, softmax_scale=scale, backend="cuda")
 
     return fn, hbm
 
@@ -111,6 +115,12 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
     if variant in timing.TORCH_BACKENDS:
         torch, fn = _torch(variant, shp, scale)
         sets = [tuple(timing.as_torch_bhnd(torch, a) for a in s) for s in gpu_inputs(shp)]
+    elif variant == MMA_SYNC:
+        from fa_variants.kernels import fa2 as fa2_kernels
+        _ours("fa2", shp, scale)  # skips where fa2 cannot run
+        sets = gpu_inputs(shp)
+        fn = fa2_kernels.plan(*sets[0], causal=shp.causal, softmax_scale=scale, return_lse=False,
+                              kernel="mma_sync").run_cupy   # one plan: every input set has the same signature
     elif variant == PREQUANT:
         import fa_variants as fav
         _ours("fa2_fp8", shp, scale)  # skips where fa2_fp8 cannot run

@@ -105,12 +105,14 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
     return 0  # only the output and the LSE
 
 
-def plan(q, k, v, *, causal, softmax_scale, return_lse, kv_blocks=(0, None), epilogue="") -> FwdPlan:
+def plan(q, k, v, *, causal, softmax_scale, return_lse, kv_blocks=(0, None), epilogue="", kernel=None) -> FwdPlan:
     """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8.
-    ``kv_blocks``/``epilogue``: a [begin, end) range of K/V blocks into a split-KV partial (PartialOut)."""
+    ``kv_blocks``/``epilogue``: a [begin, end) range of K/V blocks into a split-KV partial (PartialOut).
+    ``kernel``: "mma_sync" or "wgmma" instead of this device's choice (the benchmark times both on Hopper)."""
     import cupy
     b, nq, h, d = q.shape
-    if uses_wgmma() and not epilogue:
+    wgmma = uses_wgmma() if kernel is None else kernel == "wgmma"
+    if wgmma and not epilogue:
         D = template_dim(d, SM90_DIMS)
         cfg = pick_tiles(SM90_TILES, sm90_smem_bytes, D)
         kern = jit.kernel(SM90_SOURCE, sm90_instance(CTYPE[q.dtype.name], D, cfg))
