@@ -90,18 +90,14 @@ class _Validated:
 
 
 def _signature(q, k, v, variant, causal, softmax_scale, return_lse, backend):
-    """The cache key of a call, or None when calls of this kind are not cached."""
-    tq, tk, tv = type(q), type(k), type(v)
-    kq = _keyer(tq)
-    if kq is None or tk is not tq or tv is not tq:
+    """The cache key of a call, or None when calls of this kind are not cached. Types are part of it: causal=1
+    equals and hashes like True, but only True passed the checks."""
+    tq = type(q)
+    kq = _KEYERS.get(tq) or _keyer(tq)
+    if kq is None or type(k) is not tq or type(v) is not tq:
         return None
-    try:
-        key = (variant, backend, type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse),
-               return_lse, tq, kq(q), kq(k), kq(v), _current_device())
-        hash(key)
-    except Exception:  # noqa: BLE001 - an argument that cannot be hashed: the full path reports it
-        return None
-    return key
+    return (variant, backend, type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse),
+            return_lse, tq, kq(q), kq(k), kq(v), _current_device())
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -113,8 +109,11 @@ def attention(q, k, v, *, variant: str = "fa2", causal: bool = False, softmax_sc
     Causal masking is bottom-right aligned; a row that sees no key gives zeros and lse = -inf.
     Returns an array of q's type, shape and dtype (and lse, float32 (batch, heads, seqlen_q), with return_lse).
     """
-    key = _signature(q, k, v, variant, causal, softmax_scale, return_lse, backend)
-    hit = None if key is None else _PLANS.get(key)
+    try:
+        key = _signature(q, k, v, variant, causal, softmax_scale, return_lse, backend)
+        hit = None if key is None else _PLANS.get(key)
+    except Exception:  # noqa: BLE001 - an unhashable argument, or arrays the keyer cannot read: the full path
+        key = hit = None  # reports what is wrong with them
     if hit is not None:
         plan, torch_in = hit
         out, lse = plan.run_torch(q, k, v) if torch_in else plan.run_cupy(q, k, v)

@@ -79,8 +79,11 @@ def test_a_source_is_compiled_only_for_the_archs_it_names():
     Every .cu of cuda_src is some launcher's unit for at least one arch (none is left uncompiled)."""
     from fa_variants.kernels import fa2_fp8 as mod
     launcher = registry.get("fa2_fp8").launcher
-    assert set(launcher.compile_units("sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE}
-    assert set(launcher.compile_units("sm_90a")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.SM90_SOURCE}
+    assert set(launcher.compile_units("sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.PAD_SOURCE}
+    assert set(launcher.compile_units("sm_90a")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.SM90_SOURCE, mod.PAD_SOURCE}
+    from fa_variants.kernels import fa2
+    assert set(registry.get("fa2").launcher.compile_units("sm_80")) == {fa2.SOURCE, fa2.PAD_SOURCE}
+    assert fa2.SM90_SOURCE in registry.get("fa2").launcher.compile_units("sm_90a")
     for source, archs in mod.SOURCE_ARCHS.items():
         assert set(archs) <= set(registry.get("fa2_fp8").archs), f"{source}: an arch the entry does not build"
     used = {s for v in registry.variants() for a in v.archs for s in v.launcher.compile_units(a)}

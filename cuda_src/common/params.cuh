@@ -50,6 +50,17 @@ struct Fp8FwdParams {
     int causal;
 };
 
+// The head-dim padding copy (pad_head_dim.cu): a (batch, seqlen, heads, head_dim) tensor with any strides into a
+// contiguous one whose rows are `width` elements, zeros past head_dim.
+struct PadParams {
+    const u16* src;
+    u16* dst;
+    i64 s_b, s_n, s_h;
+    int rows;              // batch * seqlen * heads
+    int seqlen, heads;
+    int head_dim, width;
+};
+
 }  // namespace fav
 
 // offsetof for the generated asserts: NVRTC has no <cstddef> and no __builtin_offsetof, but its front end (EDG)

@@ -2,7 +2,7 @@
 parameter struct, tile choice."""
 from __future__ import annotations
 
-from .. import arrays
+from .. import arrays, jit
 
 LOG2E = 1.4426950408889634
 CTYPE = {"float16": "fav::Half", "bfloat16": "fav::BFloat16"}
@@ -33,12 +33,29 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+PAD_SOURCE = "pad_head_dim.cu"
+PAD_THREADS, PAD_ROWS = 256, 8
+PAD_INSTANCE = f"pad_head_dim<{PAD_THREADS}, {PAD_ROWS}>"
+
+
 def pad_last_dim(a, width: int):
-    """A zero-padded copy of ``a`` with its last dimension widened to ``width`` (q, k, v of a head dim that is
-    not a multiple of 8). Zeros add nothing to Q K^T, and the padded columns of P V are never returned."""
+    """A zero-padded contiguous copy of the (B, N, H, d) 16-bit array ``a`` with rows of ``width`` elements (q, k,
+    v of a head dim that is not a multiple of 8, or fa2_fp8's rows under a wider template), in one pass of
+    cuda_src/pad_head_dim.cu. Zeros add nothing to Q K^T, and the padded columns of P V are never returned."""
     import cupy
-    out = cupy.zeros(a.shape[:-1] + (width,), dtype=a.dtype)
-    out[..., : a.shape[-1]] = a
+    from .launch import function_of, launch
+    from .params import PAD
+    b, n, h, d = a.shape
+    rows = b * n * h
+    if rows >= 2**31:
+        raise ValueError(f"batch * seqlen * heads = {rows} rows is more than the padding copy indexes (2^31)")
+    out = cupy.empty((b, n, h, width), dtype=a.dtype)
+    s = elem_strides(a)
+    template = PAD.pack(src=0, dst=0, s_b=s[0], s_n=s[1], s_h=s[2], rows=rows, seqlen=n, heads=h, head_dim=d,
+                        width=width)
+    func = function_of(jit.kernel(PAD_SOURCE, PAD_INSTANCE), 0)
+    launch(func, (cdiv(rows, PAD_ROWS), 1, 1), PAD_THREADS, 0, cupy.cuda.get_current_stream().ptr, template,
+           PAD.pointers_format, a.data.ptr, out.data.ptr)
     return out
 
 

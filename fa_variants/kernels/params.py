@@ -90,7 +90,13 @@ FP8_FWD = ParamStruct("Fp8FwdParams", (
     ("scale_log2", "float"), ("causal", "int"),
 ))
 
-STRUCTS = (FWD, FP8_FWD)
+PAD = ParamStruct("PadParams", (
+    *_fields("src dst", "ptr"),
+    *_fields("s_b s_n s_h", "i64"),
+    *_fields("rows seqlen heads head_dim width", "int"),
+))
+
+STRUCTS = (FWD, FP8_FWD, PAD)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 
