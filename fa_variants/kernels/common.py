@@ -34,8 +34,9 @@ def round_up(x: int, m: int) -> int:
 
 
 PAD_SOURCE = "pad_head_dim.cu"
-PAD_THREADS, PAD_ROWS = 256, 8
-PAD_INSTANCE = f"pad_head_dim<{PAD_THREADS}, {PAD_ROWS}>"
+PAD_ROWS = 8
+PAD_THREADS = (128, 256)  # one thread per column: the smallest CTA that covers the padded row
+PAD_INSTANCES = tuple(f"pad_head_dim<{t}, {PAD_ROWS}>" for t in PAD_THREADS)
 
 
 def pad_last_dim(a, width: int):
@@ -53,8 +54,9 @@ def pad_last_dim(a, width: int):
     s = elem_strides(a)
     template = PAD.pack(src=0, dst=0, s_b=s[0], s_n=s[1], s_h=s[2], rows=rows, seqlen=n, heads=h, head_dim=d,
                         width=width)
-    func = function_of(jit.kernel(PAD_SOURCE, PAD_INSTANCE), 0)
-    launch(func, (cdiv(rows, PAD_ROWS), 1, 1), PAD_THREADS, 0, cupy.cuda.get_current_stream().ptr, template,
+    threads = next(t for t in PAD_THREADS if t >= width)
+    func = function_of(jit.kernel(PAD_SOURCE, f"pad_head_dim<{threads}, {PAD_ROWS}>", PAD_INSTANCES), 0)
+    launch(func, (cdiv(rows, PAD_ROWS), 1, 1), threads, 0, cupy.cuda.get_current_stream().ptr, template,
            PAD.pointers_format, a.data.ptr, out.data.ptr)
     return out
 

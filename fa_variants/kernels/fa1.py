@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCE, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, template_dim,
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, template_dim,
                      tile_lookup)
 from .launch import FwdPlan, function_of
 
@@ -85,5 +85,5 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: (PAD_INSTANCE,)},
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES},
                           forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes, plan_fn=plan)

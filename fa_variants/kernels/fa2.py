@@ -11,7 +11,7 @@ import os
 
 from .. import gpu, jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCE, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, pick_tiles,
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, pick_tiles,
                      template_dim, tile_lookup)
 from .launch import FwdPlan, function_of
 
@@ -99,7 +99,7 @@ def specializations():
 
 SOURCES = {SM90_SOURCE: tuple(sm90_instance(c, d, cfg) for c in CTYPE.values()
                               for d, cfgs in SM90_TILES.items() for cfg in cfgs),
-           PAD_SOURCE: (PAD_INSTANCE,)}
+           PAD_SOURCE: PAD_INSTANCES}
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import gpu, jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCE, PAD_SOURCE, cdiv, check_grid, ensure_vector_aligned, pad_last_dim, pick_tiles, scale_log2,
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, ensure_vector_aligned, pad_last_dim, pick_tiles, scale_log2,
                      template_dim)
 from .launch import FwdPlan, function_of, launch
 from .params import FP8_FWD
@@ -106,7 +106,7 @@ def specializations():
 
 
 SOURCES = {
-    PAD_SOURCE: (PAD_INSTANCE,),
+    PAD_SOURCE: PAD_INSTANCES,
     SM90_SOURCE: tuple(sm90_instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in SM90_TILES.items() for cfg in cfgs),
     QUANT_SOURCE: tuple(dict.fromkeys(e for c in CTYPE.values() for table in (TILES, SM90_TILES)
                                       for d, cfgs in table.items() for cfg in cfgs for e in quant_instances(c, d, cfg))),
