@@ -182,5 +182,8 @@ def _remember(key, plan, q) -> bool:
 def clear_plans() -> None:
     """Forget every cached launch plan (after changing FA_VARIANTS_SMEM_LIMIT or FA_VARIANTS_FP8_KERNEL, which
     change the tiles a plan was made with)."""
+    from .kernels import common, fa2_fp8
     with _lock:
         _PLANS.clear()
+        common._FWD_PLANS.clear()
+        fa2_fp8._PLANS.clear()

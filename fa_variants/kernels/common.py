@@ -44,21 +44,35 @@ def pad_last_dim(a, width: int):
     v of a head dim that is not a multiple of 8, or fa2_fp8's rows under a wider template), in one pass of
     cuda_src/pad_head_dim.cu. Zeros add nothing to Q K^T, and the padded columns of P V are never returned."""
     import cupy
-    from .launch import function_of, launch
+    from .launch import launch
+    from .params import PAD
+    key = (a.shape, a.strides, a.dtype, width, cupy.cuda.runtime.getDevice())
+    if key not in _PAD_PLANS:
+        _PAD_PLANS[key] = _pad_plan(a, width)
+    func, grid, threads, template = _PAD_PLANS[key]
+    out = cupy.empty(a.shape[:3] + (width,), dtype=a.dtype)
+    launch(func, grid, threads, 0, cupy.cuda.get_current_stream().ptr, template, PAD.pointers_format,
+           a.data.ptr, out.data.ptr)
+    return out
+
+
+_PAD_PLANS: dict = {}   # (shape, strides, dtype, width, device) -> (CUfunction, grid, threads, PadParams bytes)
+_FWD_PLANS: dict = {}   # forward_via_plan's plans of padded or copied inputs, per signature
+
+
+def _pad_plan(a, width: int):
+    from .launch import function_of
     from .params import PAD
     b, n, h, d = a.shape
     rows = b * n * h
     if rows >= 2**31:
         raise ValueError(f"batch * seqlen * heads = {rows} rows is more than the padding copy indexes (2^31)")
-    out = cupy.empty((b, n, h, width), dtype=a.dtype)
     s = elem_strides(a)
     template = PAD.pack(src=0, dst=0, s_b=s[0], s_n=s[1], s_h=s[2], rows=rows, seqlen=n, heads=h, head_dim=d,
                         width=width)
     threads = next(t for t in PAD_THREADS if t >= width)
     func = function_of(jit.kernel(PAD_SOURCE, f"pad_head_dim<{threads}, {PAD_ROWS}>", PAD_INSTANCES), 0)
-    launch(func, (cdiv(rows, PAD_ROWS), 1, 1), threads, 0, cupy.cuda.get_current_stream().ptr, template,
-           PAD.pointers_format, a.data.ptr, out.data.ptr)
-    return out
+    return func, (cdiv(rows, PAD_ROWS), 1, 1), threads, template
 
 
 def elem_strides(a) -> tuple:
@@ -91,7 +105,14 @@ def forward_via_plan(make_plan, q, k, v, *, causal, softmax_scale, return_lse):
         q, k, v = (pad_last_dim(a, d8) for a in (q, k, v))
     else:
         q, k, v = (ensure_vector_aligned(a) for a in (q, k, v))
-    plan = make_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    import cupy
+    key = (make_plan, *(x for a in (q, k, v) for x in (a.shape, a.strides)), q.dtype, causal, softmax_scale,
+           return_lse, cupy.cuda.runtime.getDevice())
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        if len(_FWD_PLANS) > 1024:
+            _FWD_PLANS.clear()
+        plan = _FWD_PLANS[key] = make_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
     out, lse = plan.run_cupy(q, k, v)
     return (out[..., :d] if d % 8 else out), lse
 
