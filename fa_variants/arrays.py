@@ -105,15 +105,14 @@ def import_arrays(q, k, v) -> Inputs:
     return Inputs(*arrays, on_gpu=on_gpu[0], wrap=imported[0][2])
 
 
-def check_shapes(inp: Inputs, variant) -> None:
-    """Rank, sizes, GQA divisibility, dtypes and layout, against what ``variant`` accepts."""
-    for n in NAMES:
-        a = getattr(inp, n)
+def check_dims(q, k, v) -> None:
+    """Rank, sizes and GQA divisibility of q, k, v (any array type): the rules attention() and the NumPy models
+    share (the models take any layout, so strides and alignment are check_shapes' alone)."""
+    for n, a in zip(NAMES, (q, k, v)):
         if a.ndim != 4:
             raise ValueError(f"{n} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {tuple(a.shape)}")
         if 0 in a.shape:
             raise ValueError(f"{n} has a zero-size dimension, shape {tuple(a.shape)}; every dimension must be >= 1")
-    q, k, v = inp.q, inp.k, inp.v
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if not (q.shape[3] == k.shape[3] == v.shape[3]):
@@ -122,6 +121,12 @@ def check_shapes(inp: Inputs, variant) -> None:
         raise ValueError(f"k and v must have the same (seqlen_k, heads_kv), got {tuple(k.shape[1:3])} and {tuple(v.shape[1:3])}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v ({k.shape[2]}) for MQA/GQA")
+
+
+def check_shapes(inp: Inputs, variant) -> None:
+    """Rank, sizes, GQA divisibility, dtypes and layout, against what ``variant`` accepts."""
+    q, k, v = inp.q, inp.k, inp.v
+    check_dims(q, k, v)
     dts = [dtype_name(a.dtype) for a in (q, k, v)]
     if len(set(dts)) != 1:
         raise TypeError(f"q, k and v must share one dtype, got q {dts[0]}, k {dts[1]}, v {dts[2]}")

@@ -11,7 +11,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..arrays import check_scalars
+from ..arrays import check_dims, check_scalars
 
 #: Default on-chip memory M of the papers, in *elements*: 128 KiB of fp32 = 32768. An H200 SM has 228 KB of
 #: shared memory (227 KB usable by one block); the papers' analysis assumes "about 100 KB", and the kernels
@@ -103,9 +103,9 @@ def check_block(name: str, b):
 def validate(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
     """Every model's argument check, before any arithmetic: (q, k, v widened to float64, softmax scale).
 
-    The scalars go through attention()'s own check (arrays.check_scalars), so a misuse reads the same from
-    either entry point. The shape rules and their wording are those of arrays.check_shapes, without its layout
-    rules (strides, alignment): those are the kernels' needs, and the models take any NumPy array.
+    The scalars and the shapes go through attention()'s own checks (arrays.check_scalars, arrays.check_dims), so
+    a misuse reads the same from either entry point; the layout rules (strides, alignment) are the kernels'
+    needs, and the models take any NumPy array.
     """
     check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
     for name, b in (("block_q", block_q), ("block_k", block_k)):
@@ -115,18 +115,7 @@ def validate(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
         if not is_float_dtype(a.dtype):
             raise TypeError(f"{name} must have a floating-point dtype (float16, bfloat16, float32, float64, "
                             f"float8_*), got {a.dtype}")
-        if a.ndim != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {a.shape}")
-        if 0 in a.shape:
-            raise ValueError(f"{name} has a zero-size dimension, shape {a.shape}; every dimension must be >= 1")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        raise ValueError(f"head_dim differs: q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}; all three must match")
-    if k.shape[1:3] != v.shape[1:3]:
-        raise ValueError(f"k and v must have the same (seqlen_k, heads_kv), got {k.shape[1:3]} and {v.shape[1:3]}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v ({k.shape[2]}) for MQA/GQA")
+    check_dims(q, k, v)
     scale = check_scalars(causal, softmax_scale, False, head_dim=q.shape[3])
     return to_float64(q), to_float64(k), to_float64(v), scale
 
