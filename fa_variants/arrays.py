@@ -10,6 +10,7 @@ import importlib
 import math
 import numbers
 
+import ml_dtypes
 import numpy as np
 
 NAMES = ("q", "k", "v")
@@ -49,6 +50,45 @@ def _framework_wrap(x):
     return lambda a: a  # a bare __cuda_array_interface__ producer: give back CuPy
 
 
+def _host_import(name: str, x) -> np.ndarray:
+    """A NumPy view of a host DLPack producer. NumPy's DLPack import knows no bfloat16, so a bfloat16 tensor
+    comes in through its 16-bit patterns, viewed as ml_dtypes.bfloat16 (torch: an int16 view of the same memory;
+    JAX: its own NumPy conversion, which speaks ml_dtypes)."""
+    try:
+        return np.from_dlpack(x)
+    except (RuntimeError, TypeError, BufferError, ValueError) as e:
+        root = type(x).__module__.split(".")[0]
+        try:
+            if root == "torch":
+                import torch
+                if x.dtype == torch.bfloat16:
+                    return np.from_dlpack(x.detach().view(torch.int16)).view(ml_dtypes.bfloat16)
+            else:
+                return np.asarray(x)
+        except Exception:  # noqa: BLE001 - reported below, with the DLPack error
+            pass
+        raise TypeError(f"{name} ({type(x).__name__} of dtype {getattr(x, 'dtype', '?')}) cannot be read on the "
+                        f"host: {e}") from None
+
+
+def _host_wrap(x):
+    """A function handing a NumPy result back as ``x``'s framework (torch or JAX, CPU), bfloat16 included."""
+    root = type(x).__module__.split(".")[0]
+    if root in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+        return jnp.asarray
+    if root == "torch":
+        import torch
+
+        def to_torch(a):
+            if a.dtype == ml_dtypes.bfloat16:
+                return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(np.ascontiguousarray(a))
+        return to_torch
+    mod = importlib.import_module(root)
+    return getattr(mod, "from_dlpack", lambda a: a)
+
+
 def _import_one(name: str, x):
     """(array as NumPy or CuPy, on_gpu, wrap) for one input, or a TypeError naming it."""
     cp = _cupy()
@@ -59,8 +99,7 @@ def _import_one(name: str, x):
     if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
         dev = getattr(x, "__dlpack_device__", lambda: (2, 0))()
         if dev[0] == 1:  # kDLCPU: a CPU torch tensor or JAX array
-            arr = np.from_dlpack(x)
-            return arr, False, _framework_wrap(x)
+            return _host_import(name, x), False, _host_wrap(x)
         if cp is None:
             raise TypeError(f"{name} is a GPU array ({type(x).__name__}) but CuPy is not installed; "
                             "install fa-variants[cuda12] or [cuda13]")

@@ -81,7 +81,7 @@ def _rotated(x, seed):
     return (x.astype(cupy.float32) @ R).astype(x.dtype)
 
 
-def quantize(q, k, v, *, rotate=False, seed=0) -> Quantized:
+def quantize(q, k, v, *, rotate: bool = False, seed: int = 0) -> Quantized:
     """Quantize fp16/bf16 q, k, v (GPU arrays, flash-attn layout) for ``attention``; checked like ``fav.attention``.
     ``rotate``: incoherent processing, q and k multiplied by one random orthogonal (Hadamard, ``seed``-ed signs)
     matrix before quantization."""
@@ -91,7 +91,7 @@ def quantize(q, k, v, *, rotate=False, seed=0) -> Quantized:
     return Quantized({**parts, "rotation": rot}, inp.wrap)
 
 
-def quantize_kv(k, v, *, rotate=False, seed=0) -> Quantized:
+def quantize_kv(k, v, *, rotate: bool = False, seed: int = 0) -> Quantized:
     """Quantize K and V only (a KV cache); ``attention(kv, q=...)`` quantizes each q on the fly (rotated like K)."""
     rot = _check_rotation(rotate, seed)
     inp = _import_gpu(k, k, v)  # k stands in for q: the checks of q against k are then trivially met
@@ -114,7 +114,8 @@ def _with_q(parts: dict, q):
     return {**parts, **_kernels().quantize_q(_rotated(qa, parts["rotation"]))}, inp.wrap
 
 
-def attention(qz: Quantized, *, q=None, causal=False, softmax_scale=None, return_lse=False):
+def attention(qz: Quantized, *, q=None, causal: bool = False, softmax_scale: float | None = None,
+              return_lse: bool = False):
     """Attention on quantized tensors: ``qz`` from ``quantize``, or from ``quantize_kv`` together with ``q`` (an
     fp16/bf16 GPU array of K/V's dtype, batch and head_dim, its heads a multiple of K/V's). Returns an array of
     the original q's type and dtype (and the LSE with ``return_lse``)."""
