@@ -45,7 +45,9 @@ class Variant:
     io_model: Callable                 # exact HBM element accesses per head: io_model(Nq, Nk, d, block_q, block_k)
     tensor_bytes: Mapping[str, int]    # bytes per element of the tensors not stored at the input's itemsize
     loops: str                         # the algorithm's loop structure, as its NumPy model's LOOPS prints it
-    directions: tuple[str, ...] = ("forward",)
+    directions: tuple[str, ...] = ("forward",)  # what the GPU kernels offer
+    reference_backward: Callable | None = None  # NumPy backward model: (dout, q, k, v, out, lse, causal=, ...) -> result
+    io_model_backward: Callable | None = None   # exact HBM element accesses per head of the backward
     archs: tuple[str, ...] = ("sm_80", "sm_86", "sm_89", "sm_90a")  # what `fa-variants build` compiles
     operand_dtype: str | None = None   # the tensor cores' operand format when it is not the input's (e4m3)
 
