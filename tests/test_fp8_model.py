@@ -255,6 +255,7 @@ def test_fp8_kernel_choice_and_its_tiles(monkeypatch):
     from fa_variants.kernels import fa2_fp8 as k
     entry = registry.get("fa2_fp8")
     assert set(k.TILES) == set(k.SM90_TILES)
+    assert {k.fp8_template_dim(d) for d in entry.head_dims} == set(k.TILES), "every head dim pads to a template"
     monkeypatch.setattr(gpu, "compute_capability", lambda: 90)
     assert k.uses_wgmma()
     assert all(k.tiles(d) == tuple(k.SM90_TILES[d][0][:2]) for d in k.TILES)

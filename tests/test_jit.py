@@ -2,7 +2,6 @@
 lists with no spills, the cache key, compile errors and arch names."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 

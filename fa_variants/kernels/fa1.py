@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from .. import jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan, fwd_params, template_dim,
-                     tile_lookup)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan,
+                     fwd_params, template_dim, tile_lookup)
 from .launch import FwdPlan, function_of
 
 SOURCE = "fa1_fwd.cu"

@@ -12,8 +12,8 @@ import numpy as np
 
 from .. import gpu, jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, ensure_vector_aligned, pad_last_dim, pick_tiles, scale_log2,
-                     template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, ensure_vector_aligned, pad_last_dim,
+                     pick_tiles, scale_log2, template_dim)
 from .launch import FwdPlan, function_of, launch
 from .params import FP8_FWD
 
