@@ -20,7 +20,9 @@ from ..arrays import check_dims, check_scalars
 DEFAULT_SRAM = 32_768
 
 #: Tensors the models may move through HBM. "LSE" is FA2's saved log-sum-exp; "l"/"m" are FA1's statistics.
-TENSORS = ("Q", "K", "V", "O", "S", "P", "l", "m", "LSE")
+#: The backward adds the gradients dO (given), dQ, dK, dV (computed), FA2's D = rowsum(dO o O), and naive's
+#: materialized N_q x N_k gradients dP (of P) and dS (of S).
+TENSORS = ("Q", "K", "V", "O", "S", "P", "l", "m", "LSE", "dO", "dQ", "dK", "dV", "D", "dP", "dS")
 
 
 @dataclasses.dataclass
@@ -59,6 +61,16 @@ class ModelResult:
     lse: np.ndarray            # float64 (batch, heads, seqlen_q); -inf: no key seen; NaN: a NaN/Inf score
     hbm: AccessCounter
     blocks: tuple | None = None  # (B_r, B_c) the model ran with; None for naive (no tiling)
+
+
+@dataclasses.dataclass
+class BackwardResult:
+    dq: np.ndarray             # float64 (batch, seqlen_q, heads, head_dim)
+    dk: np.ndarray             # float64 (batch, seqlen_k, heads_kv, head_dim): summed over each query-head group
+    dv: np.ndarray             # float64 (batch, seqlen_k, heads_kv, head_dim)
+    hbm: AccessCounter
+    blocks: tuple | None = None  # (B_r, B_c) the model ran with; None for naive (no tiling)
+    flops: int = 0             # matmul FLOPs (2mnk per product) of the whole call, recomputation included
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -148,6 +160,57 @@ def to_flash_layout(O: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(O.transpose(0, 2, 1, 3))
 
 
+def validate_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=None, block_k=None):
+    """Every backward model's argument check, before any arithmetic: (dout, q, k, v, out, lse widened to
+    float64, softmax scale).
+
+    q, k, v and the scalars go through the forward's ``validate`` (so the messages are attention()'s); then the
+    forward's results handed back: dout and out must have q's shape, lse flash-attn's (batch, heads, seqlen_q).
+    """
+    q, k, v, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
+                              block_k=block_k)
+    dout, out, lse = (np.asarray(x) for x in (dout, out, lse))
+    for name, a in (("dout", dout), ("out", out), ("lse", lse)):
+        if not is_float_dtype(a.dtype):
+            raise TypeError(f"{name} must have a floating-point dtype (float16, bfloat16, float32, float64, "
+                            f"float8_*), got {a.dtype}")
+    for name, a in (("dout", dout), ("out", out)):
+        if a.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape (batch, seqlen_q, heads, head_dim) = {q.shape}, "
+                             f"got {a.shape}")
+    want = (q.shape[0], q.shape[2], q.shape[1])
+    if lse.shape != want:
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {want}, got {lse.shape}")
+    return to_float64(dout), q, k, v, to_float64(out), to_float64(lse), scale
+
+
+def prepare_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=None, block_k=None):
+    """(dO, Q, K, V, O, LSE, scale, heads_kv): ``validate_backward``, then heads-major like ``prepare`` (K, V
+    expanded to one per query head: every (batch, query head) program reads its kv head's blocks itself and
+    writes its own dK, dV, which ``sum_over_groups`` then reduces). The one entry of the backward models."""
+    dO, q, k, v, O, lse, scale = validate_backward(dout, q, k, v, out, lse, causal=causal,
+                                                   softmax_scale=softmax_scale, block_q=block_q,
+                                                   block_k=block_k)
+    Q, K, V = heads_major(q, k, v)
+    return dO.transpose(0, 2, 1, 3), Q, K, V, O.transpose(0, 2, 1, 3), lse, scale, k.shape[2]
+
+
+def sum_over_groups(dX: np.ndarray, heads_kv: int) -> np.ndarray:
+    """Per-query-head dK or dV (batch, heads, seqlen_k, d) -> (batch, seqlen_k, heads_kv, d), flash layout.
+
+    Query heads g G .. g G + G - 1 share kv head g (``kv_head_of``), so its gradient is the sum of theirs. They
+    are added one at a time in head order, a fixed order, so the result does not depend on how NumPy would
+    pair up a reduction. (flash-attn likewise writes an expanded dk, dv per query head and sums the groups
+    afterwards; that reduction is outside the kernels, and not counted as HBM traffic here.)
+    """
+    batch, heads, n, d = dX.shape
+    grouped = dX.reshape(batch, heads_kv, heads // heads_kv, n, d)
+    acc = grouped[:, :, 0].copy()
+    for g in range(1, grouped.shape[2]):
+        acc += grouped[:, :, g]
+    return to_flash_layout(acc)
+
+
 # ----------------------------------------------------------------------------------------------- masks, blocks
 
 def causal_visible(rows, cols, seqlen_q: int, seqlen_k: int) -> np.ndarray:
@@ -158,6 +221,19 @@ def causal_visible(rows, cols, seqlen_q: int, seqlen_k: int) -> np.ndarray:
 def block_visited(row_last: int, col_first: int, seqlen_q: int, seqlen_k: int) -> bool:
     """False when a (Q block, K block) pair lies wholly above the causal diagonal: the kernels skip it."""
     return col_first <= row_last + (seqlen_k - seqlen_q)
+
+
+def block_scores(Q_i, K_j, scale, rows: slice, cols: slice, seqlen_q: int, seqlen_k: int, causal: bool):
+    """S_ij = Q_i K_j^T * scale of Q rows ``rows`` and keys ``cols``, -inf where the causal mask hides a key.
+
+    The backward models recompute S with it (naive as well, over the whole matrix); a masked -inf gives
+    P = exp(-inf - LSE) = 0 there, so no gradient flows through a hidden key.
+    """
+    S = Q_i @ K_j.swapaxes(-1, -2) * scale
+    if causal:
+        S = np.where(causal_visible(np.arange(seqlen_q)[rows], np.arange(seqlen_k)[cols], seqlen_q, seqlen_k),
+                     S, -np.inf)
+    return S
 
 
 def paper_blocks(sram: int, head_dim: int) -> tuple[int, int]:
@@ -269,3 +345,29 @@ def online_softmax(scores, values, splits, dtype=np.float64):
         start += b
     out = (acc / l[:, None])[0]
     return out[0] if v.ndim == 1 else out
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+# The backward's rule follows plain float arithmetic: a row that saw no key has LSE = -inf, so its P is
+# exp(-inf - 0) = 0 (``row_exp``'s shift) and its dS, dQ are exact zeros; a NaN that reached a row's O or LSE
+# in the forward reaches that row's P, dS, dQ and, through dS^T and P^T, the dK, dV of the keys in its visited
+# blocks. 0 * Inf = NaN is an intended result there, not something for NumPy to warn about.
+
+def rowsum_product(dO: np.ndarray, O: np.ndarray) -> np.ndarray:
+    """D = rowsum(dO o O), one value per query row: equal to rowsum(P o dP) (as dP P^T = dO V^T P^T = dO O^T
+    row by row), so the softmax's backward needs the d-wide O instead of the N_k-wide P."""
+    with np.errstate(invalid="ignore"):
+        return (dO * O).sum(axis=-1)
+
+
+def softmax_backward(P: np.ndarray, dP: np.ndarray, D: np.ndarray) -> np.ndarray:
+    """dS = P o (dP - D): the gradient of the scores from that of P, row by row (D from ``rowsum_product``)."""
+    with np.errstate(invalid="ignore"):
+        return P * (dP - D[..., None])
+
+
+def matmul_flops(programs: int, rows: int, cols: int, d: int, products: int = 1) -> int:
+    """FLOPs of ``products`` matrix products of one rows x cols block with d-wide operands (2 rows cols d each:
+    S = Q K^T, P V, P^T dO, dO V^T, dS K and dS^T Q all are), over ``programs`` (batch, head) programs."""
+    return 2 * programs * rows * cols * d * products

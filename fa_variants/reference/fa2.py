@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible,
-                     logsumexp_from, normalize, online_softmax_step, prepare, resolve_blocks, to_flash_layout)
+from .common import (AccessCounter, BackwardResult, ModelResult, block_scores, block_slices, block_visited,
+                     causal_visible, logsumexp_from, matmul_flops, normalize, online_softmax_step, prepare,
+                     prepare_backward, resolve_blocks, row_exp, rowsum_product, softmax_backward, sum_over_groups,
+                     to_flash_layout)
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) load Q_i; O_i = 0, l_i = 0, m_i = -inf on chip
@@ -21,6 +23,19 @@ for i in 1..T_r:           (one CTA each) load Q_i; O_i = 0, l_i = 0, m_i = -inf
                            m_new = max(m_i, rowmax S_ij); P_ij = exp(S_ij - m_new)
                            l_i = e^(m_i - m_new) l_i + rowsum P_ij; O_i = e^(m_i - m_new) O_i + P_ij V_j
   write O_i / l_i and LSE_i = m_i + log l_i (once)"""
+
+LOOPS_BACKWARD = """\
+D = rowsum(dO o O)         (preprocessing pass) read O, dO; write D
+for j in 1..T_c:           (dK/dV kernel, one CTA each) load K_j, V_j; dK_j = 0, dV_j = 0 on chip
+  for i in 1..T_r:         load Q_i, dO_i, LSE_i, D_i; S_ij = Q_i K_j^T * scale; P_ij = exp(S_ij - LSE_i)
+                           dV_j += P_ij^T dO_i; dP_ij = dO_i V_j^T; dS_ij = P_ij o (dP_ij - D_i)
+                           dK_j += scale dS_ij^T Q_i    [dq_mode="atomic": dQ_i += scale dS_ij K_j in HBM]
+  write dK_j, dV_j (once)
+for i in 1..T_r:           (dQ kernel, one CTA each; dq_mode="separate") load Q_i, dO_i, LSE_i, D_i; dQ_i = 0
+  for j in 1..T_c:         load K_j, V_j; recompute S_ij, P_ij, dP_ij, dS_ij; dQ_i += scale dS_ij K_j
+  write dQ_i (once)"""
+
+DQ_MODES = ("separate", "atomic")
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None) -> ModelResult:
@@ -57,3 +72,106 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
         hbm.write("O", programs * O_i.shape[2] * d)
         hbm.write("LSE", programs * O_i.shape[2])
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
+
+
+def _recompute(Q_i, K_j, V_j, dO_i, LSE_i, D_i, scale, rows, cols, N_q, N_k, causal):
+    """(P_ij, dS_ij) of one block pair, from the saved LSE and D: what both backward kernels recompute."""
+    P_ij = row_exp(block_scores(Q_i, K_j, scale, rows, cols, N_q, N_k, causal), LSE_i)
+    return P_ij, softmax_backward(P_ij, dO_i @ V_j.swapaxes(-1, -2), D_i)
+
+
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block_q=None, block_k=None,
+             sram=None, dq_mode="separate") -> BackwardResult:
+    """FA2's backward (Dao 2023, Algorithm 2, sec. 3.1.2), in the loop order of its kernels, on float64 copies.
+
+    A preprocessing pass computes D = rowsum(dO o O) once (reads O, dO; writes D: N_q). Then one program per
+    K/V block j loads K_j, V_j once, loops over the Q blocks i (loading Q_i, dO_i, LSE_i, D_i), recomputes S_ij
+    and P_ij = exp(S_ij - LSE_i), and keeps dK_j, dV_j on chip until its single write. dQ_i collects a term
+    from every j, that is from every one of those programs:
+
+    - ``dq_mode="separate"`` (default, deterministic): a second kernel, one program per Q block i, loads Q_i,
+      dO_i, LSE_i, D_i once, loops over the K/V blocks j recomputing S, P, dP and dS, accumulates dQ_i on chip
+      and writes it once. It re-reads K and V (T_r N_k d each) and costs 3 more matmuls per block pair
+      (S, dP, dQ: 7 in all, against 5 for ``"atomic"``).
+    - ``dq_mode="atomic"`` (the paper's and flash-attn's): the dK/dV kernel adds scale dS_ij K_j into an fp32
+      dQ accumulator in HBM at every (i, j) step, a read-modify-write of B_r d elements; the accumulator is
+      zeroed first (N_q d, Algorithm 2's line 3). Here the adds happen in j order; on the GPU their order
+      varies from run to run. (flash-attn then converts the fp32 accumulator to the output's dtype, a pass
+      of N_q d read + N_q d write outside Algorithm 2, not counted.)
+
+    Per head, with T_r = ceil(N_q / B_r), T_c = ceil(N_k / B_c), non-causal:
+        separate: Q N_q d + T_c N_q d; K, V N_k d + T_r N_k d each; O N_q d; dO 2 N_q d + T_c N_q d;
+                  LSE N_q + T_c N_q; D 2 N_q + T_c N_q; dQ N_q d; dK, dV N_k d each
+        atomic:   Q T_c N_q d; K, V N_k d each; O N_q d; dO N_q d + T_c N_q d; LSE T_c N_q; D N_q + T_c N_q;
+                  dQ N_q d + 2 T_c N_q d; dK, dV N_k d each
+    Causal: block pairs wholly above the bottom-right diagonal are skipped in both kernels (T_c N_q and T_r N_k
+    become the rows and columns loaded over the visited pairs). dk, dv are summed over each group of query
+    heads (``sum_over_groups``).
+    """
+    if not isinstance(dq_mode, str) or dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
+    dO, Q, K, V, O, LSE, scale, heads_kv = prepare_backward(dout, q, k, v, out, lse, causal=causal,
+                                                            softmax_scale=softmax_scale, block_q=block_q,
+                                                            block_k=block_k)
+    batch, heads, N_q, d = Q.shape
+    N_k = K.shape[2]
+    B_r, B_c = resolve_blocks(d, block_q, block_k, sram)
+    programs = batch * heads  # every (batch, query head) loads its own K/V blocks, GQA included
+    hbm = AccessCounter()
+    flops = 0
+
+    hbm.read("O", programs * N_q * d)                          # preprocessing: D once, for both kernels
+    hbm.read("dO", programs * N_q * d)
+    D = rowsum_product(dO, O)
+    hbm.write("D", programs * N_q)
+
+    dQ, dK, dV = np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)
+    if dq_mode == "atomic":
+        hbm.write("dQ", programs * N_q * d)                    # the accumulator's zeros (line 3)
+
+    for cols in block_slices(N_k, B_c):                        # dK/dV kernel: one CTA per K/V block
+        K_j, V_j = K[:, :, cols], V[:, :, cols]
+        hbm.read("K", programs * K_j.shape[2] * d)
+        hbm.read("V", programs * V_j.shape[2] * d)
+        dK_j, dV_j = np.zeros_like(K_j), np.zeros_like(V_j)
+        for rows in block_slices(N_q, B_r):                    # inner loop: Q blocks
+            if causal and not block_visited(rows.stop - 1, cols.start, N_q, N_k):
+                continue                                        # wholly above the diagonal: skipped
+            n = programs * (rows.stop - rows.start)
+            Q_i, dO_i, LSE_i, D_i = Q[:, :, rows], dO[:, :, rows], LSE[:, :, rows], D[:, :, rows]
+            for name, size in (("Q", n * d), ("dO", n * d), ("LSE", n), ("D", n)):
+                hbm.read(name, size)
+            P_ij, dS_ij = _recompute(Q_i, K_j, V_j, dO_i, LSE_i, D_i, scale, rows, cols, N_q, N_k, causal)
+            dV_j = dV_j + P_ij.swapaxes(-1, -2) @ dO_i
+            dK_j = dK_j + scale * (dS_ij.swapaxes(-1, -2) @ Q_i)
+            products = 4                                        # S, P^T dO, dO V^T, dS^T Q
+            if dq_mode == "atomic":                             # fp32 read-modify-write of dQ_i in HBM
+                hbm.read("dQ", n * d)
+                dQ[:, :, rows] += scale * (dS_ij @ K_j)
+                hbm.write("dQ", n * d)
+                products += 1
+            flops += matmul_flops(programs, rows.stop - rows.start, cols.stop - cols.start, d, products)
+        dK[:, :, cols], dV[:, :, cols] = dK_j, dV_j             # once per K/V block
+        hbm.write("dK", programs * K_j.shape[2] * d)
+        hbm.write("dV", programs * V_j.shape[2] * d)
+
+    if dq_mode == "separate":
+        for rows in block_slices(N_q, B_r):                    # dQ kernel: one CTA per Q block
+            Q_i, dO_i, LSE_i, D_i = Q[:, :, rows], dO[:, :, rows], LSE[:, :, rows], D[:, :, rows]
+            n = programs * (rows.stop - rows.start)
+            for name, size in (("Q", n * d), ("dO", n * d), ("LSE", n), ("D", n)):
+                hbm.read(name, size)
+            dQ_i = np.zeros_like(Q_i)
+            for cols in block_slices(N_k, B_c):                # inner loop: K/V blocks
+                if causal and not block_visited(rows.stop - 1, cols.start, N_q, N_k):
+                    break                                       # this and every later K block is masked
+                K_j, V_j = K[:, :, cols], V[:, :, cols]
+                hbm.read("K", programs * K_j.shape[2] * d)
+                hbm.read("V", programs * V_j.shape[2] * d)
+                _, dS_ij = _recompute(Q_i, K_j, V_j, dO_i, LSE_i, D_i, scale, rows, cols, N_q, N_k, causal)
+                dQ_i = dQ_i + scale * (dS_ij @ K_j)
+                flops += matmul_flops(programs, rows.stop - rows.start, cols.stop - cols.start, d, products=3)
+            dQ[:, :, rows] = dQ_i                               # once per Q block
+            hbm.write("dQ", n * d)
+    return BackwardResult(dq=to_flash_layout(dQ), dk=sum_over_groups(dK, heads_kv), dv=sum_over_groups(dV, heads_kv),
+                          hbm=hbm, blocks=(B_r, B_c), flops=flops)
