@@ -1,4 +1,5 @@
-"""Dense float64 attention from the definition, for checking kernels (CLI, bench/devcheck.py).
+"""Dense float64 attention and its backward (``reference_backward``) from the definition, for checking kernels
+(CLI, bench/devcheck.py).
 
 Independent of the kernels and of the blocked models: the whole score row at once, bottom-right causal mask,
 head h reads kv head h // (H / Hkv), a row that sees no key gives 0 and lse -inf, a NaN or Inf in q or k gives
@@ -66,6 +67,42 @@ def attention64(q, k, v, *, causal: bool, scale: float, pairs=None):
         outs.append((p @ vv) / xp.where(empty, 1.0, l)[:, None])
         lses.append(xp.where(empty, -xp.inf, xp.log(xp.where(empty, 1.0, l)) + m))
     return xp.stack(outs), xp.stack(lses)
+
+
+def reference_backward(dout, q, k, v, *, causal: bool, scale: float):
+    """(dq, dk, dv) in float64, flash-attn's layout (dk, dv with k's heads_kv heads), from the definition.
+
+    Independent of the backward models: each (batch, head)'s softmax P recomputed whole from q and k (as
+    ``attention64``), then dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(P o dP)) (the softmax's Jacobian,
+    not the models' rowsum(dO o O)), dQ = dS K scale, dK = dS^T Q scale; a GQA group's dk, dv are added in head
+    order. A row that sees no key has P = 0 and zero gradients; a NaN or Inf in q or k reaches what its P
+    reaches. NumPy or CuPy (the result lives where q does); all pairs, one at a time.
+    """
+    xp = array_module(q)
+    bsz, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    visible = xp.arange(nk)[None, :] <= (xp.arange(nq) + (nk - nq))[:, None]
+    dq = xp.zeros((bsz, nq, h, d))
+    dk = xp.zeros((bsz, nk, hkv, d))
+    dv = xp.zeros((bsz, nk, hkv, d))
+    for b, hi in all_pairs(bsz, h):
+        qq, kk, vv, do = (to_float64(x) for x in (q[b, :, hi], k[b, :, hi // group], v[b, :, hi // group],
+                                                  dout[b, :, hi]))
+        s = (qq @ kk.T) * scale
+        if causal:
+            s = xp.where(visible, s, -xp.inf)
+        m = s.max(axis=1)
+        m = xp.where(m == -xp.inf, 0.0, m)  # no visible key: exp(-inf - 0) = 0, where -inf - -inf is NaN
+        p = xp.exp(s - m[:, None])
+        l = p.sum(axis=1)
+        p = p / xp.where(l == 0, 1.0, l)[:, None]   # l == 0: no visible key, P = 0 (NaN l passes: NaN row)
+        dp = do @ vv.T
+        ds = p * (dp - (p * dp).sum(axis=1)[:, None])
+        dq[b, :, hi] = (ds @ kk) * scale
+        dk[b, :, hi // group] += (ds.T @ qq) * scale
+        dv[b, :, hi // group] += p.T @ do
+    return dq, dk, dv
 
 
 def rel_error(out, ref, pairs) -> float:
