@@ -116,18 +116,21 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         summary="standard attention: S = QK^T and P = softmax(S) materialized in device memory (cuBLAS + our softmax)",
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_naive.LAUNCHER,
         reference=ref_naive.forward, loops=ref_naive.LOOPS, io_model=iomodel.naive_accesses, tensor_bytes={"S": 4, "P": 4},
+        reference_backward=ref_naive.backward, io_model_backward=iomodel.naive_backward_accesses,
     ),
     Variant(
         name="fa1",
         summary="FlashAttention-1 (Alg. 1): outer loop over K/V blocks, O/l/m round-trip HBM, split-K warps",
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_fa1.LAUNCHER,
         reference=ref_fa1.forward, loops=ref_fa1.LOOPS, io_model=iomodel.fa1_accesses, tensor_bytes={"O": 4, "l": 4, "m": 4},
+        reference_backward=ref_fa1.backward, io_model_backward=iomodel.fa1_backward_accesses,
     ),
     Variant(
         name="fa2",
         summary="FlashAttention-2: one CTA per Q block, O in registers, split-Q warps, deferred normalization",
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_fa2.LAUNCHER,
         reference=ref_fa2.forward, loops=ref_fa2.LOOPS, io_model=iomodel.fa2_accesses, tensor_bytes={"LSE": 4},
+        reference_backward=ref_fa2.backward, io_model_backward=iomodel.fa2_backward_accesses,
     ),
     Variant(
         name="fa2_fp8",
