@@ -81,7 +81,8 @@ def test_a_source_is_compiled_only_for_the_archs_it_names():
     assert set(launcher.compile_units("sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.PAD_SOURCE}
     assert set(launcher.compile_units("sm_90a")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.SM90_SOURCE, mod.PAD_SOURCE}
     from fa_variants.kernels import fa2
-    assert set(registry.get("fa2").launcher.compile_units("sm_80")) == {fa2.SOURCE, fa2.PAD_SOURCE}
+    from fa_variants.kernels import fa2_bwd
+    assert set(registry.get("fa2").launcher.compile_units("sm_80")) == {fa2.SOURCE, fa2.PAD_SOURCE, fa2_bwd.SOURCE}
     assert fa2.SM90_SOURCE in registry.get("fa2").launcher.compile_units("sm_90a")
     for source, archs in mod.SOURCE_ARCHS.items():
         assert set(archs) <= set(registry.get("fa2_fp8").archs), f"{source}: an arch the entry does not build"

@@ -50,6 +50,32 @@ struct Fp8FwdParams {
     int causal;
 };
 
+// The 16-bit backward (fa2_bwd.cu): the forward's inputs and output, dO, the forward's LSE, the row statistic
+// D = rowsum(dO * O) the first pass writes, and the three gradients. Strides in elements, as FwdParams.
+struct BwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    const u16* o;
+    const u16* dout;
+    const float* lse;      // (batch, heads, seqlen_q), natural log
+    float* delta;          // (batch, heads, seqlen_q): D
+    u16* dq;               // q's layout, contiguous
+    u16* dk;               // k's layout (heads_kv heads), contiguous
+    u16* dv;
+    i64 q_b, q_n, q_h;
+    i64 k_b, k_n, k_h;
+    i64 v_b, v_n, v_h;
+    i64 o_b, o_n, o_h;
+    i64 do_b, do_n, do_h;
+    int seqlen_q, seqlen_k;
+    int heads, group;
+    int head_dim;
+    float scale_log2;      // softmax_scale * log2(e): P = exp2(S * scale_log2 - LSE * log2(e))
+    float scale;           // softmax_scale: dQ = dS K scale, dK = dS^T Q scale
+    int causal;
+};
+
 // The head-dim padding copy (pad_head_dim.cu): a (batch, seqlen, heads, head_dim) tensor with any strides into a
 // contiguous one whose rows are `width` elements, zeros past head_dim.
 struct PadParams {

@@ -90,13 +90,20 @@ FP8_FWD = ParamStruct("Fp8FwdParams", (
     ("scale_log2", "float"), ("causal", "int"),
 ))
 
+BWD = ParamStruct("BwdParams", (
+    *_fields("q k v o dout lse delta dq dk dv", "ptr"),
+    *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h do_b do_n do_h", "i64"),
+    *_fields("seqlen_q seqlen_k heads group head_dim", "int"),
+    ("scale_log2", "float"), ("scale", "float"), ("causal", "int"),
+))
+
 PAD = ParamStruct("PadParams", (
     *_fields("src dst", "ptr"),
     *_fields("s_b s_n s_h", "i64"),
     *_fields("rows seqlen heads head_dim width", "int"),
 ))
 
-STRUCTS = (FWD, FP8_FWD, PAD)
+STRUCTS = (FWD, FP8_FWD, BWD, PAD)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 

@@ -1,0 +1,305 @@
+// FlashAttention-2 backward (Dao, 2023, Algorithm 2) on mma.sync tensor cores: recomputation, deterministic.
+//
+//   pass 1  fa2_bwd_delta   D_i = rowsum(dO_i * O_i) in fp32, one warp per query row
+//   pass 2  fa2_bwd_dkdv    grid (K/V block j, kv head, batch): K_j, V_j in shared memory, dK_j, dV_j in registers;
+//                           loop over the group's query heads and, for each, the Q blocks that see block j:
+//                           recompute S^T = K_j Q_i^T and P^T = exp(S^T - LSE_i) from the forward's LSE,
+//                           dV_j += P^T dO_i, dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D_i), dK_j += dS^T Q_i.
+//                           GQA's sum over the query heads of a group happens in that loop, in a fixed order.
+//   pass 3  fa2_bwd_dq      grid (Q block i, head, batch): Q_i, dO_i in shared memory, dQ_i in registers; loop over
+//                           the K/V blocks i sees: S, P, dP = dO_i V_j^T, dS, dQ_i += dS K_j.
+//
+// Pass 3 replaces FA2's atomic adds of dQ (which make dQ differ run to run) at the price of computing S, P and dP
+// a second time. In pass 2 a warp owns 16 keys, so its S^T block has keys as rows and queries as columns (the mma
+// C layout of softmax.cuh transposed): LSE and D are per column there, per row in pass 3.
+#include "common/block_range.cuh"
+#include "common/epilogue.cuh"
+#include "common/fragments.cuh"
+
+namespace fav {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// P = exp2(s * scale_log2 - lse_log2) where the key is visible (key < seqlen_k; causal: key <= query + diag), else
+// exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN).
+__forceinline__ __device__ float recompute_p(float s, float scale_log2, float lse_log2, int key, int query,
+                                             int seqlen_k, int diag, bool causal) {
+    const bool visible = key < seqlen_k && !(causal && key > query + diag);
+    return visible ? exp2f_approx(s * scale_log2 - lse_log2) : 0.f;
+}
+
+}  // namespace fav
+
+template <class T, int D, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_bwd_delta(const fav::BwdParams p) {
+    using namespace fav;
+    const int i = blockIdx.x * NWARPS + threadIdx.x / 32, h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % 32;
+    if (i >= p.seqlen_q) return;
+    const u16* o = p.o + b * p.o_b + (i64)i * p.o_n + h * p.o_h;
+    const u16* dout = p.dout + b * p.do_b + (i64)i * p.do_n + h * p.do_h;
+    float sum = 0.f;
+    for (int c = 2 * lane; c < p.head_dim; c += 64) {  // head_dim is a multiple of 8: whole pairs
+        const u32 x = *reinterpret_cast<const u32*>(o + c), y = *reinterpret_cast<const u32*>(dout + c);
+        sum += T::to_float((u16)x) * T::to_float((u16)y) + T::to_float((u16)(x >> 16)) * T::to_float((u16)(y >> 16));
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) p.delta[((i64)b * p.heads + h) * p.seqlen_q + i] = sum;
+}
+
+template <class T, int D, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_bwd_dkdv(const fav::BwdParams p) {
+    using namespace fav;
+    constexpr int THREADS = NWARPS * 32, NT = BM / 8, DT = D / 8;
+    using TQ = Tile<BM, D>;
+    using TKV = Tile<BN, D>;
+    static_assert(BN == 16 * NWARPS && BM % 16 == 0 && D % 16 == 0, "a warp owns 16 keys");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    // Shared memory: K_j, V_j, then two stages of (Q_i, dO_i), then two stages of the rows' LSE (log2) and D.
+    const u32 sK = smem_u32(smem), sV = sK + TKV::BYTES;
+    auto sQ = [&](int stage) { return sV + TKV::BYTES + stage * 2 * TQ::BYTES; };
+    auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
+    float* stats = reinterpret_cast<float*>(smem + 2 * TKV::BYTES + 4 * TQ::BYTES);  // [stage][lse2 | D][BM]
+
+    const int j = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z, warp = threadIdx.x / 32;
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
+    const bool causal = p.causal;
+    const int key0 = j * BN, kr0 = warp * 16;  // the block's first key; this warp's first row of it
+    const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
+    const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
+    const int steps = p.group * n_i;                              // (query head, Q block), head-major
+
+    load_tile_async<BN, D, THREADS>(sK, p.k + b * p.k_b + h_kv * p.k_h + (i64)key0 * p.k_n, p.k_n, seqlen_k - key0,
+                                    p.head_dim);
+    load_tile_async<BN, D, THREADS>(sV, p.v + b * p.v_b + h_kv * p.v_h + (i64)key0 * p.v_n, p.v_n, seqlen_k - key0,
+                                    p.head_dim);
+    auto load_q = [&](int step, int stage) {  // one cp.async group per step (the first also carries K_j, V_j)
+        const int h = h_kv * p.group + step / n_i, m0 = (i_first + step % n_i) * BM;
+        load_tile_async<BM, D, THREADS>(sQ(stage), p.q + b * p.q_b + h * p.q_h + (i64)m0 * p.q_n, p.q_n,
+                                        seqlen_q - m0, p.head_dim);
+        load_tile_async<BM, D, THREADS>(sdO(stage), p.dout + b * p.do_b + h * p.do_h + (i64)m0 * p.do_n, p.do_n,
+                                        seqlen_q - m0, p.head_dim);
+        cp_async_commit();
+        for (int r = threadIdx.x; r < BM; r += THREADS) {  // rows past seqlen_q: LSE +inf, so P = 0 there
+            const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
+            const bool ok = m0 + r < seqlen_q;
+            stats[(2 * stage) * BM + r] = ok ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
+            stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
+        }
+    };
+    if (steps > 0) load_q(0, 0);
+    else cp_async_commit();
+
+    float dk[1][DT][4] = {}, dv[1][DT][4] = {};
+    for (int s = 0; s < steps; ++s) {
+        const int stage = s % 2, m0 = (i_first + s % n_i) * BM;
+        cp_async_wait<0>();
+        __syncthreads();  // step s visible to every warp; every warp is done with step s-1's stage
+        if (s + 1 < steps) load_q(s + 1, stage ^ 1);
+        const float* lse2 = stats + (2 * stage) * BM;
+        const float* delta = stats + (2 * stage + 1) * BM;
+
+        // S^T = K_w Q_i^T (16 keys x BM queries), then P^T in place
+        float pt[1][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4];
+            load_a<TKV>(a, sK, kr0, kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                u32 bq[4];
+                load_b_rows<TQ>(bq, sQ(stage), nt * 8, kk * 16);
+                mma_16816<T>(pt[0][nt], a, bq[0], bq[1]);
+                mma_16816<T>(pt[0][nt + 1], a, bq[2], bq[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * t + (e % 2);
+                pt[0][nt][e] = recompute_p(pt[0][nt][e], p.scale_log2, lse2[col], key0 + kr0 + g + 8 * (e / 2),
+                                           m0 + col, seqlen_k, diag, causal);
+            }
+
+        // dV_j += P^T dO_i, P^T from the registers as the A operand (its reduction index: the queries)
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            u32 a[4];
+            repack_a<T>(a, pt[0][2 * kk], pt[0][2 * kk + 1]);
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                u32 bo[4];
+                load_b_cols<TQ>(bo, sdO(stage), kk * 16, dt * 8);
+                mma_16816<T>(dv[0][dt], a, bo[0], bo[1]);
+                mma_16816<T>(dv[0][dt + 1], a, bo[2], bo[3]);
+            }
+        }
+
+        // dP^T = V_w dO_i^T, then dS^T = P^T * (dP^T - D) in place
+        float ds[1][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4];
+            load_a<TKV>(a, sV, kr0, kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                u32 bo[4];
+                load_b_rows<TQ>(bo, sdO(stage), nt * 8, kk * 16);
+                mma_16816<T>(ds[0][nt], a, bo[0], bo[1]);
+                mma_16816<T>(ds[0][nt + 1], a, bo[2], bo[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[0][nt][e] = pt[0][nt][e] * (ds[0][nt][e] - delta[nt * 8 + 2 * t + (e % 2)]);
+
+        // dK_j += dS^T Q_i
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            u32 a[4];
+            repack_a<T>(a, ds[0][2 * kk], ds[0][2 * kk + 1]);
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                u32 bq[4];
+                load_b_cols<TQ>(bq, sQ(stage), kk * 16, dt * 8);
+                mma_16816<T>(dk[0][dt], a, bq[0], bq[1]);
+                mma_16816<T>(dk[0][dt + 1], a, bq[2], bq[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // with no step to run, K_j's and V_j's copies (from every thread) may still be landing
+
+    // dK = scale * dS^T Q and dV, each staged through this warp's own rows of the K and V tiles (which only this
+    // warp read) for 16-byte stores into contiguous (batch, seqlen_k, heads_kv, head_dim) gradients.
+    const int heads_kv = p.heads / p.group;
+    const i64 ld = (i64)heads_kv * p.head_dim, at = ((i64)b * seqlen_k + key0 + kr0) * ld + (i64)h_kv * p.head_dim;
+    u16* stage_k = reinterpret_cast<u16*>(smem) + kr0 * TKV::STRIDE;
+    u16* stage_v = reinterpret_cast<u16*>(smem + TKV::BYTES) + kr0 * TKV::STRIDE;
+    const float scale[1][2] = {{p.scale, p.scale}}, one[1][2] = {{1.f, 1.f}};
+    store_acc_rows<T, D>(dk, scale, stage_k, p.dk + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+    store_acc_rows<T, D>(dv, one, stage_v, p.dv + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+}
+
+template <class T, int D, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_bwd_dq(const fav::BwdParams p) {
+    using namespace fav;
+    constexpr int THREADS = NWARPS * 32, NT = BN / 8, DT = D / 8;
+    using TQ = Tile<BM, D>;
+    using TKV = Tile<BN, D>;
+    static_assert(BM == 16 * NWARPS && BN % 16 == 0 && D % 16 == 0, "a warp owns 16 query rows");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    // Shared memory: Q_i, dO_i, then two stages of (K_j, V_j).
+    const u32 sQ = smem_u32(smem), sdO = sQ + TQ::BYTES;
+    auto sK = [&](int stage) { return sdO + TQ::BYTES + stage * 2 * TKV::BYTES; };
+    auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
+
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
+    const bool causal = p.causal;
+    const int m0 = i_block * BM, row0 = warp * 16;
+    const BlockRange blocks = kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal);
+
+    load_tile_async<BM, D, THREADS>(sQ, p.q + b * p.q_b + h * p.q_h + (i64)m0 * p.q_n, p.q_n, seqlen_q - m0,
+                                    p.head_dim);
+    load_tile_async<BM, D, THREADS>(sdO, p.dout + b * p.do_b + h * p.do_h + (i64)m0 * p.do_n, p.do_n, seqlen_q - m0,
+                                    p.head_dim);
+    auto load_kv = [&](int j, int stage) {
+        load_tile_async<BN, D, THREADS>(sK(stage), p.k + b * p.k_b + h_kv * p.k_h + (i64)j * BN * p.k_n, p.k_n,
+                                        seqlen_k - j * BN, p.head_dim);
+        load_tile_async<BN, D, THREADS>(sV(stage), p.v + b * p.v_b + h_kv * p.v_h + (i64)j * BN * p.v_n, p.v_n,
+                                        seqlen_k - j * BN, p.head_dim);
+        cp_async_commit();
+    };
+    if (blocks.count() > 0) load_kv(blocks.begin, 0);
+    else cp_async_commit();
+
+    // This thread's two rows (g and g + 8 of the warp's 16): LSE in log2 units and D
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = m0 + row0 + g + 8 * r;
+        const i64 at = ((i64)b * p.heads + h) * seqlen_q + row;
+        lse2[r] = row < seqlen_q ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
+        delta[r] = row < seqlen_q ? p.delta[at] : 0.f;
+    }
+
+    float dq[1][DT][4] = {};
+    for (int j = blocks.begin; j < blocks.end; ++j) {
+        const int stage = (j - blocks.begin) % 2, key0 = j * BN;
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < blocks.end) load_kv(j + 1, stage ^ 1);
+
+        // S = Q_w K_j^T, then P in place
+        float pr[1][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4];
+            load_a<TQ>(a, sQ, row0, kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                u32 bk[4];
+                load_b_rows<TKV>(bk, sK(stage), nt * 8, kk * 16);
+                mma_16816<T>(pr[0][nt], a, bk[0], bk[1]);
+                mma_16816<T>(pr[0][nt + 1], a, bk[2], bk[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                pr[0][nt][e] = recompute_p(pr[0][nt][e], p.scale_log2, lse2[e / 2], key0 + nt * 8 + 2 * t + (e % 2),
+                                           m0 + row0 + g + 8 * (e / 2), seqlen_k, diag, causal);
+
+        // dP = dO_w V_j^T, then dS = P * (dP - D) in place
+        float ds[1][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4];
+            load_a<TQ>(a, sdO, row0, kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                u32 bv[4];
+                load_b_rows<TKV>(bv, sV(stage), nt * 8, kk * 16);
+                mma_16816<T>(ds[0][nt], a, bv[0], bv[1]);
+                mma_16816<T>(ds[0][nt + 1], a, bv[2], bv[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[0][nt][e] = pr[0][nt][e] * (ds[0][nt][e] - delta[e / 2]);
+
+        // dQ_i += dS K_j
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            u32 a[4];
+            repack_a<T>(a, ds[0][2 * kk], ds[0][2 * kk + 1]);
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                u32 bk[4];
+                load_b_cols<TKV>(bk, sK(stage), kk * 16, dt * 8);
+                mma_16816<T>(dq[0][dt], a, bk[0], bk[1]);
+                mma_16816<T>(dq[0][dt + 1], a, bk[2], bk[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // with no K/V block to visit, Q's and dO's copies may still be landing
+
+    // dQ = scale * dS K, staged through this warp's own rows of the Q tile (which only this warp read)
+    const i64 ld = (i64)p.heads * p.head_dim;
+    const float scale[1][2] = {{p.scale, p.scale}};
+    store_acc_rows<T, D>(dq, scale, reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE,
+                         p.dq + ((i64)b * seqlen_q + m0 + row0) * ld + (i64)h * p.head_dim, ld,
+                         seqlen_q - m0 - row0, p.head_dim);
+}
