@@ -2,7 +2,7 @@
 their DRAM traffic.
 
     fa-variants compare [--batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bfloat16 --causal ...]
-    fa-variants explain fa2 [--seqlen 4096 --head-dim 128] [--paper-blocks [--sram 32768] | --blocks 128x64]
+    fa-variants explain fa2 [--seqlen 4096 --head-dim 128] [--paper-blocks [--sram 32768] | --blocks 128x64] [--backward]
     fa-variants build [--arch 80,86,89,90a] [--variants fa1,fa2]
     fa-variants profile [shape flags of compare] [--variants fa2]     (needs a GPU and Nsight Compute's ncu)
 
@@ -537,18 +537,27 @@ def cmd_explain(args: argparse.Namespace) -> int:
     n, d = args.seqlen, args.head_dim
     if d not in entry.head_dims:
         raise SystemExit(f"fa-variants explain: {entry.name} takes head_dim {entry.head_dims_text}, got {d}")
+    if args.backward and entry.reference_backward is None:
+        having = [v.name for v in variants() if v.reference_backward is not None]
+        raise SystemExit(f"fa-variants explain: {entry.name} has no backward model (--backward: {', '.join(having)})")
     blocks = Blocks.from_args(args)
+    no_kernel_tiles = args.backward and blocks.mode == "kernel"
+    if no_kernel_tiles:  # no backward kernel to take tiles from: the paper's blocks
+        blocks = dataclasses.replace(blocks, mode="paper")
     (b_r, b_c), source = blocks.pick(entry, d)
     if b_r is not None and math.ceil(n / b_r) * math.ceil(n / b_c) > EXPLAIN_MAX_BLOCK_PAIRS:
         raise SystemExit(f"fa-variants explain: blocks {b_r}x{b_c} at N={n} make {math.ceil(n / b_r) * math.ceil(n / b_c):,} "
                          f"block pairs, too many for the NumPy model (at most {EXPLAIN_MAX_BLOCK_PAIRS:,}); "
                          f"use larger blocks or a smaller --seqlen")
-    text = iomodel.explain(entry, n, d, args.sram, blocks=(b_r, b_c))
+    text = iomodel.explain(entry, n, d, args.sram, blocks=(b_r, b_c), backward=args.backward)
     head, _, rest = text.partition("\n")
     if b_r is None:
-        line = f"(no tiling: {entry.name} materializes S and P; blocks play no part)"
+        what = "P, dP and dS" if args.backward else "S and P"
+        line = f"(no tiling: {entry.name} materializes {what}; blocks play no part)"
     else:
         others = "; --paper-blocks [--sram M] or --blocks BRxBC for others" if source == "kernel" else ""
+        if no_kernel_tiles and source == "paper":
+            others = "; no backward kernel yet, so no kernel tiles; --sram M or --blocks BRxBC for others"
         line = f"(blocks {b_r}x{b_c}: {blocks.source_text(source, entry, d)}{others})"
     print(f"{head}\n{line}\n{rest}")
     return 0
@@ -721,6 +730,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--seqlen", type=_positive, default=1024, help="N, default 1024 (the model runs once at this size)")
     e.add_argument("--head-dim", type=_positive, default=64, help="d, default 64")
     _add_block_args(e, "on-chip memory M in elements: the paper's terms, and the blocks of --paper-blocks")
+    e.add_argument("--backward", action="store_true",
+                   help="the backward with recomputation instead (naive, fa1, fa2): its loops, its HBM traffic "
+                   "formula vs the NumPy model's count, and the FLOPs it pays for the HBM it saves (the "
+                   "paper's blocks unless --blocks: there is no backward kernel yet)")
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser("build", help="compile every kernel specialization with NVRTC (no GPU needed); "

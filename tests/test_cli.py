@@ -374,6 +374,48 @@ def test_explain_says_where_its_blocks_come_from(capsys):
     assert rc == 0 and "no tiling" in out.splitlines()[1]
 
 
+
+def _total_row(out):
+    total = [ln for ln in out.splitlines() if ln.strip().startswith("total")]
+    assert total, out
+    return [int(n.replace(",", "")) for n in re.findall(r"[\d,]+", total[0])]
+
+
+@pytest.mark.parametrize("name", ["fa1", "fa2"])
+def test_explain_backward_prints_loops_table_and_trade(name, capsys):
+    from fa_variants.reference import fa1, fa2
+    rc, out, err = run_cli(["explain", name, "--backward", "--seqlen", "256", "--head-dim", "64"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{name} backward: N=256, d=64") and "B_r=64, B_c=128" in lines[0]
+    assert "paper's blocks" in lines[1] and "no backward kernel yet" in lines[1]
+    assert {"fa1": fa1, "fa2": fa2}[name].LOOPS_BACKWARD in out
+    formula, counted = _total_row(out)[:2]
+    assert formula == counted == registry.get(name).io_model_backward(256, 256, 64, 64, 128)["total"]
+    assert "recompute trade" in out and "standard backward 8N^2d" in out
+    assert ("2.5x the forward" if name == "fa1" else "3.5x the forward") in out
+    if name == "fa2":
+        assert 'dq_mode="atomic"' in out
+    rc, fwd, _ = run_cli(["explain", name, "--seqlen", "256", "--head-dim", "64"], capsys)
+    assert rc == 0 and "backward" not in fwd   # the flag changes only what it asks for
+
+
+def test_explain_backward_naive_and_given_blocks(capsys):
+    rc, out, _ = run_cli(["explain", "naive", "--backward", "--seqlen", "128", "--head-dim", "32"], capsys)
+    assert rc == 0 and "no tiling: naive materializes P, dP and dS" in out.splitlines()[1]
+    assert _total_row(out)[:2] == [7 * 128 * 128 + 10 * 128 * 32] * 2
+    rc, out, _ = run_cli(["explain", "fa1", "--backward", "--seqlen", "100", "--blocks", "16x24"], capsys)
+    assert rc == 0 and "B_r=16, B_c=24" in out.splitlines()[0] and "given by --blocks" in out.splitlines()[1]
+    formula, counted = _total_row(out)[:2]
+    assert formula == counted == registry.get("fa1").io_model_backward(100, 100, 64, 16, 24)["total"]
+
+
+def test_explain_backward_without_a_model_is_one_line(capsys):
+    rc, out, err = run_cli(["explain", "fa2_fp8", "--backward"], capsys)
+    assert rc != 0 and "fa2_fp8 has no backward model (--backward: naive, fa1, fa2)" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 # ------------------------------------------------------------------------------------------------ 6: packaging
 def test_version(capsys):
     rc, out, _ = run_cli(["--version"], capsys)
