@@ -2,13 +2,16 @@
 
     import fa_variants as fav
     out = fav.attention(q, k, v, variant="fa2", causal=True)
+    out, lse = fav.attention(q, k, v, causal=True, return_lse=True)    # what the backward needs
+    dq, dk, dv = fav.attention_backward(dout, q, k, v, out, lse, causal=True)
     fav.variants()     # the registry
     fav.get("fa1")     # one entry: .forward (GPU), .reference (NumPy model), .io_model (HBM traffic)
 """
 from . import fp8
 from .api import BackendUnavailable, attention
+from .backward import attention_backward
 from .jit import CompileError
 from .registry import Variant, get, variants
 
-__all__ = ["attention", "variants", "get", "Variant", "CompileError", "BackendUnavailable", "fp8"]
+__all__ = ["attention", "attention_backward", "variants", "get", "Variant", "CompileError", "BackendUnavailable", "fp8"]
 __version__ = "0.1.0"
