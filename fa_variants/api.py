@@ -8,6 +8,7 @@ launches several kernels) takes the full path, which raises every misuse before 
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -118,7 +119,26 @@ def attention(q, k, v, *, variant: str = "fa2", causal: bool = False, softmax_sc
         plan, torch_in = hit
         out, lse = plan.run_torch(q, k, v) if torch_in else plan.run_cupy(q, k, v)
         return (out, lse) if return_lse else out
+    # --- torch autograd / torch.compile hook (fa_variants/integrations/torch.py) ------------------------------
+    # Torch tensors that require grad, and torch tensors under torch.compile (Dynamo cannot trace DLPack), go
+    # through torch custom ops whose body calls attention() on detached tensors. Checked only after a plan miss,
+    # so it costs the warm path nothing: such a call never reaches _attention with its own key (requires_grad is
+    # part of it), so no plan is ever stored under that key and every such call misses and comes here.
+    if _torch_op_needed(q, k, v):
+        from .integrations import torch as _torch_ops
+        return _torch_ops.attention(q, k, v, variant=variant, causal=causal, softmax_scale=softmax_scale,
+                                    return_lse=return_lse, backend=backend)
+    # --- end of the hook -----------------------------------------------------------------------------------------
     return _attention(q, k, v, variant, causal, softmax_scale, return_lse, backend, key)
+
+
+def _torch_op_needed(q, k, v) -> bool:
+    """Whether torch tensors among q, k, v need the custom ops: one requires grad, or Dynamo is tracing them.
+    (Torch is imported already when its tensors come in.)"""
+    tensors = [x for x in (q, k, v) if _keyer(type(x)) is _torch_key]
+    if not tensors:
+        return False
+    return any(x.requires_grad for x in tensors) or sys.modules["torch"].compiler.is_compiling()
 
 
 def _attention(q, k, v, variant, causal, softmax_scale, return_lse, backend, key):

@@ -1,0 +1,171 @@
+"""torch autograd through ``fav.attention`` (fa_variants/integrations/torch.py), on CPU tensors: with no GPU here,
+backend auto runs fa2's NumPy models forward and backward.
+
+Gradients follow flash-attn's criterion: their max-abs error against torch's autograd of a float64 dense attention
+is at most 3x the error of the same dense attention computed by torch in the input dtype; and their relative
+error is within conftest's TOL. torch.compile: the ops are opaque custom ops (opcheck, and a fullgraph
+aot_eager compile whose gradients equal eager's).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fa_variants as fav
+from conftest import TOL, has_gpu, random_qkv_host, rel_err
+
+torch = pytest.importorskip("torch")
+fat = pytest.importorskip("fa_variants.integrations.torch")
+
+# Without a GPU, auto runs the NumPy models (what these tests are about); with one, auto would run the forward on
+# the GPU and the backward would raise (no GPU backward kernel yet), so they ask for the models by name.
+BACKEND = "numpy" if has_gpu() else "auto"
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _tensors(rng, b, nq, nk, h, hkv, d, dtype, requires_grad=True):
+    """Leaf torch tensors q, k, v (of ``dtype``) and an output gradient, from N(0, 1) values."""
+    tdt = TORCH_DTYPES[dtype]
+    host = random_qkv_host(rng, b, nq, nk, h, hkv, d, dtype)
+    q, k, v = (torch.from_numpy(a.view(np.int16).copy()).view(tdt).requires_grad_(requires_grad) for a in host)
+    dout = torch.from_numpy(rng.standard_normal(q.shape, dtype=np.float32)).to(tdt)
+    return q, k, v, dout
+
+
+def dense_attention(q, k, v, causal=False, scale=None):
+    """softmax(q k^T * scale) v by torch ops in the inputs' dtype (flash-attn's attention_ref, upcast=False):
+    GQA by repeating k, v heads; causal bottom-right aligned (the cases here give every row a key)."""
+    nq, h, d = q.shape[1:]
+    nk, hkv = k.shape[1:3]
+    k, v = (x.repeat_interleave(h // hkv, dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)
+    if causal:
+        visible = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+
+
+def _grads(fn, q, k, v, dout, dtype=None):
+    """(out, dq, dk, dv) of ``fn`` by autograd, on fresh leaf copies of q, k, v (cast to ``dtype``)."""
+    leaves = [x.detach().to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return (out, *(x.grad for x in leaves))
+
+
+CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, causal)
+    (2, 29, 37, 4, 2, False),
+    (2, 29, 37, 4, 2, True),     # seqlen_q < seqlen_k: bottom-right diagonal
+    (1, 33, 33, 4, 1, True),     # MQA
+    (2, 41, 23, 2, 2, False),    # seqlen_q > seqlen_k
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-Nq{}-Nk{}-H{}-Hkv{}{}".format(*c[:5], "-causal" * c[5]))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gradients_match_torch_autograd(dtype, case, rng):
+    b, nq, nk, h, hkv, causal = case
+    q, k, v, dout = _tensors(rng, b, nq, nk, h, hkv, 64, dtype)
+    out = fav.attention(q, k, v, causal=causal, backend=BACKEND)
+    assert out.grad_fn is not None and out.dtype == q.dtype
+    out.backward(dout)
+    ours = (out, q.grad, k.grad, v.grad)
+    ref = _grads(lambda *a: dense_attention(*a, causal=causal), q, k, v, dout, torch.float64)
+    same_dtype = _grads(lambda *a: dense_attention(*a, causal=causal), q, k, v, dout)
+    for name, x, r, base, inp in zip(("out", "dq", "dk", "dv"), ours, ref, same_dtype, (q, q, k, v)):
+        assert x.dtype == inp.dtype and x.shape == inp.shape, name
+        err = (x.detach().double() - r.detach()).abs().max().item()
+        base_err = (base.detach().double() - r.detach()).abs().max().item()
+        assert err <= 3 * base_err, f"{name}: max-abs error {err:.3e} > 3 x torch's {dtype} error {base_err:.3e}"
+        rel = rel_err(x.detach().double().numpy(), r.detach().numpy())
+        assert rel <= TOL[dtype], f"{name}: relative error {rel:.2e} > {TOL[dtype]:.0e}"
+
+
+def test_lse_is_returned_but_not_differentiable(rng):
+    q, k, v, dout = _tensors(rng, 1, 17, 19, 2, 2, 32, "bfloat16")
+    out, lse = fav.attention(q, k, v, causal=True, return_lse=True, backend=BACKEND)
+    assert out.requires_grad and not lse.requires_grad and lse.dtype == torch.float32
+    want_out, want_lse = fav.attention(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True,
+                                       backend=BACKEND)
+    assert torch.equal(out.detach(), want_out) and torch.equal(lse, want_lse)
+    (out.float() * dout.float()).sum().backward()  # sum() hands the op an expanded (stride 0) gradient
+    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in (q, k, v))
+
+
+def test_autograd_equals_a_direct_attention_backward_call(rng):
+    q, k, v, dout = _tensors(rng, 2, 13, 21, 4, 2, 64, "bfloat16")
+    out = fav.attention(q, k, v, causal=True, softmax_scale=0.3, backend=BACKEND)
+    out.backward(dout)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    _, lse = fav.attention(qd, kd, vd, causal=True, softmax_scale=0.3, return_lse=True, backend=BACKEND)
+    grads = fav.attention_backward(dout, qd, kd, vd, out.detach(), lse, causal=True, softmax_scale=0.3,
+                                   backend=BACKEND)
+    for g, x in zip(grads, (q, k, v)):
+        assert isinstance(g, torch.Tensor) and g.dtype == torch.bfloat16 and torch.equal(g, x.grad)
+
+
+def test_only_the_inputs_that_require_grad_get_one(rng):
+    q, k, v, dout = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16", requires_grad=False)
+    q.requires_grad_()
+    fav.attention(q, k, v, backend=BACKEND).backward(dout)
+    assert q.grad is not None and k.grad is None and v.grad is None
+
+
+def test_no_grad_records_nothing(rng):
+    q, k, v, _ = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16")
+    with torch.no_grad():
+        out = fav.attention(q, k, v, backend=BACKEND)
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, fav.attention(q.detach(), k.detach(), v.detach(), backend=BACKEND))
+
+
+def test_misuse_is_reported_before_anything_runs(rng):
+    q, k, v, _ = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16")
+    with pytest.raises(TypeError, match=r"causal must be a bool"):
+        fav.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        fav.attention(q, k, v, backend="CUDA")
+    with pytest.raises(TypeError, match=r"^k must be a torch.Tensor"):
+        fav.attention(q, k.detach().numpy(), v)
+    with pytest.raises(TypeError, match=r"accepts dtypes.*float32"):
+        fav.attention(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match=r"heads of q \(2\).*multiple"):
+        fav.attention(q, k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1))
+
+
+def test_backend_cuda_backward_is_unavailable(rng):
+    q, k, v, dout = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16", requires_grad=False)
+    out, lse = fav.attention(q, k, v, return_lse=True, backend=BACKEND)
+    with pytest.raises(fav.BackendUnavailable, match=r"no GPU backward kernel yet"):
+        fav.attention_backward(dout, q, k, v, out, lse, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+def test_custom_ops_pass_opcheck(rng):
+    q, k, v, dout = _tensors(rng, 1, 9, 11, 2, 1, 32, "bfloat16")
+    torch.library.opcheck(fat._forward, (q, k, v, "fa2", True, None, BACKEND))
+    out, lse = fav.attention(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True,
+                                       backend=BACKEND)
+    torch.library.opcheck(fat._backward, (dout, q.detach(), k.detach(), v.detach(), out, lse, "fa2", True, 0.2,
+                                          BACKEND))
+
+
+def test_compiles_as_an_opaque_op(rng):
+    q, k, v, dout = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16")
+
+    def loss(attn, q, k, v):
+        return (attn(q, k, v, causal=True, backend=BACKEND).float() * dout.float()).sum()
+
+    eager = _grads(lambda *a: fav.attention(*a, causal=True, backend=BACKEND), q, k, v, dout)
+    for attn in (fav.attention, fat.attention):  # under Dynamo, fav.attention hands its tensors to fat.attention
+        compiled = torch.compile(lambda q, k, v: loss(attn, q, k, v), backend="aot_eager", fullgraph=True)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        compiled(*leaves).backward()
+        for x, want in zip(leaves, eager[1:]):
+            assert torch.equal(x.grad, want)
+        with torch.no_grad():  # tensors that need no grad too (fav.attention's own path would use DLPack)
+            out = torch.compile(lambda q, k, v: attn(q, k, v, causal=True, backend=BACKEND), backend="aot_eager",
+                                fullgraph=True)(q.detach(), k.detach(), v.detach())
+        assert torch.equal(out, eager[0].detach())
+
+
