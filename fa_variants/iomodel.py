@@ -313,7 +313,8 @@ def _explain_backward(entry, N, d, M, blocks) -> str:
                   f"(Q, dO, LSE, D per K/V block, K, V per Q block in the dQ pass) cost ~ ((2d+2)/B_c + 2d/B_r) N^2 = "
                   f"{c:.3g} N^2 against naive's 7N^2. The separate dQ pass recomputes S and dP once more (+4N^2d: "
                   f"{flops / fwd_flops:.3g}x the forward, against 2.5x with atomic adds) and re-reads K, V per Q "
-                  f"block (2d T_r N = {2 * d * math.ceil(N / B_r) * N:,}), so that dQ is written once, deterministically",
+                  f"block (2d T_r N = {2 * d * math.ceil(N / B_r) * N:,}), so that dQ is written once, "
+                  f"deterministically",
                   f"dq_mode=\"atomic\" (flash-attn's: dQ_i read-modify-written in fp32 per (i, j)): total "
                   f"{atomic['total']:,} (dQ {atomic['dQ']:,} vs {formula['dQ']:,}, K+V {atomic['K'] + atomic['V']:,} "
                   f"vs {formula['K'] + formula['V']:,}; ~ (4d+2)/B_c N^2 = {c_atomic:.3g} N^2), matmul FLOPs "

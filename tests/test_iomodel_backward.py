@@ -1,7 +1,6 @@
 """The backward's closed-form traffic and FLOP formulas against the models' counters, and ``explain``'s backward."""
 import math
 
-import numpy as np
 import pytest
 
 from fa_variants import iomodel, registry
