@@ -5,7 +5,7 @@
     out, lse = fav.attention(q, k, v, causal=True, return_lse=True)    # what the backward needs
     dq, dk, dv = fav.attention_backward(dout, q, k, v, out, lse, causal=True)
     fav.variants()     # the registry
-    fav.get("fa1")     # one entry: .forward (GPU), .reference (NumPy model), .io_model (HBM traffic)
+    fav.get("fa1")     # one entry: .launcher (GPU), .reference / .reference_backward (NumPy models), .io_model
 """
 from . import fp8
 from .api import BackendUnavailable, attention
