@@ -1,0 +1,240 @@
+"""Hugging Face transformers: ``fa_variants.attention`` as an attention implementation.
+
+    from fa_variants.integrations.transformers import register
+    register()                                    # name="fa_variants", variant="fa2", backend="auto"
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fa_variants")
+
+``register`` adds two functions under one name: an attention function to transformers' ``AttentionInterface``
+and a mask function to its ``AttentionMaskInterface``. The mask function is the flash-attention path's rule
+(``masking_utils.flash_attention_mask``) made strict: a causal or bidirectional pattern with no padding gives no
+mask at all (no dense (N, N) mask is ever built) and the attention function runs ``fav.attention`` with
+``causal=True`` or ``False``; anything a mask would be needed for raises ``Unsupported`` (a NotImplementedError)
+saying what it was, instead of being ignored.
+
+What the attention function does with transformers' arguments:
+
+* query (B, H, N, d) and key/value (B, H_kv, N_k, d) are turned into flash-attn's layout by ``transpose(1, 2)``,
+  a view (``fav.attention`` honours strides whose last one is 1): no copy, and no ``repeat_kv`` (GQA/MQA go
+  through as H_kv heads). The output is (B, N, H, d), as transformers expects.
+* ``scaling`` is the softmax scale. ``is_causal`` (a kwarg, else ``module.is_causal``) is causal masking,
+  bottom-right aligned, which is what a KV cache needs (queries are the last N of the N_k keys); a single query
+  row (decoding) sees every key either way and runs without the mask.
+* float16/bfloat16 inputs run as they are. float32 inputs (a float32 model, or float32 layer norms under PEFT)
+  are cast to the autocast dtype when autocast is on, else to the dtype of the module's first 16-bit
+  ``nn.Linear``, else to bfloat16, and the output is cast back to float32: the kernels take 16-bit inputs only
+  (transformers' own flash path casts the same way). The cast is the one copy this path makes.
+* ``Unsupported`` for: a padding mask (a 2D mask with a zero, or any 4D mask: there are no variable-length
+  batches yet), a static or sliding cache (k/v slots that hold no token yet), packed sequences (from position_ids
+  or ``cu_seq_lens_*``), sliding windows, chunked attention, custom mask overlays, softcapping, attention sinks
+  (``s_aux``), position biases, a value head dim other than the query's, and attention dropout != 0 (there is no
+  dropout in ``fav.attention``: transformers passes ``dropout=attention_dropout`` only in training, so set
+  ``config.attention_dropout = 0`` or use ``model.eval()``).
+* ``output_attentions=True`` gives ``None`` attention weights (as sdpa and flash do).
+
+Gradients go through ``fav.attention``'s torch autograd Function (``fa_variants/integrations/torch.py``), so
+training works wherever ``fav.attention_backward`` does: today on the CPU (the NumPy models, ``backend="numpy"``
+or ``"auto"`` without a GPU); on the GPU it raises ``BackendUnavailable`` until the GPU backward kernels are
+validated.
+
+Checked (tests/test_transformers.py) on the CPU with transformers 5.24 and 5.17: a tiny Llama's logits, one
+training step's gradients and greedy generation against ``attn_implementation="sdpa"``. The CUDA tests there
+(fa2's kernels inside the model) are written but have not run on a GPU yet.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import api
+
+__all__ = ["register", "Unsupported", "attention_function", "mask_function"]
+
+_log = logging.getLogger(__name__)
+_warned: set = set()
+
+
+class Unsupported(NotImplementedError):
+    """The model asked for something ``fa_variants`` attention cannot do (yet): a mask, dropout, a window..."""
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning(msg)
+
+
+def register(name: str = "fa_variants", variant: str = "fa2", *, backend: str = "auto") -> str:
+    """Register ``variant`` (run on ``backend``) with transformers as ``attn_implementation=name``.
+
+    Adds ``attention_function(variant, backend)`` to ``transformers.AttentionInterface`` and ``mask_function``
+    to ``transformers.AttentionMaskInterface`` under ``name`` (library-wide; registering a name again replaces
+    it). Returns ``name``. Several names may be registered, e.g. one per variant or backend.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if name.startswith("paged|") or "/" in name or name in ("eager", "sdpa", "flex_attention") or \
+            name.startswith("flash_attention"):
+        raise ValueError(f"name {name!r} is one transformers gives a meaning of its own (a built-in, a "
+                         "'paged|' prefix or a hub kernel 'org/repo'): choose another")
+    api.get(variant)  # an unknown variant raises here, naming the known ones
+    if backend not in api.BACKENDS:
+        raise ValueError(f"backend must be one of {list(api.BACKENDS)}, got {backend!r}")
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(name, attention_function(variant, backend))
+    AttentionMaskInterface.register(name, mask_function)
+    return name
+
+
+# ------------------------------------------------------------------------------------------------------- masks
+def mask_function(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=None,
+                  kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
+                  **kwargs) -> None:
+    """transformers' mask hook: ``None`` (no mask) for causal or bidirectional attention without padding, whose
+    queries are the last ``q_length`` of the ``kv_length`` keys; ``Unsupported`` for everything else.
+
+    The signature is that of ``masking_utils.flash_attention_mask`` (transformers 5.x); transformers 4.5x passed
+    ``cache_position`` instead of ``q_offset``, which is read when it comes.
+    """
+    from transformers import masking_utils as mu
+
+    cache_position = kwargs.get("cache_position")
+    if q_length is None:  # transformers 4.5x
+        q_length = int(cache_position.shape[0])
+    if kv_length is None:
+        kv_length = q_length
+    pattern = mu.causal_mask_function if mask_function is None else mask_function
+    if pattern is mu.causal_mask_function:
+        causal = True
+    elif pattern is getattr(mu, "bidirectional_mask_function", None):
+        causal = False
+    else:
+        what = getattr(pattern, "__qualname__", None) or type(pattern).__name__
+        raise Unsupported(
+            f"fa_variants attention takes only plain causal or bidirectional attention; the model asked for a "
+            f"mask pattern built by {what} (a sliding window, chunked attention, packed sequences from "
+            f"position_ids, a block overlay or a custom and_/or_mask_function): use attn_implementation='sdpa' "
+            f"for this model or input")
+
+    q_start = _q_start(q_offset, cache_position)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:  # not from _preprocess_mask_arguments (a 4D mask skips this hook)
+            raise Unsupported(f"fa_variants attention takes no dense attention mask (got one of shape "
+                              f"{tuple(attention_mask.shape)}): pass none, or a 2D mask of ones")
+        if attention_mask.shape[-1] < kv_length:
+            raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
+        attention_mask = attention_mask[:, -kv_length:]
+        if not bool(attention_mask.all()):
+            raise Unsupported(
+                "fa_variants attention cannot take a padding mask yet (attention_mask has zeros: a batch of "
+                "sequences of different lengths, or left padding in generate): variable-length batches are "
+                "not implemented. Run such batches one sequence at a time, or use attn_implementation='sdpa'")
+
+    if causal:
+        # Bottom-right causal masking is right only when the queries are the last q_length of the keys, which
+        # hold positions kv_offset .. kv_offset + kv_length - 1, every slot a token: true without a cache and
+        # with a DynamicCache; a StaticCache has max_cache_len slots, most of them empty until it fills.
+        if q_start is not None and q_start + q_length != kv_offset + kv_length:
+            raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
+    return None
+
+
+def _q_start(q_offset, cache_position):
+    """The first query's position (an int), or None when it cannot be read without tracing."""
+    if q_offset is None:
+        q_offset = 0 if cache_position is None else cache_position[0]
+    if isinstance(q_offset, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return None
+        q_offset = q_offset.reshape(-1)[0]
+    return int(q_offset)
+
+
+def _cache_slots_message(kv_length, q_start, q_length, kv_offset=0) -> str:
+    where = "" if q_start is None else f" for queries at positions {q_start}..{q_start + q_length - 1}"
+    return (f"fa_variants attention needs k/v that hold exactly the tokens seen so far (a DynamicCache, or no "
+            f"cache); got {kv_length} k/v slots starting at position {kv_offset}{where}, as a StaticCache or a "
+            f"sliding-window cache gives: those need a mask, which is not implemented. Use the default dynamic "
+            f"cache (generate(..., cache_implementation='dynamic')) or attn_implementation='sdpa'")
+
+
+# --------------------------------------------------------------------------------------------------- attention
+_PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def attention_function(variant: str = "fa2", backend: str = "auto"):
+    """The function transformers calls as ``ALL_ATTENTION_FUNCTIONS[name](module, query, key, value,
+    attention_mask, dropout=..., scaling=..., **kwargs) -> (attn_output (B, N, H, d), None)``."""
+    api.get(variant)
+    if backend not in api.BACKENDS:
+        raise ValueError(f"backend must be one of {list(api.BACKENDS)}, got {backend!r}")
+
+    def fa_variants_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                                      dropout: float = 0.0, scaling: float | None = None,
+                                      is_causal: bool | None = None, sliding_window: int | None = None,
+                                      softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                                      position_bias: torch.Tensor | None = None, **kwargs):
+        if attention_mask is not None:
+            raise Unsupported(
+                f"fa_variants attention takes no attention mask (got a {attention_mask.dim()}D one of shape "
+                f"{tuple(attention_mask.shape)}): a padding mask needs variable-length batches, which are not "
+                f"implemented, and a custom 4D mask cannot be expressed as causal/non-causal. Use "
+                f"attn_implementation='sdpa' for such inputs")
+        if dropout:
+            raise Unsupported(
+                f"fa_variants attention has no attention dropout (dropout={dropout} from the model in training "
+                f"mode): set config.attention_dropout = 0.0 (or train with attn_implementation='sdpa')")
+        for arg, val, what in (("sliding_window", sliding_window, "sliding-window attention"),
+                               ("softcap", softcap, "logit softcapping"),
+                               ("s_aux", s_aux, "attention sinks"),
+                               ("position_bias", position_bias, "an additive position bias")):
+            if val is not None:
+                raise Unsupported(f"fa_variants attention does not implement {what} ({arg}={_short(val)})")
+        packed = [name for name in _PACKED if kwargs.get(name) is not None]
+        if packed:
+            raise Unsupported(f"fa_variants attention cannot take packed sequences ({', '.join(packed)} given): "
+                              f"variable-length batches are not implemented")
+        if query.shape[-1] != value.shape[-1] or key.shape[-1] != query.shape[-1]:
+            raise Unsupported(f"fa_variants attention needs one head dim for query, key and value; got "
+                              f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
+        if kwargs.get("output_attentions", False):
+            _warn_once("output_attentions", "fa_variants attention does not return attention weights "
+                       "(output_attentions=True gives None); use attn_implementation='eager' for them")
+
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # One query row (decoding with a cache) sees every key under bottom-right causal masking: no mask.
+        causal = bool(causal) and query.shape[2] > 1
+
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, d) views: no copy
+        out_dtype = q.dtype
+        if out_dtype == torch.float32:
+            dt = _half_dtype(module, q)
+            q, k, v = (x.to(dt) for x in (q, k, v))
+        out = api.attention(q, k, v, variant=variant, causal=causal,
+                            softmax_scale=None if scaling is None else float(scaling), backend=backend)
+        return (out if out.dtype == out_dtype else out.to(out_dtype)), None
+
+    fa_variants_attention_forward.__qualname__ = f"fa_variants_attention_forward[{variant}, {backend}]"
+    fa_variants_attention_forward.variant, fa_variants_attention_forward.backend = variant, backend
+    return fa_variants_attention_forward
+
+
+def _half_dtype(module, q: torch.Tensor) -> torch.dtype:
+    """The 16-bit dtype float32 inputs run in: autocast's, else the module's first 16-bit Linear's, else bf16."""
+    half = (torch.float16, torch.bfloat16)
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if dt in half:
+            return dt
+    for layer in module.modules() if isinstance(module, torch.nn.Module) else ():
+        if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in half:
+            return layer.weight.dtype
+    return torch.bfloat16
+
+
+def _short(val) -> str:
+    return f"a tensor of shape {tuple(val.shape)}" if isinstance(val, torch.Tensor) else repr(val)

@@ -1,0 +1,311 @@
+"""fa_variants as a transformers attention implementation (fa_variants/integrations/transformers.py).
+
+A tiny randomly initialised Llama (hidden 64, 2 layers, 4 heads over 2 kv heads: GQA, head dim 16, vocab 128)
+run with ``attn_implementation="sdpa"`` and with ours, on the same weights and inputs:
+
+* CPU (every test not marked gpu): ours on ``backend="numpy"`` (fa2's NumPy models, forward and backward), the
+  model in bfloat16, the dtype the kernels take, so nothing is cast and the q/k/v views go in as transformers
+  makes them; sdpa runs the same bfloat16 model. Logits and every parameter's gradient after one training step
+  agree within a relative-norm bound, greedy generation gives the same token ids, and a continuation from a KV
+  cache (seqlen_q < seqlen_k: bottom-right causal) gives the full forward's logits. A float32 model runs too:
+  ours casts q/k/v to bfloat16 and the output back (the one test of that path). Masks, dropout, windows and the
+  rest raise ``Unsupported``.
+* GPU (marked gpu): the same model in bfloat16 on CUDA with ``backend="auto"`` (fa2's kernels): logits and
+  generation. The training step there skips while ``fav.attention_backward`` raises BackendUnavailable on the
+  GPU (its kernels are not validated yet).
+
+Seeds are fixed (weights and token ids): greedy decoding compares argmaxes, and a random draw could put two
+logits within a rounding of each other; the test reports the smallest top-1 margin if it fails.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.masking_utils")
+if not hasattr(transformers, "AttentionInterface") or not hasattr(transformers, "AttentionMaskInterface"):
+    pytest.skip("transformers without AttentionInterface/AttentionMaskInterface", allow_module_level=True)
+
+import fa_variants as fav  # noqa: E402
+from fa_variants.integrations import transformers as fat  # noqa: E402
+
+CPU_IMPL = fat.register("fa_variants_numpy", variant="fa2", backend="numpy")
+GPU_IMPL = fat.register("fa_variants", variant="fa2")   # backend auto: the kernels on CUDA tensors
+
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64,
+              initializer_range=0.1)
+SEQ = 24
+LOGITS_TOL = 2e-2   # relative norm, bf16 model vs bf16 model (measured 9.0e-3 here)
+GRAD_TOL = 5e-2     # per parameter, relative norm (measured at most 1.7e-2 here)
+
+
+def make_model(impl: str = "sdpa", dtype=torch.bfloat16, device="cpu", **overrides):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**CONFIG, **overrides})
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    if impl != "sdpa":
+        model.set_attn_implementation(impl)
+    return model
+
+
+def with_impl(model, impl: str):
+    """A copy of ``model`` (same weights) that runs ``impl``."""
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(impl)
+    assert other.config._attn_implementation == impl
+    return other
+
+
+def token_ids(batch=2, n=SEQ, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CONFIG["vocab_size"], (batch, n), generator=g).to(device)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every fav.attention call the integration makes: proof that ours ran, and with what."""
+    seen = []
+    real = fat.api.attention
+
+    def spy(q, k, v, **kw):
+        seen.append(dict(q=tuple(q.shape), k=tuple(k.shape), q_stride=q.stride(), k_stride=k.stride(),
+                         dtype=q.dtype, grad=q.requires_grad, tensors=(q, k, v), **kw))
+        return real(q, k, v, **kw)
+
+    class Api:  # fa_variants.api as the integration module sees it (the torch custom op keeps the real one)
+        def __getattr__(self, name):
+            return getattr(fat_api, name)
+
+    fat_api = fat.api
+    api = Api()
+    api.attention = spy
+    monkeypatch.setattr(fat, "api", api)
+    return seen
+
+
+# ------------------------------------------------------------------------------------------------ CPU tests
+def test_logits_match_sdpa(calls):
+    ref = make_model()
+    ours = with_impl(ref, CPU_IMPL)
+    ids = token_ids()
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+        want32 = make_model(dtype=torch.float32)(ids).logits   # the same weights in float32
+    assert got.dtype == torch.bfloat16 and got.shape == (2, SEQ, CONFIG["vocab_size"])
+    assert rel(got, want) < LOGITS_TOL
+    # ours is as close to the float32 model as sdpa's bf16 run is (both are bf16 models)
+    assert rel(got, want32) < 1.5 * rel(want, want32) + 1e-3
+    # one call per layer; GQA as 2 kv heads (no repeat_kv); k, v are (B, H, N, d) buffers seen as (B, N, H, d)
+    # (q's buffer is already (B, N, H, d): the rotary embedding keeps q_proj's layout)
+    assert len(calls) == CONFIG["num_hidden_layers"]
+    for c in calls:
+        assert c["q"] == (2, SEQ, 4, 16) and c["k"] == (2, SEQ, 2, 16)
+        assert c["q_stride"] == (4 * SEQ * 16, 4 * 16, 16, 1) and c["k_stride"] == (2 * SEQ * 16, 16, SEQ * 16, 1)
+        assert c["causal"] is True and c["softmax_scale"] == 16 ** -0.5 and c["dtype"] == torch.bfloat16
+        assert c["backend"] == "numpy" and c["variant"] == "fa2"
+
+
+def test_float32_model_runs_in_bfloat16(calls):
+    ref = make_model(dtype=torch.float32)
+    ours = with_impl(ref, CPU_IMPL)
+    ids = token_ids()
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert got.dtype == torch.float32
+    assert rel(got, want) < 1e-2   # attention rounded to bf16 once per layer (measured 3.8e-3)
+    assert calls and all(c["dtype"] == torch.bfloat16 for c in calls)
+
+
+def _train_step_grads(model, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_training_step_gradients_match_sdpa(calls):
+    ref = make_model()
+    ours = with_impl(ref, CPU_IMPL)
+    ids = token_ids()
+    loss_ref, g_ref = _train_step_grads(ref, ids)
+    loss, g = _train_step_grads(ours, ids)
+    assert abs(float(loss) - float(loss_ref)) < 1e-2 * abs(float(loss_ref))
+    assert g.keys() == g_ref.keys()
+    errs = {name: rel(g[name], g_ref[name]) for name in g_ref if g_ref[name] is not None}
+    assert len(errs) == len(list(ref.parameters())), "a parameter got no gradient"
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"
+    assert calls and all(c["grad"] for c in calls)   # the autograd path of fav.attention ran
+
+
+def _top1_margin(logits):
+    top = logits.float().topk(2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def test_greedy_generation_matches_sdpa(calls):
+    ref = make_model()
+    ours = with_impl(ref, CPU_IMPL)
+    prompt = token_ids(n=16)
+    mask = torch.ones_like(prompt)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    want = ref.generate(prompt, **kw)
+    got = ours.generate(prompt, **kw)
+    margin = min(_top1_margin(s) for s in want.scores)
+    assert torch.equal(got.sequences, want.sequences), f"smallest top-1 logit margin of sdpa's run: {margin:.3g}"
+    assert got.sequences.shape == (2, 16 + 8)
+    # the prefill is causal; each decoding step is one query row against the cache (bottom-right causal = none)
+    per_layer = calls[::CONFIG["num_hidden_layers"]]
+    assert per_layer[0]["q"][1] == 16 and per_layer[0]["causal"] is True
+    assert [c["k"][1] for c in per_layer[1:]] == list(range(17, 24))
+    assert all(c["q"][1] == 1 and c["causal"] is False for c in per_layer[1:])
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_continuation_from_kv_cache_is_bottom_right_causal(calls):
+    """8 new tokens against a 16-token cache (seqlen_q 8 < seqlen_k 24) give the full forward's logits."""
+    ours = make_model(CPU_IMPL)
+    ids = token_ids()
+    with torch.no_grad():
+        full = ours(ids).logits
+        cache = ours(ids[:, :16], use_cache=True).past_key_values
+        calls.clear()
+        tail = ours(ids[:, 16:], past_key_values=cache, use_cache=True).logits
+    assert calls[0]["q"][1] == 8 and calls[0]["k"][1] == SEQ and calls[0]["causal"] is True
+    assert rel(tail, full[:, 16:]) < 1e-2   # measured 0: the NumPy model computes each row alike
+
+
+def test_padding_mask_raises():
+    ours = make_model(CPU_IMPL)
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0                                   # left padding of the first sequence
+    with pytest.raises(fat.Unsupported, match="padding mask"):
+        ours(ids, attention_mask=mask)
+    with pytest.raises(fat.Unsupported, match="padding mask"):
+        ours.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(fat.Unsupported, match="4D"):  # a dense mask of the model's own making skips the hook
+        ours(ids, attention_mask=torch.ones(2, 1, SEQ, SEQ, dtype=torch.bool))
+    with torch.no_grad():                             # a mask of ones is no mask
+        ours(ids, attention_mask=torch.ones_like(ids))
+
+
+def test_dropout_in_training_raises():
+    ours = make_model(CPU_IMPL, attention_dropout=0.1)
+    ids = token_ids()
+    ours.train()
+    with pytest.raises(fat.Unsupported, match="dropout"):
+        ours(ids, labels=ids)
+    ours.eval()                                       # transformers passes dropout=0.0 in eval mode
+    with torch.no_grad():
+        ours(ids)
+
+
+def test_unsupported_layouts_raise():
+    ours = make_model(CPU_IMPL)
+    ids = token_ids()
+    with pytest.raises(fat.Unsupported, match="StaticCache"):
+        ours.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                      pad_token_id=0, cache_implementation="static")
+    packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
+    with pytest.raises(fat.Unsupported, match="packed sequences"):
+        ours(ids, position_ids=packed, use_cache=False)
+    attn = fat.attention_function("fa2", "numpy")
+    module = ours.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    for kw, what in ((dict(sliding_window=4), "sliding-window"), (dict(softcap=30.0), "softcapping"),
+                     (dict(s_aux=torch.zeros(4)), "sinks"), (dict(cu_seq_lens_q=torch.tensor([0, 8])), "packed")):
+        with pytest.raises(fat.Unsupported, match=what):
+            attn(module, q, kv, kv, None, scaling=0.25, **kw)
+    out, weights = attn(module, q, kv, kv, None, scaling=0.25, is_causal=False)
+    assert out.shape == (1, 8, 4, 16) and weights is None
+
+
+def test_inputs_go_in_as_views(calls):
+    """(B, H, N, d) query/key/value reach fav.attention as (B, N, H, d) views of the same memory."""
+    attn = fat.attention_function("fa2", "numpy")
+    module = make_model(CPU_IMPL).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 4, 8, 16, generator=g).to(torch.bfloat16)
+    key, value = (torch.randn(2, 2, 11, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    out, _ = attn(module, query, key, value, None, scaling=0.3)   # module.is_causal: causal, bottom-right
+    (c,) = calls
+    q, k, v = c["tensors"]
+    for x, y in ((q, query), (k, key), (v, value)):
+        assert x.data_ptr() == y.data_ptr() and x.shape == y.transpose(1, 2).shape
+    want = fav.attention(query.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
+                         value.transpose(1, 2).contiguous(), causal=True, softmax_scale=0.3, backend="numpy")
+    assert torch.equal(out, want) and c["causal"] is True and c["softmax_scale"] == 0.3
+
+
+def test_register_checks_its_arguments():
+    with pytest.raises(ValueError):
+        fat.register("sdpa")
+    with pytest.raises(ValueError):
+        fat.register("mine", backend="tpu")
+    with pytest.raises(Exception, match="nope"):
+        fat.register("mine", variant="nope")
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert ALL_ATTENTION_FUNCTIONS[CPU_IMPL].backend == "numpy"
+    assert ALL_MASK_ATTENTION_FUNCTIONS[CPU_IMPL] is fat.mask_function
+    assert "mine" not in ALL_ATTENTION_FUNCTIONS
+
+
+# ------------------------------------------------------------------------------------------------ GPU tests
+def _cuda_models():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    ref = make_model(device="cuda")
+    return ref, with_impl(ref, GPU_IMPL)
+
+
+@pytest.mark.gpu
+def test_gpu_logits_match_sdpa(calls):
+    ref, ours = _cuda_models()
+    ids = token_ids(device="cuda")
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+    assert rel(got, want) < LOGITS_TOL
+    assert calls and all(c["backend"] == "auto" for c in calls)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_generation_matches_sdpa(calls):
+    ref, ours = _cuda_models()
+    prompt = token_ids(n=16, device="cuda")
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    want = ref.generate(prompt, **kw)
+    got = ours.generate(prompt, **kw)
+    margin = min(_top1_margin(s) for s in want.scores)
+    assert torch.equal(got.sequences, want.sequences), f"smallest top-1 logit margin of sdpa's run: {margin:.3g}"
+    assert len(calls) == CONFIG["num_hidden_layers"] * 8
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_gradients_match_sdpa():
+    ref, ours = _cuda_models()
+    ids = token_ids(device="cuda")
+    loss_ref, g_ref = _train_step_grads(ref, ids)
+    try:
+        loss, g = _train_step_grads(ours, ids)
+    except fav.BackendUnavailable as e:
+        pytest.skip(f"no GPU backward yet: fav.attention_backward raises BackendUnavailable on the GPU ({e})")
+    errs = {name: rel(g[name], g_ref[name]) for name in g_ref}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"
