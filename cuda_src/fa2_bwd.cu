@@ -104,18 +104,7 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
 
         // S^T = K_w Q_i^T (16 keys x BM queries), then P^T in place
         float pt[1][NT][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            load_a<TKV>(a, sK, kr0, kk * 16);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt += 2) {
-                u32 bq[4];
-                load_b_rows<TQ>(bq, sQ(stage), nt * 8, kk * 16);
-                mma_16816<T>(pt[0][nt], a, bq[0], bq[1]);
-                mma_16816<T>(pt[0][nt + 1], a, bq[2], bq[3]);
-            }
-        }
+        warp_mma_abt<T, TKV, TQ, D / 16>(pt, sK, kr0, sQ(stage));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -126,51 +115,18 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
             }
 
         // dV_j += P^T dO_i, P^T from the registers as the A operand (its reduction index: the queries)
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            u32 a[4];
-            repack_a<T>(a, pt[0][2 * kk], pt[0][2 * kk + 1]);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt += 2) {
-                u32 bo[4];
-                load_b_cols<TQ>(bo, sdO(stage), kk * 16, dt * 8);
-                mma_16816<T>(dv[0][dt], a, bo[0], bo[1]);
-                mma_16816<T>(dv[0][dt + 1], a, bo[2], bo[3]);
-            }
-        }
+        warp_mma_pb<T, TQ>(dv, pt, sdO(stage));
 
         // dP^T = V_w dO_i^T, then dS^T = P^T * (dP^T - D) in place
         float ds[1][NT][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            load_a<TKV>(a, sV, kr0, kk * 16);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt += 2) {
-                u32 bo[4];
-                load_b_rows<TQ>(bo, sdO(stage), nt * 8, kk * 16);
-                mma_16816<T>(ds[0][nt], a, bo[0], bo[1]);
-                mma_16816<T>(ds[0][nt + 1], a, bo[2], bo[3]);
-            }
-        }
+        warp_mma_abt<T, TKV, TQ, D / 16>(ds, sV, kr0, sdO(stage));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ds[0][nt][e] = pt[0][nt][e] * (ds[0][nt][e] - delta[nt * 8 + 2 * t + (e % 2)]);
 
         // dK_j += dS^T Q_i
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            u32 a[4];
-            repack_a<T>(a, ds[0][2 * kk], ds[0][2 * kk + 1]);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt += 2) {
-                u32 bq[4];
-                load_b_cols<TQ>(bq, sQ(stage), kk * 16, dt * 8);
-                mma_16816<T>(dk[0][dt], a, bq[0], bq[1]);
-                mma_16816<T>(dk[0][dt + 1], a, bq[2], bq[3]);
-            }
-        }
+        warp_mma_pb<T, TQ>(dk, ds, sQ(stage));
     }
     cp_async_wait<0>();
     __syncthreads();  // with no step to run, K_j's and V_j's copies (from every thread) may still be landing
@@ -241,18 +197,7 @@ fa2_bwd_dq(const fav::BwdParams p) {
 
         // S = Q_w K_j^T, then P in place
         float pr[1][NT][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            load_a<TQ>(a, sQ, row0, kk * 16);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt += 2) {
-                u32 bk[4];
-                load_b_rows<TKV>(bk, sK(stage), nt * 8, kk * 16);
-                mma_16816<T>(pr[0][nt], a, bk[0], bk[1]);
-                mma_16816<T>(pr[0][nt + 1], a, bk[2], bk[3]);
-            }
-        }
+        warp_mma_abt<T, TQ, TKV, D / 16>(pr, sQ, row0, sK(stage));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -262,36 +207,14 @@ fa2_bwd_dq(const fav::BwdParams p) {
 
         // dP = dO_w V_j^T, then dS = P * (dP - D) in place
         float ds[1][NT][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            load_a<TQ>(a, sdO, row0, kk * 16);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt += 2) {
-                u32 bv[4];
-                load_b_rows<TKV>(bv, sV(stage), nt * 8, kk * 16);
-                mma_16816<T>(ds[0][nt], a, bv[0], bv[1]);
-                mma_16816<T>(ds[0][nt + 1], a, bv[2], bv[3]);
-            }
-        }
+        warp_mma_abt<T, TQ, TKV, D / 16>(ds, sdO, row0, sV(stage));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ds[0][nt][e] = pr[0][nt][e] * (ds[0][nt][e] - delta[e / 2]);
 
         // dQ_i += dS K_j
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            u32 a[4];
-            repack_a<T>(a, ds[0][2 * kk], ds[0][2 * kk + 1]);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt += 2) {
-                u32 bk[4];
-                load_b_cols<TKV>(bk, sK(stage), kk * 16, dt * 8);
-                mma_16816<T>(dq[0][dt], a, bk[0], bk[1]);
-                mma_16816<T>(dq[0][dt + 1], a, bk[2], bk[3]);
-            }
-        }
+        warp_mma_pb<T, TKV>(dq, ds, sK(stage));
     }
     cp_async_wait<0>();
     __syncthreads();  // with no K/V block to visit, Q's and dO's copies may still be landing

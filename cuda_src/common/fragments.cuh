@@ -44,4 +44,41 @@ __forceinline__ __device__ void repack_a(u32 (&a)[4], const float (&lo)[4], cons
     a[3] = T::pack(hi[2], hi[3]);
 }
 
+// Warp-level products of 16 rows, for kernels that write their loops through them (the backward):
+//   acc (16 x 8NT) += A B^T   A: rows [a_row, a_row + 16) of tile TA, B: rows [0, 8NT) of tile TB, both over their
+//                             first 16 KSTEPS columns (the mma reduction); B's rows are its columns, as K in S = Q K^T
+template <class T, class TA, class TB, int KSTEPS, int NT>
+__forceinline__ __device__ void warp_mma_abt(float (&acc)[1][NT][4], u32 tile_a, int a_row, u32 tile_b) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        u32 a[4];
+        load_a<TA>(a, tile_a, a_row, kk * 16);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            u32 b[4];
+            load_b_rows<TB>(b, tile_b, nt * 8, kk * 16);
+            mma_16816<T>(acc[0][nt], a, b[0], b[1]);
+            mma_16816<T>(acc[0][nt + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+//   acc (16 x 8DT) += P B     P: fp32 accumulator rows of 16 x 8PT (rounded to T as the A operand, repack_a), B:
+//                             rows [0, 8PT) of tile TB (the reduction), as V in O = P V
+template <class T, class TB, int PT, int DT>
+__forceinline__ __device__ void warp_mma_pb(float (&acc)[1][DT][4], const float (&p)[1][PT][4], u32 tile_b) {
+#pragma unroll
+    for (int kk = 0; kk < PT / 2; ++kk) {
+        u32 a[4];
+        repack_a<T>(a, p[0][2 * kk], p[0][2 * kk + 1]);
+#pragma unroll
+        for (int dt = 0; dt < DT; dt += 2) {
+            u32 b[4];
+            load_b_cols<TB>(b, tile_b, kk * 16, dt * 8);
+            mma_16816<T>(acc[0][dt], a, b[0], b[1]);
+            mma_16816<T>(acc[0][dt + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 }  // namespace fav
