@@ -5,15 +5,20 @@ statistic pytest-benchmark prints is a CUDA-event time (see ``fa_variants.timing
 are grouped together, so ``pytest bench --benchmark-compare`` puts naive, fa1, fa2 and torch side by side.
 
 Each case is also timed "as a user sees it" by ``triton.testing.do_bench`` (``timing.user_view_ms``); the
-summary shows fa2 over torch's flash and cuDNN backends by both timers.
+summary shows fa2 over torch's flash and cuDNN backends by both timers, for the forward and, in tables of their
+own, the backward ("bwd": the backward alone) and forward+backward ("fwdbwd"). Backward groups are named like the
+forward's with a direction suffix ('shape=<id> bwd', 'shape=<id> fwd+bwd').
 
 Environment: FAV_BENCH_ROUNDS (timed calls per case, default 20), FAV_BENCH_WARMUP (default 5),
-FAV_BENCH_DO_BENCH=0 (leave out the do_bench timer).
+FAV_BENCH_DO_BENCH=0 (leave out the do_bench timer), FAV_BENCH_DIRECTIONS=fwd,bwd,fwdbwd (which directions to
+collect, default all; the others are deselected), FAV_BENCH_UNVALIDATED=1 (run the fa2_bwd_kernel cases: fa2's
+GPU backward kernel timed directly, before the API calls it).
 """
 from __future__ import annotations
 
 import collections
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,8 @@ from fa_variants import timing
 
 BENCH_DIR = Path(__file__).resolve().parent
 _RESULTS = pytest.StashKey[list]()
+_SKIPPED = pytest.StashKey[list]()
+_DIRECTIONS = pytest.StashKey[tuple]()
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,29 +40,56 @@ def gpu_missing() -> str:
 
 def pytest_configure(config):
     config.stash[_RESULTS] = []
+    config.stash[_SKIPPED] = []
+    try:
+        config.stash[_DIRECTIONS] = timing.parse_directions(os.environ.get("FAV_BENCH_DIRECTIONS"))
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
+def _in_bench(item) -> bool:
+    return BENCH_DIR in Path(str(item.path)).resolve().parents
+
+
+def case_direction(item) -> str | None:
+    """The direction a bench item times: its 'direction' parameter, "fwd" for test_forward, else None."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "direction" in params:
+        return params["direction"]
+    return "fwd" if getattr(item, "originalname", item.name).startswith("test_forward") else None
+
+
 def pytest_collection_modifyitems(config, items):
+    wanted = config.stash.get(_DIRECTIONS, timing.DIRECTIONS)
+    if wanted != timing.DIRECTIONS:      # FAV_BENCH_DIRECTIONS: the other directions' cases are deselected
+        keep, drop = [], []
+        for item in items:
+            d = case_direction(item) if _in_bench(item) else None
+            (drop if d is not None and d not in wanted else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
     why = gpu_missing()
     if not why:
         return
     skip = pytest.mark.skip(reason=f"benchmarks need a CUDA GPU: {why}")
     for item in items:
-        if BENCH_DIR in Path(str(item.path)).resolve().parents:
+        if _in_bench(item):
             item.add_marker(skip)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_benchmark_group_stats(config, benchmarks, group_by):
-    """The default grouping ('group') becomes 'by shape': every variant of one shape in one table."""
+    """The default grouping ('group') becomes 'by shape and direction': every variant of one shape in one table,
+    the forward's as 'shape=<id>', the backward's as 'shape=<id> bwd' and 'shape=<id> fwd+bwd'."""
     if group_by != "group" or not benchmarks:
         return None
     if not all(isinstance(b.get("params"), dict) and "shape" in b["params"] for b in benchmarks):
         return None
     groups = collections.defaultdict(list)
     for b in benchmarks:
-        groups[f"shape={b['params']['shape']}"].append(b)
+        groups[timing.bench_group(b["params"]["shape"], b["params"].get("direction", "fwd"))].append(b)
     for g in groups.values():
         g.sort(key=lambda b: b["name"])
     return sorted(groups.items())
@@ -79,14 +113,32 @@ def gpu_inputs():
     cache.clear()
 
 
+@pytest.fixture(scope="session")
+def gpu_douts():
+    """get(shape, n) -> n CuPy output gradients for ``shape`` (one per input set); only the last shape is kept."""
+    cache = {}
+
+    def get(shape: timing.Shape, n: int):
+        key = (shape.id, n)
+        if key not in cache:
+            cache.clear()
+            cache[key] = timing.gpu_dout_sets(shape, n)
+        return cache[key]
+
+    yield get
+    cache.clear()
+
+
 @pytest.fixture
 def bench_record(request):
-    """record(shape, variant, median_ms, median_ms_do_bench=None) -> ratios to the torch peers measured so far
-    on the same shape (``timing.peer_ratios``); every record also feeds the end-of-session summary."""
+    """record(shape, variant, median_ms, median_ms_do_bench=None, direction="fwd") -> ratios to the torch peers
+    measured so far on the same shape and direction (``timing.peer_ratios``); every record also feeds the
+    end-of-session summary."""
     results = request.config.stash[_RESULTS]
 
-    def record(shape: timing.Shape, variant: str, ms: float, ms_do_bench: float | None = None) -> dict:
-        case = timing.Timed(shape, variant, ms, ms_do_bench)
+    def record(shape: timing.Shape, variant: str, ms: float, ms_do_bench: float | None = None,
+               direction: str = "fwd") -> dict:
+        case = timing.Timed(shape, variant, ms, ms_do_bench, direction)
         results.append(case)
         return timing.peer_ratios(results, case)
 
@@ -98,10 +150,25 @@ def bench_record(request):
         pass
 
 
+@pytest.fixture
+def bench_skip(request):
+    """skip(shape, variant, direction, reason): record why a case did not run (listed under the summary), then
+    ``pytest.skip(reason)``."""
+    skipped = request.config.stash[_SKIPPED]
+
+    def skip(shape: timing.Shape, variant: str, direction: str, reason: str):
+        skipped.append(timing.Skipped(shape, variant, direction, reason))
+        pytest.skip(reason)
+
+    return skip
+
+
 # ------------------------------------------------------------------------------------------------ summary
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    tables = timing.summary_tables(config.stash.get(_RESULTS, []))
-    if not tables:
+    results = config.stash.get(_RESULTS, [])
+    tables = timing.summary_tables(results)
+    skipped = timing.skip_lines(config.stash.get(_SKIPPED, []))
+    if not tables and not skipped:
         return
     from tabulate import tabulate
 
@@ -109,6 +176,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for title, headers, rows in tables:
         tr.write_sep("=", f"fa-variants: {title}")
         tr.write_line(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    tr.write_line("X / flash: TFLOP/s of X over torch SDPA's FLASH_ATTENTION backend on the same inputs (cudnn: "
-                  "CUDNN_ATTENTION); do_bench: triton.testing.do_bench's median (L2 flushed, host launch cost "
-                  "included where it exceeds the flush), beside the CUDA-event timer's")
+    if tables:
+        tr.write_line("X / flash: TFLOP/s of X over torch SDPA's FLASH_ATTENTION backend on the same inputs "
+                      "(cudnn: CUDNN_ATTENTION), in the same direction; do_bench: triton.testing.do_bench's median "
+                      "(L2 flushed, host launch cost included where it exceeds the flush), beside the CUDA-event "
+                      "timer's")
+    if any(r.direction != "fwd" for r in results):
+        tr.write_line("bwd: the backward alone (ours: given q, k, v, out, lse, dout; torch: autograd.grad of "
+                      "SDPA's output, its forward run once outside the timed region); fwd+bwd: both; TFLOP/s "
+                      "count 2.5x (bwd) and 3.5x (fwd+bwd) the forward's FLOPs")
+    if skipped:
+        tr.write_sep("-", "fa-variants: backward cases not run")
+        for line in skipped:
+            tr.write_line(line)

@@ -1,5 +1,5 @@
-"""Forward-pass benchmarks: every registry variant and torch SDPA (FlashAttention-2 and cuDNN backends) on
-the same inputs, over the FlashAttention-2 paper's sweep.
+"""Forward and backward benchmarks: every registry variant and torch SDPA (FlashAttention-2 and cuDNN backends)
+on the same inputs, over the FlashAttention-2 paper's sweep.
 
 Matrix: dtype bf16 and fp16; head dim 64 and 128; N in 1K, 2K, 4K, 8K, 16K with B * N = 16K tokens and
 H * d = 2048; causal and not. FA1's small-grid case (B = 1, H = 16, N = 16K, d = 128: only 16 CTAs for FA1's
@@ -14,11 +14,36 @@ call, no pad kernel), recorded beside it in extra_info (``tflops_do_bench``; emp
 peers of a shape run before the other variants, so each case also records its ratios to them by both timers
 (``over_torch_flash``, ``over_torch_flash_do_bench``, ``over_torch_cudnn``, ...).
 
-    pytest bench                                   # everything (a few minutes on an H200)
-    pytest bench -k "fa2 and d128 and N4096"       # a slice
+Backward (``test_backward``), on the forward's shapes, in two directions: "bwd", the backward alone (given q,
+k, v, out, lse and dout, the backward call is timed; out and lse come from the variant's own forward, run
+outside the timed region) and "fwdbwd" (forward then backward in the timed call). Variants: torch SDPA's flash
+and cuDNN backwards (``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` of an SDPA forward run
+once beforehand with that backend forced and q, k, v requiring grad; "fwdbwd" runs both), then ours, fa2, fa1
+and naive, through ``fav.attention_backward(..., backend="cuda")``: while that raises BackendUnavailable (the
+GPU backward kernels are not validated yet) each of our cases is skipped with its message, and the summary
+lists those skips. TFLOP/s of a backward = 2.5 x the forward's FLOPs / time (3.5x for "fwdbwd"), halved for
+causal, as in anchors/h200-peers.md; ratios to torch are taken in the same direction, by both timers.
+
+``fa2_bwd_kernel`` is an UNVALIDATED case: it times fa2's GPU backward kernel (``kernels.fa2_bwd.backward``)
+directly, bypassing the API's BackendUnavailable, at head dims up to 128. It runs only with
+``FAV_BENCH_UNVALIDATED=1``, meant for right after tests/test_gpu_backward.py has passed on the GPU: a kernel
+that faults would end the CUDA context, and every later case with it.
+
+Directions: ``FAV_BENCH_DIRECTIONS=fwd,bwd,fwdbwd`` (default all) collects only the named ones; the others are
+deselected. The forward cases and their time are as before. The backward cases come on top: per shape, four
+timed torch cases now (flash and cuDNN, two directions; ours skip after one forward call), against the
+forward's eight, and six to eight once ours run on the GPU, so a default run takes roughly twice as long as the
+forward alone.
+``FAV_BENCH_DIRECTIONS=fwd`` gives the forward-only run (and its time) of before.
+
+    pytest bench                                   # everything (forward, then backward)
+    FAV_BENCH_DIRECTIONS=fwd pytest bench          # the forward only (as before)
+    FAV_BENCH_DIRECTIONS=bwd pytest bench          # the backward alone, nothing else
+    pytest bench -k "fa2 and d128 and N4096"       # a slice (of every direction collected)
     pytest bench --benchmark-autosave              # save, then later: pytest bench --benchmark-compare
     FAV_BENCH_ROUNDS=50 pytest bench               # more timed calls per case
     FAV_BENCH_DO_BENCH=0 pytest bench              # without the do_bench timer
+    FAV_BENCH_UNVALIDATED=1 FAV_BENCH_DIRECTIONS=bwd pytest bench -k "fa2_bwd_kernel or torch"
 """
 from __future__ import annotations
 
@@ -37,6 +62,7 @@ HIDDEN = 2048
 ROUNDS = int(os.environ.get("FAV_BENCH_ROUNDS", "20"))
 WARMUP = int(os.environ.get("FAV_BENCH_WARMUP", "5"))
 DO_BENCH = os.environ.get("FAV_BENCH_DO_BENCH", "1") != "0"
+UNVALIDATED = os.environ.get("FAV_BENCH_UNVALIDATED", "0") not in ("", "0")
 
 
 def _shapes() -> list[Shape]:
@@ -65,6 +91,14 @@ MMA_SYNC = "fa2_mma_sync"
 # The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
 VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [MMA_SYNC, PREQUANT]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
+
+# The backward: torch peers first (ratios), then ours with a backward model, then fa2's kernel timed directly.
+BWD_KERNEL = "fa2_bwd_kernel"        # UNVALIDATED: kernels.fa2_bwd.backward, bypassing the API (opt-in)
+BWD_KERNEL_MAX_DIM = 128
+BWD_DIRECTIONS = ("bwd", "fwdbwd")
+BWD_VARIANTS = (list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants() if v.reference_backward]
+                + [BWD_KERNEL])
+BWD_CASES = [(s.id, d, v) for s in SHAPES for d in BWD_DIRECTIONS for v in BWD_VARIANTS]
 
 
 def _device_name() -> str:
@@ -132,11 +166,19 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
         fn, hbm = _ours(variant, shp, scale)
         sets = gpu_inputs(shp)
 
+    _measure(benchmark, bench_record, shp, variant, fn, sets, hbm=hbm)
+
+
+def _measure(benchmark, bench_record, shp: Shape, variant: str, fn, sets, *, direction: str = "fwd", hbm=None,
+             skip=None, extra=None):
+    """Warm up, time ``fn(*set)`` over the rotating ``sets`` under pytest-benchmark (CUDA-event clock), time it
+    once more by do_bench, record extra_info and the ratios to the torch peers of the same shape and direction.
+    ``skip(reason)`` (default pytest.skip) is called where warm-up meets a MemoryError."""
     timer = timing.EventTimer()
     try:
         timer.warmup(fn, sets, WARMUP)
     except MemoryError as e:          # naive refusing an S that does not fit: a fact about the size, not a bug
-        pytest.skip(f"{variant}: {e}")
+        (skip or pytest.skip)(f"{variant}: {e}")
 
     counter = itertools.count()
 
@@ -149,16 +191,138 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
         return
     med_ms = benchmark.stats.stats.median * 1e3
     db_ms, db_why = timing.user_view_ms(fn, sets[0]) if DO_BENCH else (None, "FAV_BENCH_DO_BENCH=0")
-    benchmark.extra_info.update(
+    flops = timing.direction_flops(shp, direction)
+    info = dict(
         variant=variant, shape=shp.id, dtype=shp.dtype, batch=shp.batch, heads=shp.heads, heads_kv=shp.hkv,
         seqlen_q=shp.seqlen_q, seqlen_k=shp.nk, head_dim=shp.head_dim, causal=shp.causal,
-        median_ms=med_ms, tflops=timing.tflops(shp.flops, med_ms), flops=shp.flops,
-        median_ms_do_bench=db_ms, tflops_do_bench=timing.tflops(shp.flops, db_ms) if db_ms else None,
+        median_ms=med_ms, tflops=timing.tflops(flops, med_ms), flops=flops,
+        median_ms_do_bench=db_ms, tflops_do_bench=timing.tflops(flops, db_ms) if db_ms else None,
         do_bench_note=db_why or None,
         hbm_bytes_model=hbm, input_sets=len(sets), l2_bytes=timing.l2_bytes(),
         timer="CUDA events (fa_variants.timing.event_clock)", timer_do_bench="triton.testing.do_bench median",
         device=_device_name(),
     )
-    ratios = bench_record(shp, variant, med_ms, db_ms)
+    if direction != "fwd":
+        # 'variant' carries the direction so that readers keyed by variant and shape (bench/plot.py) keep the
+        # backward's points apart from the forward's; 'base_variant' is the plain name.
+        info.update(variant=f"{variant} {timing.DIRECTION_TAGS[direction]}", base_variant=variant,
+                    direction=direction, flops_convention=f"{timing.FLOPS_FACTOR[direction]} x 4BHNqNkd"
+                    f"{' / 2 (causal)' if shp.causal else ''}")
+    info.update(extra or {})
+    benchmark.extra_info.update(info)
+    ratios = bench_record(shp, variant, med_ms, db_ms, direction=direction)
     if variant not in timing.TORCH_BACKENDS:
         benchmark.extra_info.update(ratios)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+def _our_backward(variant: str, fwd_variant: str, bwd, shp: Shape, scale: float, qkv, douts, direction: str, skip):
+    """(fn, argument sets) timing ``bwd(dout, q, k, v, out, lse)`` ("bwd") or ``fwd_variant``'s forward then
+    ``bwd`` ("fwdbwd"). One forward and one backward on the first set come first: a backward that is unavailable
+    (BackendUnavailable) or a size that does not fit (MemoryError) skips the case before the other sets' forwards
+    run. "bwd": out and lse are ``fwd_variant``'s own, computed here, outside the timed region."""
+    def fwd(q, k, v):
+        return fav.attention(q, k, v, variant=fwd_variant, causal=shp.causal, softmax_scale=scale,
+                             return_lse=True, backend="cuda")
+
+    q, k, v = qkv[0]
+    try:
+        saved = [fwd(q, k, v)]
+        bwd(douts[0], q, k, v, *saved[0])
+    except fav.BackendUnavailable as e:
+        skip(f"{variant}: {e}")
+    except MemoryError as e:
+        skip(f"{variant}: {e}")
+    if direction == "bwd":
+        saved += [fwd(*s) for s in qkv[1:]]
+        return bwd, [(d, q, k, v, o, lse) for (q, k, v), d, (o, lse) in zip(qkv, douts, saved)]
+
+    def fwd_bwd(q, k, v, dout):
+        out, lse = fwd(q, k, v)
+        return bwd(dout, q, k, v, out, lse)
+
+    return fwd_bwd, [(q, k, v, d) for (q, k, v), d in zip(qkv, douts)]
+
+
+def _torch_backward(peer: str, shp: Shape, scale: float, qkv, douts, direction: str, skip):
+    torch, why = timing.torch_status()
+    if torch is None:
+        skip(why)
+    why = timing.torch_sdpa_unsupported(shp)
+    if why:
+        skip(why)
+    try:
+        if direction == "bwd":
+            sets = timing.torch_sdpa_grad_sets(torch, peer, shp, scale, qkv, douts)   # the forward runs here
+            return timing.torch_grad_fn(torch), sets
+        fn = timing.torch_sdpa_fwdbwd_fn(torch, peer, shp, scale)
+        sets = timing.torch_leaf_sets(torch, qkv, douts)
+        fn(*sets[0])                  # a backend that refuses the shape says so here, as a skip
+        return fn, sets
+    except torch.cuda.OutOfMemoryError as e:
+        skip(f"{peer}: {type(e).__name__}: {str(e)[:300]}")
+    except RuntimeError as e:         # SDPA with one backend forced and none that takes the inputs
+        if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
+            raise
+        skip(f"{peer}: {' '.join(str(e).split())[:300]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(timer=timing.event_clock)
+@pytest.mark.parametrize("shape,direction,variant", BWD_CASES, ids=[f"{s}-{d}-{v}" for s, d, v in BWD_CASES])
+def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, shape, direction, variant):
+    shp = Shape.parse(shape)
+    scale = 1.0 / math.sqrt(shp.head_dim)
+
+    def skip(reason):
+        bench_skip(shp, variant, direction, reason)
+
+    extra = {}
+    if variant == BWD_KERNEL:
+        if not UNVALIDATED:
+            skip("fa2_bwd_kernel times fa2's unvalidated GPU backward kernel directly: set FAV_BENCH_UNVALIDATED=1 "
+                 "(after tests/test_gpu_backward.py passes on this GPU)")
+        if shp.head_dim > BWD_KERNEL_MAX_DIM or shp.head_dim % 8:
+            skip(f"fa2's GPU backward kernel takes head_dim a multiple of 8 up to {BWD_KERNEL_MAX_DIM}, "
+                 f"got {shp.head_dim}")
+        entry = registry.get("fa2")
+        ok, why = entry.available()
+        if not ok:
+            skip(f"fa2 not available here: {why}")
+    elif variant not in timing.TORCH_BACKENDS:
+        entry = registry.get(variant)
+        ok, why = entry.available()
+        if not ok:
+            skip(f"{variant} not available here: {why}")
+        if not entry.supports(shp.dtype, shp.head_dim):
+            skip(f"{variant} does not take {shp.dtype} with head_dim {shp.head_dim}")
+
+    qkv = gpu_inputs(shp)
+    douts = gpu_douts(shp, len(qkv))
+    torch_mod = None
+    try:
+        if variant in timing.TORCH_BACKENDS:
+            torch_mod = timing.torch_status()[0]
+            fn, sets = _torch_backward(variant, shp, scale, qkv, douts, direction, skip)
+            extra = dict(torch_backward="torch.autograd.grad(out, (q, k, v), dout"
+                         + (", retain_graph=True), forward excluded" if direction == "bwd" else "), after SDPA"))
+        elif variant == BWD_KERNEL:
+            from fa_variants.kernels import fa2_bwd
+
+            def bwd(dout, q, k, v, out, lse):
+                return fa2_bwd.backward(dout, q, k, v, out, lse, causal=shp.causal, softmax_scale=scale)
+
+            fn, sets = _our_backward(variant, "fa2", bwd, shp, scale, qkv, douts, direction, skip)
+            extra = dict(unvalidated=True, note="kernels.fa2_bwd.backward called directly, not through the API "
+                         "(its GPU backward is not validated yet)")
+        else:
+            def bwd(dout, q, k, v, out, lse):
+                return fav.attention_backward(dout, q, k, v, out, lse, variant=variant, causal=shp.causal,
+                                              softmax_scale=scale, backend="cuda")
+
+            fn, sets = _our_backward(variant, variant, bwd, shp, scale, qkv, douts, direction, skip)
+        _measure(benchmark, bench_record, shp, variant, fn, sets, direction=direction, skip=skip, extra=extra)
+    finally:
+        sets = fn = None
+        if torch_mod is not None:     # the retained graphs and cached gradients go back between cases
+            torch_mod.cuda.empty_cache()

@@ -15,6 +15,9 @@ Method (DESIGN.md, "Speed"):
 - **TFLOP/s** = 4 * B * H * Nq * Nk * d / time, **halved for causal** (the flash-attn / FlashAttention-2
   paper convention, also used by the peer numbers in anchors/h200-peers.md). With bottom-right causal and
   Nq != Nk the exact count of visible pairs differs; we keep the convention so numbers compare with others'.
+  The **backward** counts 2.5x the forward's FLOPs and forward+backward 3.5x (``direction_flops``; flash-attn's
+  benchmark and the anchors' convention), whatever a given backward really computes (fa2's deterministic
+  backward does 3.5x, the standard one 2x: ``iomodel.backward_flops``).
 
 ``time_cuda`` times a sequence of calls without a host synchronization between them; ``EventTimer.once``
 times one call and synchronizes (pytest-benchmark's pedantic mode calls it once per round, and
@@ -24,6 +27,11 @@ times).
 A second timer, **as a user sees it**: ``user_view_ms`` is ``triton.testing.do_bench`` (median of events around
 each call, a 256 MB memset flushing L2 before each, no pad kernel): the host's enqueue cost shows in it wherever
 it exceeds that flush's GPU time. ``summary_tables`` and ``peer_ratios`` put both timers beside torch SDPA's.
+
+The backward peers: ``torch_sdpa_grad_sets`` runs SDPA's forward once (backend forced, q, k, v requiring grad)
+outside any timed region and ``torch_grad_fn`` times ``torch.autograd.grad(out, (q, k, v), dout,
+retain_graph=True)`` alone; ``torch_sdpa_fwdbwd_fn`` times both. Results carry a direction ("fwd", "bwd",
+"fwdbwd"); ratios are taken between cases of one shape and one direction.
 """
 from __future__ import annotations
 
@@ -46,6 +54,54 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float
     """Forward FLOPs by the convention 4 * B * H * Nq * Nk * d, halved for causal (whatever the alignment)."""
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     return flops / 2 if causal else flops
+
+
+def backward_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
+    """Backward FLOPs by the convention: 2.5 x ``attention_flops`` (so also halved for causal)."""
+    return FLOPS_FACTOR["bwd"] * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal)
+
+
+# ------------------------------------------------------------------------------------------------ directions
+#: What a benchmark case times: the forward, the backward alone (given q, k, v, out, lse, dout), or both.
+DIRECTIONS = ("fwd", "bwd", "fwdbwd")
+DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+DIRECTION_TAGS = {"fwd": "", "bwd": "bwd", "fwdbwd": "fwd+bwd"}   # suffix of group names and table headers
+FLOPS_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}           # x the forward's 4BHNqNkd (/2 causal)
+_DIRECTION_ALIASES = {"fwd+bwd": "fwdbwd", "fwd_bwd": "fwdbwd", "forward": "fwd", "backward": "bwd"}
+
+
+def parse_directions(text: str | None) -> tuple[str, ...]:
+    """``FAV_BENCH_DIRECTIONS``: 'fwd,bwd,fwdbwd' (any subset, any order; empty or None: all) -> the
+    directions in DIRECTIONS order. ValueError naming the bad entry and the choices."""
+    if text is None or not text.strip():
+        return DIRECTIONS
+    asked = set()
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        part = _DIRECTION_ALIASES.get(part, part)
+        if part not in DIRECTIONS:
+            raise ValueError(f"FAV_BENCH_DIRECTIONS: unknown direction {part!r} in {text!r}; choose from "
+                             f"{','.join(DIRECTIONS)} (comma-separated)")
+        asked.add(part)
+    if not asked:
+        raise ValueError(f"FAV_BENCH_DIRECTIONS names no direction: {text!r}; choose from {','.join(DIRECTIONS)}")
+    return tuple(d for d in DIRECTIONS if d in asked)
+
+
+def direction_flops(shape: "Shape", direction: str = "fwd") -> float:
+    """FLOPs of one call of ``direction`` on ``shape`` by the convention (forward x FLOPS_FACTOR)."""
+    if direction not in FLOPS_FACTOR:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    return FLOPS_FACTOR[direction] * shape.flops
+
+
+def bench_group(shape_id: str, direction: str = "fwd") -> str:
+    """pytest-benchmark group of a case: 'shape=<id>' for the forward (as before), 'shape=<id> bwd' and
+    'shape=<id> fwd+bwd' for the others, so sorted groups keep one shape's directions next to each other."""
+    tag = DIRECTION_TAGS[direction]
+    return f"shape={shape_id}" + (f" {tag}" if tag else "")
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -152,6 +208,21 @@ def random_inputs(shape: Shape, xp, seed: int = 0):
     k = cast_half(normal((shape.batch, shape.nk, shape.hkv, shape.head_dim)), shape.dtype)
     v = cast_half(normal((shape.batch, shape.nk, shape.hkv, shape.head_dim)), shape.dtype)
     return q, k, v
+
+
+def random_dout(shape: Shape, xp, seed: int = 10_000):
+    """An output gradient of q's shape (batch, seqlen_q, heads, head_dim), N(0, 1), of ``shape.dtype``."""
+    import numpy as np
+    rng = np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
+    dt = np.float32 if xp is np else xp.float32
+    return cast_half(rng.standard_normal((shape.batch, shape.seqlen_q, shape.heads, shape.head_dim), dtype=dt),
+                     shape.dtype)
+
+
+def gpu_dout_sets(shape: Shape, n_sets: int, seed: int = 10_000):
+    """``n_sets`` CuPy output gradients for ``shape``, one per input set of ``gpu_input_sets``."""
+    import cupy
+    return [random_dout(shape, cupy, seed + i) for i in range(n_sets)]
 
 
 def l2_bytes() -> int:
@@ -327,6 +398,8 @@ def nbytes_rounded(*arrays) -> int:
 
 # ------------------------------------------------------------------------------------------------ torch peers
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
+# Not a peer in the tables: torch's unfused SDPA (autograd keeps the softmax P), for bench/recompute.py.
+OTHER_TORCH_BACKENDS = {"torch-math": "MATH"}
 
 
 def torch_status() -> tuple[object, str]:
@@ -364,11 +437,11 @@ def as_torch_bhnd(torch, x):
 
 def torch_sdpa_fn(torch, peer: str, shape: Shape, softmax_scale: float):
     """A callable (q, k, v) -> out (torch, (B, H, N, d)) running SDPA with one backend forced, on the
-    current CuPy stream. ``peer`` is a key of TORCH_BACKENDS."""
+    current CuPy stream. ``peer`` is a key of TORCH_BACKENDS (or OTHER_TORCH_BACKENDS)."""
     import cupy
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = getattr(SDPBackend, TORCH_BACKENDS[peer])
+    backend = getattr(SDPBackend, {**TORCH_BACKENDS, **OTHER_TORCH_BACKENDS}[peer])
     F = torch.nn.functional
     kwargs = dict(is_causal=bool(shape.causal), scale=float(softmax_scale))
     if shape.hkv != shape.heads:
@@ -391,6 +464,59 @@ def on_cupy_stream(torch, ptr: int | None = None):
     if torch.cuda.current_stream().cuda_stream == ptr:
         return contextlib.nullcontext()
     return torch.cuda.stream(torch.cuda.ExternalStream(ptr))
+
+
+def torch_leaf_sets(torch, sets, douts=None):
+    """[(q, k, v[, dout])] torch (B, H, N, d) views of CuPy input sets, q, k, v detached leaves that require
+    grad (zero-copy: they share the CuPy arrays' memory), dout a plain view."""
+    out = []
+    for i, s in enumerate(sets):
+        leaves = tuple(as_torch_bhnd(torch, a).detach().requires_grad_(True) for a in s)
+        out.append(leaves + ((as_torch_bhnd(torch, douts[i]),) if douts is not None else ()))
+    return out
+
+
+def torch_sdpa_grad_sets(torch, peer: str, shape: Shape, softmax_scale: float, sets, douts):
+    """For timing SDPA's backward alone: [(out, q, k, v, dout)] per input set, where the forward
+    ``out = SDPA(q, k, v)`` (backend ``peer`` forced, q, k, v requiring grad) has run once, here, outside any
+    timed region; ``out`` holds its autograd graph, which ``torch_grad_fn`` keeps (retain_graph) call after call.
+    The backward runs the kernel of the forward's backend (the graph records which)."""
+    fwd = torch_sdpa_fn(torch, peer, shape, softmax_scale)
+    res = []
+    for q, k, v, dout in torch_leaf_sets(torch, sets, douts):
+        res.append((fwd(q, k, v), q, k, v, dout))
+    return res
+
+
+def torch_grad_fn(torch, ptr: int | None = None):
+    """fn(out, q, k, v, dout) -> (dq, dk, dv): ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``
+    with torch's stream set to CuPy's (``ptr``, default CuPy's current stream), so it is ordered with, and timed
+    by, events on that stream. (The backward kernels run on the stream their forward ran on: CuPy's, when the
+    forward came from ``torch_sdpa_fn``.)"""
+    if ptr is None:
+        import cupy
+        ptr = cupy.cuda.get_current_stream().ptr
+
+    def fn(out, q, k, v, dout):
+        with on_cupy_stream(torch, ptr):
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    return fn
+
+
+def torch_sdpa_fwdbwd_fn(torch, peer: str, shape: Shape, softmax_scale: float):
+    """fn(q, k, v, dout) -> (dq, dk, dv): SDPA's forward (backend ``peer`` forced) then its backward, on CuPy's
+    current stream; q, k, v must require grad (``torch_leaf_sets``)."""
+    import cupy
+    ptr = cupy.cuda.get_current_stream().ptr
+    fwd = torch_sdpa_fn(torch, peer, shape, softmax_scale)
+
+    def fn(q, k, v, dout):
+        out = fwd(q, k, v)
+        with on_cupy_stream(torch, ptr):
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+    return fn
 
 
 # ------------------------------------------------------------------------------------------------ user view
@@ -437,6 +563,11 @@ class Timed:
     variant: str
     ms: float                          # EventTimer: pad kernel, inputs rotating through more than L2
     ms_do_bench: float | None = None   # user_view_ms (triton do_bench); None where triton is absent
+    direction: str = "fwd"             # "fwd", "bwd" (the backward alone) or "fwdbwd"
+
+    @property
+    def flops(self) -> float:
+        return direction_flops(self.shape, self.direction)
 
 
 def speedup(peer_ms, ms) -> float | None:
@@ -452,12 +583,13 @@ def _peer_key(peer: str) -> str:
 
 def peer_ratios(results, case: Timed) -> dict:
     """{'over_torch_flash': x, 'over_torch_flash_do_bench': y, 'over_torch_cudnn': ..., ...}: ``case`` against
-    the torch peers among ``results`` on the same shape, by each timer (None where a peer or a time is missing).
-    The bench runs the peers of a shape first, so every other case finds them measured on the same inputs."""
-    found = {(r.shape.id, r.variant): r for r in results}
+    the torch peers among ``results`` on the same shape and in the same direction (a backward against torch's
+    backward), by each timer (None where a peer or a time is missing). The bench runs the peers of a shape first,
+    so every other case finds them measured on the same inputs."""
+    found = {(r.shape.id, r.variant, r.direction): r for r in results}
     out = {}
     for peer in TORCH_BACKENDS:
-        p = found.get((case.shape.id, peer))
+        p = found.get((case.shape.id, peer, case.direction))
         out[_peer_key(peer)] = speedup(p.ms if p else None, case.ms)
         out[_peer_key(peer) + "_do_bench"] = speedup(p.ms_do_bench if p else None, case.ms_do_bench)
     return out
@@ -467,46 +599,96 @@ def _fmt(x, spec: str = ".2f") -> str:
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def summary_tables(results, focus=("fa2",)) -> list[tuple[str, list[str], list[list[str]]]]:
-    """[(title, headers, rows)] of the end-of-session summary.
+#: The backward summary's focus: fa2 through the API, and fa2's GPU backward kernel timed directly (the bench's
+#: unvalidated ``fa2_bwd_kernel`` case, opt-in) until the API calls it.
+BACKWARD_FOCUS = ("fa2", "fa2_bwd_kernel")
+_TITLES = {
+    "fwd": "forward TFLOP/s (median CUDA-event time; 4BHN^2d, /2 causal)",
+    "bwd": "backward TFLOP/s (median CUDA-event time; 2.5 x 4BHN^2d, /2 causal; torch: autograd.grad of SDPA's "
+           "output, forward excluded)",
+    "fwdbwd": "forward+backward TFLOP/s (median CUDA-event time; 3.5 x 4BHN^2d, /2 causal)",
+}
+
+
+def summary_tables(results, focus=("fa2",),
+                   backward_focus=BACKWARD_FOCUS) -> list[tuple[str, list[str], list[list[str]]]]:
+    """[(title, headers, rows)] of the end-of-session summary, for each direction that has results (forward,
+    backward, forward+backward, in that order):
 
     1. TFLOP/s of every variant per shape (CUDA-event timer) and each of ours over torch-flash.
-    2. For each ``focus`` variant that ran: its TFLOP/s and its ratios over torch-flash and torch-cudnn by
-       both timers (event timer and do_bench), one row per shape."""
+    2. For each ``focus`` variant that ran (``backward_focus`` for the backward directions): its TFLOP/s and its
+       ratios over torch-flash and torch-cudnn by both timers (event timer and do_bench), one row per shape.
+    Ratios compare cases of one shape and one direction; a backward's TFLOP/s counts 2.5x the forward FLOPs."""
     results = list(results)
-    if not results:
-        return []
+    tables = []
+    for direction in DIRECTIONS:
+        these = [r for r in results if r.direction == direction]
+        if these:
+            tables += _direction_tables(these, direction, focus if direction == "fwd" else backward_focus)
+    return tables
+
+
+def _direction_tables(results, direction: str, focus) -> list:
+    tag = DIRECTION_TAGS[direction]
+    t = f" {tag}" if tag else ""
     by = {(r.shape.id, r.variant): r for r in results}
     shapes = list(dict.fromkeys(r.shape for r in results))
     seen = list(dict.fromkeys(r.variant for r in results))
     ours = [n for n in seen if n not in TORCH_BACKENDS]
     names = ours + [n for n in TORCH_BACKENDS if n in seen]     # ours first, whatever order the cases ran in
     has_flash = "torch-flash" in names
-    headers = ["shape"] + [f"{n} TFLOP/s" for n in names] + ([f"{n} / flash" for n in ours] if has_flash else [])
+    headers = (["shape"] + [f"{n}{t} TFLOP/s" for n in names]
+               + ([f"{n}{t} / flash{t}" for n in ours] if has_flash else []))
     rows = []
     for s in shapes:
-        row = [s.id] + [_fmt(tflops(s.flops, by[s.id, n].ms) if (s.id, n) in by else None, ".1f") for n in names]
+        row = [s.id] + [_fmt(tflops(by[s.id, n].flops, by[s.id, n].ms) if (s.id, n) in by else None, ".1f")
+                        for n in names]
         if has_flash:
             row += [_fmt(peer_ratios(results, by[s.id, n])["over_torch_flash"] if (s.id, n) in by else None)
                     for n in ours]
         rows.append(row)
-    tables = [("forward TFLOP/s (median CUDA-event time; 4BHN^2d, /2 causal)", headers, rows)]
+    tables = [(_TITLES[direction], headers, rows)]
+    what = {"fwd": "", "bwd": " backward", "fwdbwd": " forward+backward"}[direction]
     for v in (f for f in focus if f in names):
-        head = ["shape", f"{v} TFLOP/s", f"{v} TFLOP/s do_bench"]
+        head = ["shape", f"{v}{t} TFLOP/s", f"{v}{t} TFLOP/s do_bench"]
         for peer in TORCH_BACKENDS:
             short = peer.split("-")[1]
-            head += [f"{v} / {short}", f"{v} / {short} do_bench"]
+            head += [f"{v}{t} / {short}{t}", f"{v}{t} / {short}{t} do_bench"]
         body = []
         for s in shapes:
             r = by.get((s.id, v))
             if r is None:
                 continue
             ratios = peer_ratios(results, r)
-            db = tflops(s.flops, r.ms_do_bench) if r.ms_do_bench else None
-            line = [s.id, _fmt(tflops(s.flops, r.ms), ".1f"), _fmt(db, ".1f")]
+            db = tflops(r.flops, r.ms_do_bench) if r.ms_do_bench else None
+            line = [s.id, _fmt(tflops(r.flops, r.ms), ".1f"), _fmt(db, ".1f")]
             for peer in TORCH_BACKENDS:
                 line += [_fmt(ratios[_peer_key(peer)]), _fmt(ratios[_peer_key(peer) + "_do_bench"])]
             body.append(line)
-        tables.append((f"{v} against torch SDPA on the same inputs, both timers (X / peer = peer time / X time)",
+        peers = f"torch SDPA's{what}" if what else "torch SDPA"
+        tables.append((f"{v}{what} against {peers} on the same inputs, both timers (X / peer = peer time / X time)",
                        head, body))
     return tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A benchmark case that did not run, and why (the bench's backward cases record theirs)."""
+    shape: Shape
+    variant: str
+    direction: str
+    reason: str
+
+
+def skip_lines(skipped) -> list[str]:
+    """One line per (direction, variant, reason) among ``skipped``, with how many shapes it covers, in the order
+    first seen: 'bwd fa2: skipped on 52 shapes: variant 'fa2' has no GPU backward kernel yet; ...'."""
+    counts = {}
+    for s in skipped:
+        key = (s.direction, s.variant, s.reason)
+        counts[key] = counts.get(key, 0) + 1
+    out = []
+    for (direction, variant, reason), n in counts.items():
+        tag = DIRECTION_TAGS[direction] or "fwd"
+        out.append(f"{tag} {variant}: skipped on {n} shape{'s' if n != 1 else ''}: {reason}")
+    return out

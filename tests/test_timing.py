@@ -280,3 +280,241 @@ def test_headdims_measure_rows(monkeypatch):
     assert r["pads_to"] == 96 and r["padded_over_template"] == pytest.approx(1.08 / 1.096)
     assert Shape(4, 26, 4096, 96, "bfloat16", False) in timed        # d = 96 at d = 80's H = 26
     assert sum(1 for s in timed if s.head_dim == 160) == 4            # a template itself: timed once per row
+
+
+# ------------------------------------------------------------------------------------------------ backward
+recompute = _script("recompute")
+B1 = Shape(4, 16, 4096, 128, "bfloat16", False)
+B2 = Shape(1, 16, 16384, 128, "bfloat16", True)
+
+
+def test_backward_flops_are_2_5x_the_forward():
+    assert timing.backward_flops(4, 16, 4096, 4096, 128, False) == 2.5 * 4 * 4 * 16 * 4096 ** 2 * 128
+    assert timing.backward_flops(1, 16, 16384, 16384, 128, True) == 2.5 * 4 * 16 * 16384 ** 2 * 128 / 2
+    assert timing.direction_flops(B1, "fwd") == B1.flops
+    assert timing.direction_flops(B1, "bwd") == 2.5 * B1.flops
+    assert timing.direction_flops(B2, "fwdbwd") == 3.5 * B2.flops
+    assert Timed(B2, "fa2", 1.0, None, "bwd").flops == 2.5 * B2.flops
+    assert Timed(B2, "fa2", 1.0).flops == B2.flops                        # the forward stays the default
+    with pytest.raises(ValueError, match="direction"):
+        timing.direction_flops(B1, "sideways")
+
+
+def test_parse_directions():
+    assert timing.parse_directions(None) == ("fwd", "bwd", "fwdbwd")
+    assert timing.parse_directions("  ") == ("fwd", "bwd", "fwdbwd")
+    assert timing.parse_directions("bwd") == ("bwd",)
+    assert timing.parse_directions("fwdbwd, fwd") == ("fwd", "fwdbwd")      # DIRECTIONS order, whatever given
+    assert timing.parse_directions("fwd+bwd,BWD") == ("bwd", "fwdbwd")
+    with pytest.raises(ValueError, match="unknown direction 'back'.*fwd,bwd,fwdbwd"):
+        timing.parse_directions("fwd,back")
+    with pytest.raises(ValueError, match="names no direction"):
+        timing.parse_directions(",")
+
+
+def test_bench_groups_keep_a_shapes_directions_together():
+    assert timing.bench_group(B1.id) == f"shape={B1.id}"                    # the forward's name, as before
+    assert timing.bench_group(B1.id, "bwd") == f"shape={B1.id} bwd"
+    assert timing.bench_group(B1.id, "fwdbwd") == f"shape={B1.id} fwd+bwd"
+    ids = [Shape(16384 // n, 16, n, 128, "bfloat16", c).id for n in (1024, 2048) for c in (False, True)]
+    names = sorted(timing.bench_group(i, d) for i in ids for d in timing.DIRECTIONS)
+    for i in ids:                                                            # each shape's three are adjacent
+        at = names.index(f"shape={i}")
+        assert names[at:at + 3] == [f"shape={i}", f"shape={i} bwd", f"shape={i} fwd+bwd"]
+
+
+def _bwd_results():
+    return _results() + [
+        Timed(S1, "torch-flash", 5.0, 6.0, "bwd"), Timed(S1, "torch-cudnn", 2.5, 3.0, "bwd"),
+        Timed(S1, "fa2", 4.0, 4.0, "bwd"), Timed(S1, "fa2_bwd_kernel", 3.2, None, "bwd"),
+        Timed(S2, "torch-flash", 8.0, None, "bwd"), Timed(S2, "torch-cudnn", 4.0, None, "bwd"),
+        Timed(S1, "torch-flash", 7.0, None, "fwdbwd"), Timed(S1, "fa2", 7.0, None, "fwdbwd")]
+
+
+def test_peer_ratios_stay_within_a_direction():
+    res = _bwd_results()
+    fa2_bwd = next(r for r in res if r.variant == "fa2" and r.direction == "bwd")
+    r = timing.peer_ratios(res, fa2_bwd)
+    assert r["over_torch_flash"] == pytest.approx(5.0 / 4.0)                 # torch's backward, not its forward
+    assert r["over_torch_flash_do_bench"] == pytest.approx(6.0 / 4.0)
+    assert r["over_torch_cudnn"] == pytest.approx(2.5 / 4.0)
+    fb = next(r for r in res if r.variant == "fa2" and r.direction == "fwdbwd")
+    assert timing.peer_ratios(res, fb)["over_torch_flash"] == pytest.approx(1.0)
+    assert timing.peer_ratios(res, fb)["over_torch_cudnn"] is None          # no cuDNN fwd+bwd measured
+    assert timing.peer_ratios(res, res[2])["over_torch_flash"] == pytest.approx(2.0 / 1.6)   # forward unchanged
+
+
+def test_summary_tables_with_the_backward():
+    tables = timing.summary_tables(_bwd_results())
+    titles = [t for t, _, _ in tables]
+    assert titles[:2] == [t for t, _, _ in timing.summary_tables(_results())]   # the forward's first, unchanged
+    assert tables[:2] == timing.summary_tables(_results())
+    assert titles[2].startswith("backward TFLOP/s") and "2.5 x" in titles[2]
+    assert titles[3].startswith("fa2 backward against torch SDPA's backward")
+    assert titles[4].startswith("fa2_bwd_kernel backward")
+    assert titles[5].startswith("forward+backward TFLOP/s") and "3.5 x" in titles[5]
+    assert titles[6].startswith("fa2 forward+backward against")
+    assert len(tables) == 7
+    _, head, rows = tables[2]
+    assert head == ["shape", "fa2 bwd TFLOP/s", "fa2_bwd_kernel bwd TFLOP/s", "torch-flash bwd TFLOP/s",
+                    "torch-cudnn bwd TFLOP/s", "fa2 bwd / flash bwd", "fa2_bwd_kernel bwd / flash bwd"]
+    assert [r[0] for r in rows] == [S1.id, S2.id]
+    assert rows[0][1] == f"{timing.tflops(2.5 * S1.flops, 4.0):.1f}"        # TFLOP/s with 2.5x the FLOPs
+    assert rows[0][3] == f"{timing.tflops(2.5 * S1.flops, 5.0):.1f}"
+    assert rows[0][5:] == ["1.25", "1.56"]
+    assert rows[1][1:3] == ["", ""] and rows[1][3] == f"{timing.tflops(2.5 * S2.flops, 8.0):.1f}"
+    _, head, rows = tables[3]
+    assert head == ["shape", "fa2 bwd TFLOP/s", "fa2 bwd TFLOP/s do_bench", "fa2 bwd / flash bwd",
+                    "fa2 bwd / flash bwd do_bench", "fa2 bwd / cudnn bwd", "fa2 bwd / cudnn bwd do_bench"]
+    assert rows == [[S1.id, f"{timing.tflops(2.5 * S1.flops, 4.0):.1f}", f"{timing.tflops(2.5 * S1.flops, 4.0):.1f}",
+                     "1.25", "1.50", "0.62", "0.75"]]                      # S2: fa2 did not run, no row
+    _, head, rows = tables[5]
+    assert rows[0][1] == f"{timing.tflops(3.5 * S1.flops, 7.0):.1f}"
+
+
+def test_summary_backward_with_only_the_peers():
+    """While our backward is skipped, the backward table still shows torch's two backwards; no fa2 table."""
+    only = [Timed(S1, "torch-flash", 5.0, None, "bwd"), Timed(S1, "torch-cudnn", 2.5, None, "bwd")]
+    tables = timing.summary_tables(only)
+    assert len(tables) == 1 and tables[0][0].startswith("backward")
+    assert tables[0][1] == ["shape", "torch-flash bwd TFLOP/s", "torch-cudnn bwd TFLOP/s"]
+
+
+def test_skip_lines_count_shapes_per_reason():
+    why = "fa2: variant 'fa2' has no GPU backward kernel yet; backend='numpy' runs its NumPy model"
+    skipped = [timing.Skipped(S1, "fa2", "bwd", why), timing.Skipped(S2, "fa2", "bwd", why),
+               timing.Skipped(S1, "fa2", "fwdbwd", why), timing.Skipped(S1, "fa2_bwd_kernel", "bwd", "opt-in")]
+    assert timing.skip_lines(skipped) == [f"bwd fa2: skipped on 2 shapes: {why}",
+                                          f"fwd+bwd fa2: skipped on 1 shape: {why}",
+                                          "bwd fa2_bwd_kernel: skipped on 1 shape: opt-in"]
+    assert timing.skip_lines([]) == []
+
+
+def test_torch_backward_helpers_on_the_cpu(monkeypatch):
+    """torch_sdpa_grad_sets / torch_grad_fn / torch_sdpa_fwdbwd_fn on CPU tensors (torch's CPU flash kernel): the
+    forward runs once, the timed call is autograd.grad alone (repeatable: retain_graph), gradients match autograd
+    through an unfused float64 attention, and the leaves share the input arrays' memory."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(timing, "on_cupy_stream", lambda torch, ptr=None: contextlib.nullcontext())
+    shape = Shape(2, 3, 40, 16, "bfloat16", True)
+    scale = 0.3
+    sets = [timing.random_inputs(shape, np, seed) for seed in (0, 1)]
+    douts = [timing.random_dout(shape, np, 10_000 + i) for i in range(2)]
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(*a, **kw):
+        calls.append(kw)
+        return real_sdpa(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    grad_sets = timing.torch_sdpa_grad_sets(torch, "torch-flash", shape, scale, sets, douts)
+    assert len(calls) == 2 and calls[0] == dict(is_causal=True, scale=scale)    # one forward per set, here
+    grad = timing.torch_grad_fn(torch)
+    first = grad(*grad_sets[0])
+    again = grad(*grad_sets[0])                                                  # the graph was retained
+    assert len(calls) == 2                                                        # the timed call runs no forward
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    out, q, k, v, dout = grad_sets[0]
+    assert q.is_leaf and q.requires_grad and q.shape == (2, 3, 40, 16)
+    assert q.data_ptr() == sets[0][0].ctypes.data                                 # zero-copy views
+
+    def ref_grads(i):
+        q, k, v = (torch.from_numpy(a.astype(np.float64)).transpose(1, 2).requires_grad_(True) for a in sets[i])
+        s = (q @ k.transpose(-1, -2)) * scale
+        s = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+        o = torch.softmax(s, -1) @ v
+        return torch.autograd.grad(o, (q, k, v), torch.from_numpy(douts[i].astype(np.float64)).transpose(1, 2))
+
+    for got, want in zip(first, ref_grads(0)):
+        err = (got.double() - want).norm() / want.norm()
+        assert err < 2e-2, err
+    fb = timing.torch_sdpa_fwdbwd_fn(torch, "torch-flash", shape, scale)
+    leaves = timing.torch_leaf_sets(torch, sets, douts)
+    both = fb(*leaves[1])
+    assert len(calls) == 3                                                        # fwd+bwd: its own forward
+    for got, want in zip(both, ref_grads(1)):
+        assert (got.double() - want).norm() / want.norm() < 2e-2
+
+
+# ------------------------------------------------------------------------------------------------ recompute
+def test_recompute_flops_and_memory_model():
+    s = Shape(1, 16, 4096, 128, "bfloat16", False)
+    by = {i.name: i for i in recompute.IMPLS}
+    fwd = 4 * 16 * 4096 ** 2 * 128
+    assert recompute.flops_of(by["naive"], s) == 2 * fwd          # P stored: 4 products
+    assert recompute.flops_of(by["torch-math"], s) == 2 * fwd
+    assert recompute.flops_of(by["fa2"], s) == 3.5 * fwd          # recompute + the separate dQ pass: 7 products
+    assert recompute.flops_of(by["fa2_bwd_kernel"], s) == 3.5 * fwd
+    assert recompute.flops_of(by["torch-flash"], s) == 2.5 * fwd  # FA2 with atomic dQ: 5 products
+    c = Shape(1, 16, 4096, 128, "bfloat16", True)
+    assert recompute.flops_of(by["naive"], c) == 2 * fwd          # the standard backward does not skip masked scores
+    assert 1.75 * fwd < recompute.flops_of(by["fa2"], c) < 1.8 * fwd   # about half, plus the diagonal blocks
+    m = recompute.MEMORY_SHAPE
+    assert recompute.p_bytes(m) == 4 * 16 * 131072 ** 2 == 2**40            # 1 TiB
+    assert recompute.delta_bytes(m) == 4 * 16 * 131072 == 8 * 2**20         # 8 MiB
+
+
+def test_recompute_rows_and_table():
+    s = Shape(1, 16, 2048, 128, "bfloat16", False)
+    fa2 = next(i for i in recompute.IMPLS if i.name == "fa2")
+    r = recompute.row_values(fa2, s, ms=2.0, held=4096, bwd_peak=3 * 2**20)
+    assert r["tflops_convention"] == pytest.approx(2.5 * s.flops / 2e-3 / 1e12)
+    assert r["tflops_actual"] == pytest.approx(3.5 * s.flops / 2e-3 / 1e12)
+    skipped = recompute.row_values(fa2, s, status="skipped: variant 'fa2' has no GPU backward kernel yet")
+    headers, body = recompute.table([r, skipped])
+    assert headers[0] == "impl" and len(body) == 2 and all(len(b) == len(headers) for b in body)
+    assert body[0][5] == "2.000" and body[0][9] == "3.0" and body[0][-1] == "measured"
+    assert body[1][5] == "" and body[1][-1].startswith("skipped")
+    json.dumps([r, skipped])
+
+
+def test_recompute_without_a_gpu_reports_every_row_skipped(monkeypatch, tmp_path, capsys):
+    from fa_variants import gpu
+    monkeypatch.setattr(gpu, "probe", lambda device_id=None: gpu.Probe(None, "no CUDA device"))
+    path = tmp_path / "r.json"
+    assert recompute.main(["--json", str(path), "--seqlens", "2048,4096"]) == 0
+    out = capsys.readouterr().out
+    assert "1,024 GiB" in out and "not measured: no CUDA GPU (no CUDA device)" in out
+    doc = json.loads(path.read_text())
+    assert len(doc["rows"]) == 2 * len(recompute.IMPLS)
+    assert all(r["ms"] is None and r["status"] == "not run: no CUDA GPU (no CUDA device)" for r in doc["rows"])
+    assert doc["memory_check"]["p_fp32_bytes"] == 2**40 and doc["config"]["seqlens"] == [2048, 4096]
+
+
+# ------------------------------------------------------------------------------------------------ bench collection
+def _collect(env_directions):
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    if env_directions is None:
+        env.pop("FAV_BENCH_DIRECTIONS", None)
+    else:
+        env["FAV_BENCH_DIRECTIONS"] = env_directions
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", str(BENCH)],
+                          capture_output=True, text=True, env=env, cwd=BENCH.parent, timeout=300)
+
+
+def test_bench_directions_switch_deselects_the_others():
+    every = _collect(None)
+    assert every.returncode == 0, every.stdout + every.stderr
+    names = [ln for ln in every.stdout.splitlines() if "::test_" in ln]
+    fwd = [n for n in names if "::test_forward[" in n]
+    bwd = [n for n in names if "::test_backward[" in n and "-bwd-" in n]
+    fb = [n for n in names if "::test_backward[" in n and "-fwdbwd-" in n]
+    assert fwd and bwd and fb and len(names) == len(fwd) + len(bwd) + len(fb)
+    assert len(bwd) == len(fb)
+    for want in ("-bwd-torch-flash]", "-bwd-torch-cudnn]", "-bwd-fa2]", "-bwd-fa1]", "-bwd-naive]",
+                 "-bwd-fa2_bwd_kernel]"):
+        assert any(n.endswith(want) for n in bwd), want
+    assert any("bf16-d256-N16384-B1-H8-causal-bwd-fa2]" in n for n in bwd)   # d = 256 too
+    only = _collect("bwd")
+    assert only.returncode == 0
+    got = [ln for ln in only.stdout.splitlines() if "::test_" in ln]
+    assert got == bwd and f"({len(fwd) + len(fb)} deselected)" in only.stdout
+    bad = _collect("fwd,sideways")
+    assert bad.returncode != 0 and "unknown direction 'sideways'" in bad.stdout + bad.stderr
