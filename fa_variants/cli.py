@@ -1,7 +1,7 @@
 """``fa-variants``: compare the variants on this machine, explain their HBM traffic, build every kernel, profile
 their DRAM traffic.
 
-    fa-variants compare [--batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bfloat16 --causal ...]
+    fa-variants compare [--batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bfloat16 --causal ...] [--backward]
     fa-variants explain fa2 [--seqlen 4096 --head-dim 128] [--paper-blocks [--sram 32768] | --blocks 128x64] [--backward]
     fa-variants build [--arch 80,86,89,90a] [--variants fa1,fa2]
     fa-variants profile [shape flags of compare] [--variants fa2]     (needs a GPU and Nsight Compute's ncu)
@@ -27,9 +27,10 @@ import numpy as np
 from tabulate import tabulate
 
 from . import __version__, arrays, gpu, iomodel, jit, timing
-from .api import attention
+from .api import BackendUnavailable, attention
+from .backward import attention_backward
 from .reference.common import DEFAULT_SRAM, paper_blocks
-from .reference.dense import attention64, pick_pairs, rel_error
+from .reference.dense import array_module, attention64, pick_pairs, reference_backward, rel_error, to_float64
 from .registry import VARIANTS, Variant, get, variants
 
 # One default shape, with and without a GPU (what `fa-variants compare` means does not depend on the machine).
@@ -299,6 +300,8 @@ def _modeled_hbm(entry: Variant, shape: timing.Shape, blocks) -> float | None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if getattr(args, "backward", False):
+        return _compare_backward(args)
     if args.dtype == "fp8":  # the FP8 comparison: fa2_fp8 on bf16 inputs (quantized on the fly) beside bf16 fa2
         args.dtype = "bfloat16"
         args.variants = args.variants or "fa2,fa2_fp8"
@@ -531,6 +534,320 @@ def _run_torch(torch, peer, shape, scale, sets, ref, pairs, args) -> dict:
     return dict(variant=peer, ms=timing.median(times), err=err, hbm=None, extra=extra)
 
 
+# ------------------------------------------------------------------------------------------------ compare --backward
+def _backward_chosen(args: argparse.Namespace) -> tuple[list[Variant], list[str]]:
+    """The variants for ``compare --backward``: those with a backward (a NumPy model, and the API's entry point).
+    One named with --variants that has none ends the command in one line; from the default list it is left out
+    with a note."""
+    if args.dtype == "fp8":
+        raise SystemExit("fa-variants compare --backward: --dtype fp8 has no backward (fa2_fp8 is forward-only); "
+                         "use --dtype bfloat16 or float16")
+    chosen = _parse_variants(args.variants)
+    having = [v.name for v in variants() if v.reference_backward is not None]
+    lacking = [v for v in chosen if v.reference_backward is None]
+    if lacking and args.variants:
+        raise SystemExit(f"fa-variants compare --backward: {', '.join(v.name for v in lacking)} has no backward "
+                         f"(--backward: {', '.join(having)})")
+    notes = [f"{v.name} not run: it has no backward (forward only)" for v in lacking]
+    return [v for v in chosen if v.reference_backward is not None], notes
+
+
+def _compare_backward(args: argparse.Namespace) -> int:
+    chosen, notes = _backward_chosen(args)
+    why_no_gpu = "forced by --numpy" if args.numpy else gpu.reason()
+    if why_no_gpu:
+        return _compare_backward_numpy(args, chosen, notes, why_no_gpu)
+    return _compare_backward_gpu(args, chosen, notes)
+
+
+def _kv_pairs(shape: timing.Shape, budget: float):
+    """(batch, kv head) pairs for the float64 reference backward, all of them if they fit ``budget`` FLOPs, else an
+    evenly spaced subset. A pair covers its group's query heads (a kv head's dk, dv sum over all of them), each
+    costing about 2.5x the forward's 4 Nq Nk d."""
+    group = shape.heads // shape.hkv
+    per_pair_dim = math.ceil(timing.FLOPS_FACTOR["bwd"] * group * shape.head_dim)  # pick_pairs: 4 Nq Nk x this
+    return pick_pairs(shape.batch, shape.hkv, shape.seqlen_q, shape.nk, per_pair_dim, budget)
+
+
+def _reference_grads(dout, q, k, v, *, causal: bool, scale: float, kv_pairs, group: int) -> dict:
+    """{"dq": [...], "dk": [...], "dv": [...]}: float64 ``reference_backward`` per (batch, kv head) pair, dq of the
+    group's query heads (N_q, G, d), dk and dv of the kv head (N_k, 1, d); NumPy or CuPy, where q lives."""
+    refs = {"dq": [], "dk": [], "dv": []}
+    for b, g in kv_pairs:
+        hs = slice(g * group, (g + 1) * group)
+        dq, dk, dv = reference_backward(dout[b:b + 1, :, hs], q[b:b + 1, :, hs], k[b:b + 1, :, g:g + 1],
+                                        v[b:b + 1, :, g:g + 1], causal=causal, scale=scale)
+        refs["dq"].append(dq[0])
+        refs["dk"].append(dk[0])
+        refs["dv"].append(dv[0])
+    return refs
+
+
+def grad_errors(grads, refs: dict, kv_pairs, group: int) -> tuple[float, float, float]:
+    """(dq, dk, dv) relative errors ||g - ref|| / ||ref|| over the reference's (batch, kv head) pairs; ``grads`` in
+    flash-attn's layout, any dtype, NumPy or CuPy like ``refs``."""
+    errs = []
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        num = den = 0.0
+        for (b, h), ref in zip(kv_pairs, refs[name]):
+            part = g[b, :, h * group:(h + 1) * group] if name == "dq" else g[b, :, h:h + 1]
+            xp = array_module(ref)
+            num += float(xp.sum((to_float64(part) - ref) ** 2))
+            den += float(xp.sum(ref * ref))
+        errs.append(math.sqrt(num / den) if den > 0 else float("nan"))
+    return tuple(errs)
+
+
+def _kv_subset_note(kv_pairs, shape: timing.Shape) -> str:
+    total = shape.batch * shape.hkv
+    if len(kv_pairs) == total:
+        return ""
+    return (f"; computed on {len(kv_pairs)} of the {total} (batch, kv head) pairs, evenly spaced, each with all "
+            f"its query heads (the full float64 reference would cost too much)")
+
+
+def _errs_text(errs) -> list[str]:
+    return [_fmt(e, ".1e", "nan") for e in errs]
+
+
+def _compare_backward_numpy(args: argparse.Namespace, chosen: list[Variant], notes: list[str], why: str) -> int:
+    asked = _shape_from_args(args)
+    chosen, more = _validate("compare", chosen, asked, explicit=bool(args.variants))
+    notes = notes + more
+    shape = asked if args.full_size else cpu_sized(asked)
+    blocks = Blocks.from_args(args)
+    paper_default = blocks.mode == "kernel"
+    if paper_default:   # as explain --backward: no backward kernel's tiles to take, so the paper's blocks
+        blocks = dataclasses.replace(blocks, mode="paper")
+    lead = "--numpy" if why == "forced by --numpy" else "no CUDA GPU"
+    reason = "" if lead == "--numpy" else f" [{why}]"
+    if shape == asked:
+        which = "the requested" if _explicit_shape(args) else "the default"
+        print(f"{lead}: running the NumPy backward models at {which} size ({_describe(shape)}){reason}")
+    else:
+        print(f"{lead}: running the NumPy backward models at a CPU-sized shape ({_describe(shape)}) instead of "
+              f"{_describe(asked)} (--full-size runs that, slowly){reason}")
+    print(f"dtype {shape.dtype}, {'causal (bottom-right)' if shape.causal else 'not causal'}; the models compute "
+          f"in float64 on the CPU; out and lse handed to them are the float64 forward's")
+    b, nq, h, d = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim
+    q, k, v = timing.random_inputs(shape, np, seed=args.seed)
+    dout = timing.random_dout(shape, np, seed=args.seed + 10_000)
+    scale = 1.0 / math.sqrt(d)
+    out64, lse64 = attention64(q, k, v, causal=shape.causal, scale=scale)
+    out = out64.reshape(b, h, nq, d).transpose(0, 2, 1, 3)
+    lse = lse64.reshape(b, h, nq)
+    group = shape.heads // shape.hkv
+    kv_pairs = _kv_pairs(shape, REF_FLOP_BUDGET_CPU)
+    refs = _reference_grads(dout, q, k, v, causal=shape.causal, scale=scale, kv_pairs=kv_pairs, group=group)
+    rows, failed = [], False
+    for i, entry in enumerate(chosen, 1):
+        _progress(f"[{i}/{len(chosen)}] {entry.name} (NumPy backward model)")
+        (b_r, b_c), source = blocks.pick(entry, d)
+        try:
+            kw = {} if b_r is None else dict(block_q=b_r, block_k=b_c)
+            t0 = time.perf_counter()
+            res = entry.reference_backward(dout, q, k, v, out, lse, causal=shape.causal, softmax_scale=scale, **kw)
+            wall = (time.perf_counter() - t0) * 1e3
+            errs = grad_errors((res.dq, res.dk, res.dv), refs, kv_pairs, group)
+            used = res.blocks or (None, None)
+            try:
+                per_head = entry.io_model_backward(nq, shape.nk, d, *used, causal=shape.causal)
+                formula = per_head["total"] * b * h
+            except Exception:  # noqa: BLE001
+                formula = None
+            try:
+                flops_formula = iomodel.backward_flops(entry.name, nq, shape.nk, d, *used, causal=shape.causal) * b * h
+            except Exception:  # noqa: BLE001
+                flops_formula = None
+            blk = _blocks_text(used) + ("" if used[0] is None or paper_default else _SOURCE_TAG[source])
+            rows.append([entry.name, blk, f"{wall:.1f}", *_errs_text(errs), f"{res.hbm.total / 1e6:.3f}",
+                         _fmt(None if formula is None else formula / 1e6, ".3f", "n/a"), f"{res.flops / 1e9:.3f}",
+                         _fmt(None if flops_formula is None else flops_formula / 1e9, ".3f", "n/a"),
+                         f"{res.flops / shape.flops:.2f}"])
+        except Exception as e:  # noqa: BLE001
+            failed |= not isinstance(e, EXPECTED_FAILURES)
+            if args.verbose:
+                traceback.print_exc()
+            rows.append([entry.name, "", "", f"error: {_err_text(e)}", "", "", "", "", "", "", ""])
+    print(tabulate(rows, headers=["variant", "blocks B_r x B_c", "time (CPU, ms)", "err dq", "err dk", "err dv",
+                                  "HBM accesses counted (M elem.)", "formula (M elem.)", "FLOPs counted (G)",
+                                  "formula (G)", "FLOPs / fwd"],
+                   tablefmt="github", disable_numparse=True))
+    block_note = (f"blocks: the paper's blocks for M = {blocks.sram} elements (B_c = ceil(M/4d), B_r = min(B_c, d)), "
+                  f"as explain --backward: the API runs no backward kernel yet, so no kernel tiles; --blocks BRxBC "
+                  f"for others" if paper_default else f"blocks: {blocks.describe()}")
+    notes = [
+        "time: wall clock of the NumPy backward model on the CPU (not a GPU number)",
+        "err dq/dk/dv: ||dX - ref|| / ||ref|| against a float64 backward from the definition "
+        "(reference.dense.reference_backward) on the same inputs" + _kv_subset_note(kv_pairs, shape),
+        "HBM accesses: element reads + writes the backward model counts (every batch and head), beside "
+        "fa_variants.iomodel's closed form; `fa-variants explain <variant> --backward` shows the breakdown",
+        "FLOPs: the model's matmul FLOPs (recomputation included) beside iomodel.backward_flops; FLOPs / fwd: over "
+        "the forward's 4BHNqNkd (/2 causal). On the GPU, TFLOP/s count 2.5x the forward for every backward",
+        block_note,
+    ] + notes
+    _print_notes(notes)
+    return 1 if failed else 0
+
+
+def _compare_backward_gpu(args: argparse.Namespace, chosen: list[Variant], notes: list[str]) -> int:
+    import cupy
+
+    shape = _shape_from_args(args)
+    chosen, more = _validate("compare", chosen, shape, explicit=bool(args.variants))
+    notes = notes + more
+    dev = cupy.cuda.Device()
+    bwd_flops = timing.direction_flops(shape, "bwd")
+    print(f"GPU: {gpu.probe().name} (compute capability {dev.compute_capability}), CuPy {cupy.__version__}, "
+          f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}")
+    print(f"backward, shape {_describe(shape)}, {shape.dtype}, "
+          f"{'causal (bottom-right)' if shape.causal else 'not causal'}; {bwd_flops / 1e12:.3f} TFLOP per call by "
+          f"the 2.5 x 4BHNqNkd{'/2' if shape.causal else ''} convention")
+
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    sets = timing.gpu_input_sets(shape, seed=args.seed)
+    douts = timing.gpu_dout_sets(shape, len(sets), seed=args.seed + 10_000)
+    l2 = timing.l2_bytes()
+    group = shape.heads // shape.hkv
+    kv_pairs = _kv_pairs(shape, REF_FLOP_BUDGET_GPU)
+    _progress(f"float64 reference backward on {len(kv_pairs)} (batch, kv head) pairs ...")
+    refs = _reference_grads(douts[0], *sets[0], causal=shape.causal, scale=scale, kv_pairs=kv_pairs, group=group)
+    cupy.cuda.get_current_stream().synchronize()
+
+    results, unavailable, failed = [], [], False
+    torch, torch_why = (None, "--no-torch") if args.no_torch else timing.torch_status()
+    if torch is not None and timing.torch_sdpa_unsupported(shape):
+        torch_why = timing.torch_sdpa_unsupported(shape)
+        torch = None
+    peers = list(timing.TORCH_BACKENDS) if torch is not None else []
+    todo = list(chosen) + peers
+    ctx = dict(shape=shape, scale=scale, sets=sets, douts=douts, refs=refs, kv_pairs=kv_pairs, group=group)
+    for i, item in enumerate(todo, 1):
+        label = item if isinstance(item, str) else item.name
+        if not isinstance(item, str):
+            ok, why = item.available()
+            if not ok:
+                unavailable.append((label, why))
+                continue
+        _progress(f"[{i}/{len(todo)}] {label} backward ...")
+        try:
+            if isinstance(item, str):
+                results.append(_run_torch_backward(torch, item, args, **ctx))
+            else:
+                results.append(_run_variant_backward(item, args, **ctx))
+        except BackendUnavailable as e:   # the API has no GPU backward for it (yet): a row saying so, not a failure
+            results.append(dict(variant=label, skipped=_err_text(e, 300)))
+        except Exception as e:  # noqa: BLE001 - our variants' failures set the exit code; a peer's do not
+            failed |= not isinstance(item, str) and not isinstance(e, EXPECTED_FAILURES)
+            if args.verbose:
+                traceback.print_exc()
+            results.append(dict(variant=label, error=_err_text(e)))
+        finally:
+            cupy.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+
+    ref_ms = {r["variant"]: r["ms"] for r in results if "ms" in r}
+    ratio_cols = [p for p in peers if p in ref_ms]
+    nset = len(sets)
+    set_mb = nset * (shape.input_bytes + 2 * shape.itemsize * shape.batch * shape.seqlen_q * shape.heads
+                     * shape.head_dim) / 1e6
+    head = [
+        f"time: median of {args.repeats} CUDA-event timings of the backward call alone after {args.warmup} warm-up "
+        f"calls; calls rotate among {nset} sets of q, k, v, out, dout ({set_mb:.0f} MB together, L2 "
+        f"{l2 / 1e6:.0f} MB); a pad kernel before each call keeps host launch overhead out of the events. Ours: "
+        f"fav.attention_backward given the variant's own forward's out and lse; torch: autograd.grad(out, (q, k, v), "
+        f"dout, retain_graph=True) of an SDPA forward run once beforehand with that backend forced",
+        f"TFLOP/s = 2.5 x 4*B*H*Nq*Nk*d / time{', halved for causal' if shape.causal else ''} (the flash-attn "
+        f"convention for the backward, whatever a backward really computes)",
+        "err dq/dk/dv: ||dX - ref|| / ||ref|| against a float64 backward from the definition on the GPU "
+        "(reference.dense.reference_backward)" + _kv_subset_note(kv_pairs, shape),
+        "extra mem: peak of the memory pool during one backward call beyond dq, dk and dv (CuPy pool for ours, "
+        "torch's caching allocator for SDPA)",
+        "x torch-...: speed relative to that torch SDPA backend's backward on the same inputs (> 1 is faster)"
+        if ratio_cols else None,
+        f"torch SDPA rows not run: {torch_why}" if not peers else "torch SDPA: flash = FLASH_ATTENTION, "
+        "cudnn = CUDNN_ATTENTION (sdpa_kernel forcing one backend for the forward; the backward follows it)",
+    ]
+    head = [n for n in head if n]
+    headers = ["variant", "time (ms)", "TFLOP/s", "err dq", "err dk", "err dv", "extra mem (MB)"]
+    headers += [f"x {p}" for p in ratio_cols]
+    rows, skipped_notes = [], []
+    for r in results:
+        if "skipped" in r:
+            skipped_notes.append(f"{r['variant']} skipped: {r['skipped']}")
+            where = len(head) + len(notes) + len(skipped_notes)     # the note that gives the reason
+            rows.append([r["variant"], f"skipped [{where}]", "", "", "", "", ""] + [""] * len(ratio_cols))
+            continue
+        if "error" in r:
+            rows.append([r["variant"], "", "", f"error: {r['error']}", "", "", ""] + [""] * len(ratio_cols))
+            continue
+        row = [r["variant"], f"{r['ms']:.3f}", f"{timing.tflops(bwd_flops, r['ms']):.1f}", *_errs_text(r["errs"]),
+               _fmt(None if r.get("extra") is None else r["extra"] / 2**20, ".1f", "—")]
+        row += [f"{ref_ms[p] / r['ms']:.2f}" for p in ratio_cols]
+        rows.append(row)
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+
+    all_notes = head + notes + skipped_notes + [f"{label} not run here: {why}" for label, why in unavailable]
+    _print_notes(all_notes)
+    ran = any("ms" in r for r in results)
+    return 1 if failed or not (ran or any("skipped" in r for r in results)) else 0
+
+
+def _run_variant_backward(entry: Variant, args, *, shape, scale, sets, douts, refs, kv_pairs, group) -> dict:
+    import cupy
+
+    def fwd(q, k, v):
+        return attention(q, k, v, variant=entry.name, causal=shape.causal, softmax_scale=scale, return_lse=True,
+                         backend="cuda")
+
+    def call(dout, q, k, v, out, lse):
+        return attention_backward(dout, q, k, v, out, lse, variant=entry.name, causal=shape.causal,
+                                  softmax_scale=scale, backend="cuda")
+
+    q, k, v = sets[0]
+    out, lse = fwd(q, k, v)
+    with timing.PeakMemory() as pm:     # BackendUnavailable (no GPU backward yet) leaves from here: skipped row
+        grads = call(douts[0], q, k, v, out, lse)
+        cupy.cuda.get_current_stream().synchronize()
+    extra = max(0, pm.peak - timing.nbytes_rounded(*grads))
+    errs = grad_errors(grads, refs, kv_pairs, group)
+    del grads
+    saved = [(out, lse)] + [fwd(*s) for s in sets[1:]]
+    rotate = [(d, q, k, v, o, lse) for (q, k, v), d, (o, lse) in zip(sets, douts, saved)]
+    times = timing.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rotate)
+    return dict(variant=entry.name, ms=timing.median(times), errs=errs, extra=extra)
+
+
+def torch_grads_to_cupy(torch, grads, dtype):
+    """torch (B, H, N, d) gradients -> CuPy arrays in flash-attn's (B, N, H, d) layout of ``dtype`` (bf16 through
+    its 16-bit pattern: DLPack may not carry bfloat16)."""
+    import cupy
+    out = []
+    for g in grads:
+        t = g.detach().transpose(1, 2)
+        if t.dtype == torch.bfloat16:
+            out.append(cupy.from_dlpack(t.contiguous().view(torch.int16)).view(dtype))
+        else:
+            out.append(cupy.from_dlpack(t))
+    return out
+
+
+def _run_torch_backward(torch, peer, args, *, shape, scale, sets, douts, refs, kv_pairs, group) -> dict:
+    fn = timing.torch_grad_fn(torch)
+    tsets = timing.torch_sdpa_grad_sets(torch, peer, shape, scale, sets, douts)   # forward once, not timed
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = fn(*tsets[0])
+    torch.cuda.synchronize()
+    extra = max(0, torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads))
+    errs = grad_errors(torch_grads_to_cupy(torch, grads, sets[0][0].dtype), refs, kv_pairs, group)
+    del grads
+    times = timing.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets)
+    return dict(variant=peer, ms=timing.median(times), errs=errs, extra=extra)
+
+
 # ------------------------------------------------------------------------------------------------ explain
 def cmd_explain(args: argparse.Namespace) -> int:
     entry = get(args.variant)
@@ -722,6 +1039,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="NumPy models: run the requested shape even when it is large (slow), instead of a "
                    "CPU-sized version of it")
     _add_block_args(c, "on-chip memory M in elements for --paper-blocks")
+    c.add_argument("--backward", action="store_true",
+                   help="compare the backward instead: our variants through fav.attention_backward (rows say "
+                   "why where the GPU backward is unavailable), torch SDPA's flash and cuDNN backwards; TFLOP/s "
+                   "count 2.5x the forward's FLOPs; dq/dk/dv errors against a float64 backward (the NumPy "
+                   "backward models without a GPU)")
     c.set_defaults(func=cmd_compare)
 
     e = sub.add_parser("explain", help="a variant's loop order and HBM traffic: paper formula vs the NumPy "

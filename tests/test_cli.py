@@ -521,3 +521,100 @@ def test_profile_fa2_measures_dram_and_l2(capsys):
     assert total == pytest.approx(read + write, abs=2e-4)
     assert l2 >= read and modeled > 0 and ratio > 0
     assert "1 kernel in the call (fa2_fwd" in out
+
+
+# ------------------------------------------------------------------------------------------------ compare --backward
+def _table_rows(out: str) -> dict:
+    """{variant: [cells]} of the first markdown table in ``out``."""
+    rows = {}
+    for ln in out.splitlines():
+        if ln.startswith("|") and not ln.startswith("|--"):
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            rows.setdefault(cells[0], cells)
+    return rows
+
+
+def test_compare_backward_without_gpu_runs_the_numpy_backward_models(no_gpu, capsys):
+    rc, out, err = run_cli(["compare", "--backward"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("no CUDA GPU: running the NumPy backward models at a CPU-sized shape (B=1, H=2, "
+                               "N=1024, d=128) instead of B=4, H=16, N=4096, d=128"), lines[0]
+    rows = _table_rows(out)
+    assert rows["variant"][:6] == ["variant", "blocks B_r x B_c", "time (CPU, ms)", "err dq", "err dk", "err dv"]
+    for name in ("naive", "fa1", "fa2"):
+        cells = rows[name]
+        errs = [float(c) for c in cells[3:6]]
+        assert all(e < 1e-12 for e in errs), (name, errs)           # float64 models vs the float64 backward
+        assert cells[6] == cells[7], f"{name}: HBM counted {cells[6]} != formula {cells[7]}"
+        assert cells[8] == cells[9], f"{name}: FLOPs counted {cells[8]} != formula {cells[9]}"
+    assert [rows[n][10] for n in ("naive", "fa1", "fa2")] == ["2.00", "2.50", "3.50"]   # x the forward's FLOPs
+    assert "fa2_fp8" not in rows and "fa2_fp8 not run: it has no backward" in out
+    assert "the paper's blocks" in out
+
+
+def test_compare_backward_gqa_causal_unequal_lengths(no_gpu, capsys):
+    rc, out, err = run_cli(["compare", "--backward", "--variants", "fa2,naive", "--batch", "2", "--heads", "4",
+                            "--heads-kv", "2", "--seqlen", "33", "--seqlen-k", "70", "--head-dim", "32", "--causal",
+                            "--dtype", "float16", "--blocks", "16x8"], capsys)
+    assert rc == 0, err
+    assert out.splitlines()[0].startswith("no CUDA GPU: running the NumPy backward models at the requested size "
+                                          "(B=2, H=4, N=33, d=32, H_kv=2, N_k=70)")
+    rows = _table_rows(out)
+    assert set(rows) == {"variant", "fa2", "naive"}
+    assert rows["fa2"][1] == "16x8 (--blocks)" and rows["naive"][1] == "—"
+    assert all(float(c) < 1e-12 for r in ("fa2", "naive") for c in rows[r][3:6])
+
+
+def test_compare_backward_error_column_sees_a_wrong_gradient(no_gpu, monkeypatch, capsys):
+    """The error columns are measured: a model whose dk is 1 % off shows 1e-2 there and nowhere else."""
+    import dataclasses
+    fa2 = registry.get("fa2")
+    real = fa2.reference_backward
+
+    def off(*a, **kw):
+        res = real(*a, **kw)
+        return dataclasses.replace(res, dk=res.dk * 1.01)
+
+    monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(fa2, reference_backward=off))
+    rc, out, err = run_cli(["compare", "--backward", "--variants", "fa2", "--seqlen", "64", "--heads", "2",
+                            "--batch", "1", "--head-dim", "16"], capsys)
+    assert rc == 0, err
+    cells = _table_rows(out)["fa2"]
+    assert float(cells[3]) < 1e-12 and float(cells[5]) < 1e-12
+    assert float(cells[4]) == pytest.approx(1e-2, rel=1e-3)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--variants", "fa2_fp8"], "fa2_fp8 has no backward (--backward: naive, fa1, fa2)"),
+    (["--dtype", "fp8"], "--dtype fp8 has no backward"),
+    (["--variants", "fa9"], "unknown variant"),
+])
+def test_compare_backward_refusals_are_one_line(no_gpu, argv, says, capsys):
+    rc, out, err = run_cli(["compare", "--backward"] + argv, capsys)
+    assert rc != 0 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_kv_pairs_and_gradient_errors():
+    """The reference's subset is of (batch, kv head) pairs, each with all its query heads; grad_errors is
+    ||g - ref|| / ||ref|| over exactly those pairs."""
+    from fa_variants.reference.dense import reference_backward
+    s = timing.Shape(2, 8, 24, 16, "float16", True, heads_kv=2, seqlen_k=40)
+    assert cli._kv_pairs(s, 1e12) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    few = cli._kv_pairs(s, 2.5 * 4 * 24 * 40 * 16 * 4 * 2)     # two pairs' worth (a group of 4 query heads)
+    assert len(few) == 2 and few[0] == (0, 0) and few[-1] == (1, 1)
+    q, k, v = timing.random_inputs(s, np, seed=3)
+    dout = timing.random_dout(s, np, seed=4)
+    full = reference_backward(dout, q, k, v, causal=True, scale=0.25)
+    refs = cli._reference_grads(dout, q, k, v, causal=True, scale=0.25, kv_pairs=few, group=4)
+    assert np.array_equal(refs["dq"][1], full[0][1, :, 4:8]) and np.array_equal(refs["dk"][1], full[1][1, :, 1:2])
+    assert cli.grad_errors(full, refs, few, 4) == (0.0, 0.0, 0.0)
+    bad = [g.copy() for g in full]
+    bad[0][0, :, 4:8] += 1.0                          # outside the subset: not seen
+    bad[2][1, :, 1] *= 1.5                            # inside: dv off by 50 % on one of the two pairs
+    e = cli.grad_errors(bad, refs, few, 4)
+    assert e[0] == 0.0 and e[1] == 0.0
+    want = 0.5 * np.linalg.norm(full[2][1, :, 1]) / np.sqrt(sum(np.sum(r * r) for r in refs["dv"]))
+    assert e[2] == pytest.approx(want)
+    assert "2 of the 4 (batch, kv head) pairs" in cli._kv_subset_note(few, s)
+    assert cli._kv_subset_note(cli._kv_pairs(s, 1e12), s) == ""
