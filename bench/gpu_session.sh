@@ -47,7 +47,8 @@ done
 step memory_quant checks.log 60 python3 bench/devcheck.py --memory --quant --variants fa2
 step launch_cost perf.log 60 python3 bench/launch_cost.py --repeats 5 --calls 2000 --json "$log/launch_cost.json"
 if [ -z "${SKIP_BENCH:-}" ]; then   # before headdims: the bench writes its JSON only at the end, headdims row by row
-  step bench perf.log 360 python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json"
+  step bench perf.log 360 env FAV_BENCH_DIRECTIONS=${FAV_BENCH_DIRECTIONS:-fwd} \
+    python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$log/bench.json"   # forward only by default
   step plot perf.log 60 python3 bench/plot.py "$log/bench.json" -o "$log/tflops.png"
 fi
 step headdims perf.log 200 python3 bench/headdims.py --repeats 10 --json "$log/headdims.json"

@@ -32,6 +32,8 @@ def benchmark_points(doc: dict, timer: str = "events"):
     key = TIMER_KEYS[timer]
     for b in doc.get("benchmarks", []):
         info = b.get("extra_info") or {}
+        if info.get("direction", "fwd") != "fwd":  # the plot is the forward's; backward cases carry a direction
+            continue
         value, shape_id, variant = info.get(key), info.get("shape"), info.get("variant")
         if value is None or shape_id is None or variant is None:
             continue
