@@ -405,36 +405,10 @@ def _compare_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
     ref, _ = attention64(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
     cupy.cuda.get_current_stream().synchronize()
 
-    results, unavailable, failed = [], [], False
-    torch, torch_why = (None, "--no-torch") if args.no_torch else timing.torch_status()
-    if torch is not None and timing.torch_sdpa_unsupported(shape):
-        torch_why = timing.torch_sdpa_unsupported(shape)
-        torch = None
-    peers = list(timing.TORCH_BACKENDS) if torch is not None else []
-    todo = list(chosen) + peers
-    for i, item in enumerate(todo, 1):
-        label = item if isinstance(item, str) else item.name
-        if not isinstance(item, str):
-            ok, why = item.available()
-            if not ok:
-                unavailable.append((label, why))
-                continue
-        _progress(f"[{i}/{len(todo)}] {label} ...")
-        try:
-            if isinstance(item, str):
-                r = _run_torch(torch, item, shape, scale, sets, ref, pairs, args)
-            else:
-                r = _run_variant(item, shape, scale, sets, ref, pairs, args, blocks)
-            results.append(r)
-        except Exception as e:  # noqa: BLE001 - our variants' failures set the exit code; a peer's do not
-            failed |= not isinstance(item, str) and not isinstance(e, EXPECTED_FAILURES)
-            if args.verbose:
-                traceback.print_exc()
-            results.append(dict(variant=label, error=_err_text(e)))
-        finally:
-            cupy.get_default_memory_pool().free_all_blocks()
-            if torch is not None:
-                torch.cuda.empty_cache()
+    run = _run_rows(chosen, shape, args, "",
+                    lambda torch, peer: _run_torch(torch, peer, shape, scale, sets, ref, pairs, args),
+                    lambda entry: _run_variant(entry, shape, scale, sets, ref, pairs, args, blocks))
+    results, unavailable, failed, peers, torch_why = run
 
     ref_ms = {r["variant"]: r["ms"] for r in results if "ms" in r}
     model_col = blocks.mode != "kernel"
@@ -479,6 +453,42 @@ def _compare_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
         notes.append(f"{label} not run here: {why}")
     _print_notes(notes)
     return 1 if failed or not results else 0
+
+
+def _run_rows(chosen, shape, args, what: str, run_torch, run_ours, skippable=()):
+    """compare's loop over the chosen variants, then torch SDPA's backends: one result row each (or an error row,
+    or a ``skippable`` exception's skipped row), memory pools emptied between rows. Returns (results, unavailable
+    variants with why, whether one of ours failed, the torch peers that ran, why torch did not)."""
+    import cupy
+    results, unavailable, failed = [], [], False
+    torch, torch_why = (None, "--no-torch") if args.no_torch else timing.torch_status()
+    if torch is not None and timing.torch_sdpa_unsupported(shape):
+        torch_why = timing.torch_sdpa_unsupported(shape)
+        torch = None
+    peers = list(timing.TORCH_BACKENDS) if torch is not None else []
+    todo = list(chosen) + peers
+    for i, item in enumerate(todo, 1):
+        label = item if isinstance(item, str) else item.name
+        if not isinstance(item, str):
+            ok, why = item.available()
+            if not ok:
+                unavailable.append((label, why))
+                continue
+        _progress(f"[{i}/{len(todo)}] {label}{what} ...")
+        try:
+            results.append(run_torch(torch, item) if isinstance(item, str) else run_ours(item))
+        except skippable as e:
+            results.append(dict(variant=label, skipped=_err_text(e, 300)))
+        except Exception as e:  # noqa: BLE001 - our variants' failures set the exit code; a peer's do not
+            failed |= not isinstance(item, str) and not isinstance(e, EXPECTED_FAILURES)
+            if args.verbose:
+                traceback.print_exc()
+            results.append(dict(variant=label, error=_err_text(e)))
+        finally:
+            cupy.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+    return results, unavailable, failed, peers, torch_why
 
 
 def _run_variant(entry: Variant, shape, scale, sets, ref, pairs, args, blocks: Blocks) -> dict:
@@ -714,38 +724,11 @@ def _compare_backward_gpu(args: argparse.Namespace, chosen: list[Variant], notes
     refs = _reference_grads(douts[0], *sets[0], causal=shape.causal, scale=scale, kv_pairs=kv_pairs, group=group)
     cupy.cuda.get_current_stream().synchronize()
 
-    results, unavailable, failed = [], [], False
-    torch, torch_why = (None, "--no-torch") if args.no_torch else timing.torch_status()
-    if torch is not None and timing.torch_sdpa_unsupported(shape):
-        torch_why = timing.torch_sdpa_unsupported(shape)
-        torch = None
-    peers = list(timing.TORCH_BACKENDS) if torch is not None else []
-    todo = list(chosen) + peers
     ctx = dict(shape=shape, scale=scale, sets=sets, douts=douts, refs=refs, kv_pairs=kv_pairs, group=group)
-    for i, item in enumerate(todo, 1):
-        label = item if isinstance(item, str) else item.name
-        if not isinstance(item, str):
-            ok, why = item.available()
-            if not ok:
-                unavailable.append((label, why))
-                continue
-        _progress(f"[{i}/{len(todo)}] {label} backward ...")
-        try:
-            if isinstance(item, str):
-                results.append(_run_torch_backward(torch, item, args, **ctx))
-            else:
-                results.append(_run_variant_backward(item, args, **ctx))
-        except BackendUnavailable as e:   # the API has no GPU backward for it (yet): a row saying so, not a failure
-            results.append(dict(variant=label, skipped=_err_text(e, 300)))
-        except Exception as e:  # noqa: BLE001 - our variants' failures set the exit code; a peer's do not
-            failed |= not isinstance(item, str) and not isinstance(e, EXPECTED_FAILURES)
-            if args.verbose:
-                traceback.print_exc()
-            results.append(dict(variant=label, error=_err_text(e)))
-        finally:
-            cupy.get_default_memory_pool().free_all_blocks()
-            if torch is not None:
-                torch.cuda.empty_cache()
+    # BackendUnavailable: the API has no GPU backward for a variant (yet): a row saying so, not a failure
+    run = _run_rows(chosen, shape, args, " backward", lambda torch, peer: _run_torch_backward(torch, peer, args, **ctx),
+                    lambda entry: _run_variant_backward(entry, args, **ctx), skippable=(BackendUnavailable,))
+    results, unavailable, failed, peers, torch_why = run
 
     ref_ms = {r["variant"]: r["ms"] for r in results if "ms" in r}
     ratio_cols = [p for p in peers if p in ref_ms]
