@@ -54,19 +54,25 @@ def attention64(q, k, v, *, causal: bool, scale: float, pairs=None):
         qq = to_float64(q[b, :, hi])
         kk = to_float64(k[b, :, hi // group])
         vv = to_float64(v[b, :, hi // group])
-        s = (qq @ kk.T) * scale
-        if causal:
-            s = xp.where(visible, s, -xp.inf)
-        m = s.max(axis=1)
-        m = xp.where(m == -xp.inf, 0.0, m)  # no visible key: exp(-inf - 0) = 0, where -inf - -inf is NaN
-        p = xp.exp(s - m[:, None])
-        l = p.sum(axis=1)
+        p, m, l = _exp_scores(xp, qq, kk, scale, visible if causal else None)
         # l == 0 exactly: no visible key (0, -inf). A NaN or +Inf score makes l NaN, which this test (unlike
         # l > 0) lets through: that row is NaN, as the kernels and torch SDPA give.
         empty = l == 0
         outs.append((p @ vv) / xp.where(empty, 1.0, l)[:, None])
         lses.append(xp.where(empty, -xp.inf, xp.log(xp.where(empty, 1.0, l)) + m))
     return xp.stack(outs), xp.stack(lses)
+
+
+def _exp_scores(xp, qq, kk, scale, visible):
+    """(exp(S - m), m, l) of one (batch, head): S = q k^T scale, masked where ``visible`` (None: nothing is),
+    m the row max (0 for a row with no visible key: exp(-inf - 0) = 0, where -inf - -inf is NaN), l the row sum."""
+    s = (qq @ kk.T) * scale
+    if visible is not None:
+        s = xp.where(visible, s, -xp.inf)
+    m = s.max(axis=1)
+    m = xp.where(m == -xp.inf, 0.0, m)
+    p = xp.exp(s - m[:, None])
+    return p, m, p.sum(axis=1)
 
 
 def reference_backward(dout, q, k, v, *, causal: bool, scale: float):
@@ -89,13 +95,7 @@ def reference_backward(dout, q, k, v, *, causal: bool, scale: float):
     for b, hi in all_pairs(bsz, h):
         qq, kk, vv, do = (to_float64(x) for x in (q[b, :, hi], k[b, :, hi // group], v[b, :, hi // group],
                                                   dout[b, :, hi]))
-        s = (qq @ kk.T) * scale
-        if causal:
-            s = xp.where(visible, s, -xp.inf)
-        m = s.max(axis=1)
-        m = xp.where(m == -xp.inf, 0.0, m)  # no visible key: exp(-inf - 0) = 0, where -inf - -inf is NaN
-        p = xp.exp(s - m[:, None])
-        l = p.sum(axis=1)
+        p, _, l = _exp_scores(xp, qq, kk, scale, visible if causal else None)
         p = p / xp.where(l == 0, 1.0, l)[:, None]   # l == 0: no visible key, P = 0 (NaN l passes: NaN row)
         dp = do @ vv.T
         ds = p * (dp - (p * dp).sum(axis=1)[:, None])
