@@ -1,17 +1,18 @@
 """``attention_backward()``: the gradients of ``attention()`` (dq, dk, dv), validated like the forward.
 
-Every misuse is a TypeError/ValueError naming the argument before anything runs. Then the backend: no variant
-has a GPU backward kernel yet, so a call that would run on the GPU (backend="cuda", CuPy/GPU inputs, or "auto"
-where the forward would pick the GPU) raises BackendUnavailable at once instead of quietly running the NumPy
-model on a copy; backend="numpy", or "auto" with host arrays and no usable GPU, runs the variant's NumPy backward
-model (float64 inside) and casts the gradients to q's, k's and v's dtypes.
+Every misuse is a TypeError/ValueError naming the argument before anything runs. Then the backend, by the
+forward's rule (api.resolve_backend): the GPU for backend="cuda", for GPU arrays, and for "auto" with host arrays
+where the variant runs on this GPU. There the variant's launcher runs its backward kernels (host arrays go to the
+device and come back); a variant whose registry entry has no "backward" direction raises BackendUnavailable
+rather than quietly running the NumPy model on a copy. backend="numpy", or "auto" with host arrays and no usable
+GPU, runs the variant's NumPy backward model (float64 inside) and casts the gradients to q's, k's and v's dtypes.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import arrays
-from .api import BACKENDS, BackendUnavailable
+from .api import BACKENDS, BackendUnavailable, resolve_backend
 from .registry import get
 
 NAMES = ("dout", "q", "k", "v", "out", "lse")
@@ -33,7 +34,8 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "fa2", causal:
     arrays.check_shapes(inp, entry)
     _check_saved(inp, extra)
     scale = arrays.check_scalars(causal, softmax_scale, False, head_dim=inp.q.shape[3])
-    _resolve(backend, entry, inp.on_gpu)
+    if _resolve(backend, entry, inp.on_gpu) == "cuda":
+        return _on_gpu(entry, inp, extra, bool(causal), scale)
 
     model = entry.reference_backward
     if model is None:
@@ -88,12 +90,38 @@ def _check_saved(inp, extra) -> None:
                         f"{arrays.dtype_name(lse.dtype)}")
 
 
-def _resolve(backend: str, entry, on_gpu: bool) -> None:
-    """Raise unless this call runs the NumPy model. The forward's rule (api.resolve_backend) picks the GPU for
-    backend="cuda", for GPU arrays, and for "auto" with host arrays where the variant can run on this GPU; none of
-    those has a backward kernel to run yet, and a silent NumPy fallback there would hide that."""
+def _resolve(backend: str, entry, on_gpu: bool) -> str:
+    """'cuda' or 'numpy', by the forward's rule; a GPU call of a variant without GPU backward kernels raises
+    (a silent NumPy fallback there would hide that)."""
     if backend == "numpy":
-        return
+        return "numpy"
     if backend == "cuda" or on_gpu or entry.available()[0]:
-        raise BackendUnavailable(f"variant {entry.name!r} has no GPU backward kernel yet; backend='numpy' runs "
-                                 f"its NumPy model")
+        if "backward" not in entry.directions:
+            raise BackendUnavailable(f"variant {entry.name!r} has no GPU backward kernel yet; backend='numpy' "
+                                     f"runs its NumPy model")
+        where = resolve_backend(backend, entry, on_gpu)
+        if where == "cuda":
+            return where
+    return "numpy"
+
+
+def _on_gpu(entry, inp, extra, causal: bool, scale: float):
+    """The launcher's backward on CuPy copies of host arrays (or the GPU arrays themselves), results wrapped as
+    q's type. A head dim that is not a multiple of 8 runs zero-padded to the next one: zero columns of q and k
+    leave S unchanged, zero columns of v, out and dout add nothing to dP or D, and their gradients are cut off."""
+    import cupy
+    names = ("dout", "q", "k", "v", "out", "lse")
+    given = dict(dout=extra["dout"], q=inp.q, k=inp.k, v=inp.v, out=extra["out"], lse=extra["lse"])
+    dev = {n: (a if inp.on_gpu else arrays.to_cupy(a)) for n, a in given.items()}
+    d = inp.q.shape[3]
+    with cupy.cuda.Device(dev["q"].device.id):
+        if d % 8:
+            width = (d + 7) // 8 * 8
+            for n in names[:5]:
+                dev[n] = cupy.pad(dev[n], ((0, 0), (0, 0), (0, 0), (0, width - d)))
+        grads = entry.launcher.backward(*(dev[n] for n in names), causal=causal, softmax_scale=scale)
+        if d % 8:
+            grads = tuple(cupy.ascontiguousarray(g[..., :d]) for g in grads)
+    if not inp.on_gpu:
+        grads = tuple(arrays.to_numpy(g) for g in grads)
+    return tuple(inp.wrap(g) for g in grads)

@@ -55,6 +55,8 @@ class Variant:
         unknown = set(self.directions) - set(DIRECTIONS)
         if unknown:
             raise ValueError(f"{self.name}: directions must be among {DIRECTIONS}, got {sorted(unknown)}")
+        if "backward" in self.directions and getattr(self.launcher, "backward_fn", True) is None:
+            raise ValueError(f"{self.name}: directions include 'backward' but its launcher has no backward_fn")
 
     def available(self) -> tuple[bool, str]:
         """(usable on this machine's current GPU, why not)."""
@@ -131,6 +133,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_fa2.LAUNCHER,
         reference=ref_fa2.forward, loops=ref_fa2.LOOPS, io_model=iomodel.fa2_accesses, tensor_bytes={"LSE": 4},
         reference_backward=ref_fa2.backward, io_model_backward=iomodel.fa2_backward_accesses,
+        directions=("forward", "backward"),
     ),
     Variant(
         name="fa2_fp8",

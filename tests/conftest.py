@@ -40,6 +40,9 @@ FP8_MODEL_TO_FLOAT64 = 0.25
 # fp32 scores lose absolute precision as they grow (|lse| ~ 3000 when inputs are scaled by 30), so the LSE bound
 # widens by this fraction of |lse|; at the usual |lse| ~ 10 it adds 1e-5 and changes nothing.
 LSE_RTOL = 1e-6
+# Gradients (dq, dk, dv) against float64, relative norm: the backward chains four rounded matmuls (S, dP in fp32
+# from 16-bit operands; P and dS rounded to 16 bits as MMA operands), so its bound is wider than the output's.
+GRAD_TOL = {"float16": 5e-3, "bfloat16": 3e-2}
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 

@@ -15,7 +15,7 @@ import pytest
 
 import fa_variants as fav
 from fa_variants import arrays, backward, registry
-from conftest import TOL, has_gpu, place, random_qkv_host, reference64, rel_err
+from conftest import GRAD_TOL, TOL, has_gpu, place, random_qkv_host, reference64, rel_err
 
 ENTRIES = registry.variants()
 GPU_MESSAGE = r"variant 'fa2' has no GPU backward kernel yet; backend='numpy' runs its NumPy model"
@@ -165,31 +165,53 @@ class TestMisuse:
 
 
 # ------------------------------------------------------------------------------------------------ backends
-def test_cuda_backend_says_there_is_no_gpu_backward(monkeypatch, rng):
+def _without_gpu_backward(monkeypatch):
+    """fa2 as a variant whose GPU side has no backward (its NumPy model must not run in its place)."""
     def boom(*a, **k):
-        raise AssertionError("the NumPy model ran for backend='cuda'")
-    monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=boom))
+        raise AssertionError("the NumPy model ran for a GPU call")
+    monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=boom,
+                                                                      directions=("forward",)))
+
+
+def test_cuda_backend_says_there_is_no_gpu_backward(monkeypatch, rng):
+    _without_gpu_backward(monkeypatch)
     with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
         fav.attention_backward(*_case(rng), backend="cuda")
 
 
+@pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present")
+def test_cuda_backend_without_a_gpu_says_so(monkeypatch, rng):
+    def boom(*a, **k):
+        raise AssertionError("the NumPy model ran for backend='cuda'")
+    monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=boom))
+    with pytest.raises(fav.BackendUnavailable, match=r"'fa2' cannot run on the GPU here"):
+        fav.attention_backward(*_case(rng), backend="cuda")
+
+
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU: auto picks it for host arrays")
-def test_auto_with_a_gpu_does_not_fall_back_to_the_model(rng):
+def test_auto_with_a_gpu_does_not_fall_back_to_the_model(monkeypatch, rng):
+    _without_gpu_backward(monkeypatch)
     with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
         fav.attention_backward(*_case(rng))
 
 
 @pytest.mark.gpu
-def test_cupy_arrays(rng):
+@pytest.mark.parametrize("head_dim", [32, 37])
+def test_cupy_and_host_arrays_run_the_kernels(rng, head_dim):
+    """GPU arrays give CuPy gradients, host arrays NumPy ones (through the device), both near the float64 model
+    (head_dim 37: the zero-padded path)."""
     import cupy
-    host = _case(rng)
+    host = _case(rng, d=head_dim)
     dev = [cupy.asarray(a) for a in host]
-    with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
-        fav.attention_backward(*dev)
-    grads = fav.attention_backward(*dev, backend="numpy")
     want = fav.attention_backward(*host, backend="numpy")
-    for g, w in zip(grads, want):
-        assert isinstance(g, cupy.ndarray) and np.array_equal(cupy.asnumpy(g), w)
+    ref = registry.get("fa2").reference_backward(*(a.astype(np.float64) for a in host))
+    for got in (fav.attention_backward(*dev), fav.attention_backward(*host)):
+        for g, w, r in zip(got, want, (ref.dq, ref.dk, ref.dv)):
+            g = cupy.asnumpy(g) if isinstance(g, cupy.ndarray) else g
+            assert g.shape == w.shape and g.dtype == w.dtype and g.flags.c_contiguous
+            assert rel_err(g, r) <= GRAD_TOL[str(w.dtype)]
+    assert all(isinstance(g, cupy.ndarray) for g in fav.attention_backward(*dev))
+    assert all(isinstance(g, np.ndarray) for g in fav.attention_backward(*host))
 
 
 @pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present: auto picks the GPU")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fa_variants as fav
-from conftest import Case, new_seed, random_qkv_host, to_device, to_host
+from conftest import GRAD_TOL, Case, new_seed, random_qkv_host, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -79,7 +79,7 @@ def test_gradients_match_float64(request, case, dtype):
     rng = np.random.default_rng(seed)
     host, dout_h, (dq, dk, dv), scale = _run(case, dtype, rng)
     ref = backward64(dout_h, *host, case.causal, scale)
-    bound = {"float16": 5e-3, "bfloat16": 3e-2}[dtype]
+    bound = GRAD_TOL[dtype]
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
         g = to_host(got).astype(np.float64)
         assert g.shape == want.shape and np.isfinite(g).all(), f"{name}: shape or non-finite values"

@@ -31,6 +31,10 @@ class Launcher(Protocol):
         """A launch plan (kernels/launch.py) for validated CuPy q, k, v that the kernel takes as they are
         (aligned, head dim a multiple of 8), or None when this launcher has none (several launches per call)."""
 
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> tuple:
+        """(dq, dk, dv) for validated CuPy arrays, on the current stream; NotImplementedError when the variant
+        has no GPU backward (the registry entry's directions say which have one)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelLauncher:
@@ -42,6 +46,7 @@ class KernelLauncher:
     extra_bytes_fn: Callable
     source_archs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     plan_fn: Callable | None = None
+    backward_fn: Callable | None = None
 
     def forward(self, q, k, v, *, causal, softmax_scale, return_lse):
         return self.forward_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
@@ -60,3 +65,8 @@ class KernelLauncher:
         if self.plan_fn is None:
             return None
         return self.plan_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+        if self.backward_fn is None:
+            raise NotImplementedError("this launcher has no GPU backward")
+        return self.backward_fn(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)

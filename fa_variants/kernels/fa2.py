@@ -180,9 +180,15 @@ def merge_partials(parts, dtype):
 
 
 def _sources():
-    from . import fa2_bwd  # the backward's kernels, compiled and tested with fa2's (not yet called by the API)
+    from . import fa2_bwd
     return {SOURCE: specializations(), **SOURCES, fa2_bwd.SOURCE: fa2_bwd.specializations()}
 
 
+def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
+    from . import fa2_bwd
+    return fa2_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+
+
 LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward,
-                          tiles_fn=tiles, extra_bytes_fn=extra_bytes, source_archs=SOURCE_ARCHS, plan_fn=plan)
+                          tiles_fn=tiles, extra_bytes_fn=extra_bytes, source_archs=SOURCE_ARCHS, plan_fn=plan,
+                          backward_fn=backward)
