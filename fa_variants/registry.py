@@ -17,6 +17,7 @@ from .kernels import Launcher
 from .kernels import fa1 as k_fa1
 from .kernels import fa2 as k_fa2
 from .kernels import fa2_fp8 as k_fa2_fp8
+from .kernels import fa3 as k_fa3
 from .kernels import naive as k_naive
 from .reference import fa1 as ref_fa1
 from .reference import fa2 as ref_fa2
@@ -50,6 +51,7 @@ class Variant:
     io_model_backward: Callable | None = None   # exact HBM element accesses per head of the backward
     archs: tuple[str, ...] = ("sm_80", "sm_86", "sm_89", "sm_90a")  # what `fa-variants build` compiles
     operand_dtype: str | None = None   # the tensor cores' operand format when it is not the input's (e4m3)
+    max_cc: int | None = None          # the newest compute capability it runs on (sm_90a code runs on sm_90 only)
 
     def __post_init__(self):
         unknown = set(self.directions) - set(DIRECTIONS)
@@ -65,6 +67,10 @@ class Variant:
             return False, p.reason
         if p.cc < self.min_cc:
             return False, f"needs compute capability >= {self.min_cc / 10:.1f}, this GPU is {p.cc / 10:.1f}"
+        if self.max_cc is not None and p.cc > self.max_cc:
+            return False, (f"runs on compute capability {self.min_cc / 10:.1f}"
+                           f"{'' if self.max_cc == self.min_cc else f'..{self.max_cc / 10:.1f}'} only (Hopper "
+                           f"instructions: sm_90a code does not run on newer GPUs), this GPU is {p.cc / 10:.1f}")
         return True, ""
 
     def supports(self, dtype: str, head_dim: int) -> bool:
@@ -141,6 +147,14 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         dtypes=HALF_DTYPES, head_dims=range(16, 257, 16), min_cc=89, launcher=k_fa2_fp8.LAUNCHER,
         reference=ref_fp8.forward, loops=ref_fp8.LOOPS, io_model=iomodel.fa2_accesses, archs=("sm_89", "sm_90a"),
         tensor_bytes={"LSE": 4, "Q": 1, "K": 1, "V": 1}, operand_dtype="float8_e4m3fn",
+    ),
+    Variant(
+        name="fa3",
+        summary="FlashAttention-3 (Hopper): TMA producer warpgroup, K/V ring on mbarriers, 2 consumer warpgroups "
+                "in ping-pong, softmax overlapped with P V",
+        dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=90, max_cc=90, launcher=k_fa3.LAUNCHER,
+        reference=ref_fa2.forward, loops=ref_fa2.LOOPS, io_model=iomodel.fa2_accesses, tensor_bytes={"LSE": 4},
+        archs=("sm_90a",),
     ),
 )}
 

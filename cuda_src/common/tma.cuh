@@ -1,0 +1,76 @@
+// Hopper's asynchronous machinery (sm_90a) for fa3: TMA tile loads, mbarriers, named barriers and setmaxnreg.
+//
+//   TMA        cp.async.bulk.tensor copies a box of a tensor described by a 128-byte tensor map (made on the host
+//              by cuTensorMapEncodeTiled, kernels/tma.py) into shared memory, swizzled as the map says, without
+//              threads: one thread issues it, an mbarrier learns of its completion ("complete_tx": the barrier
+//              counts the bytes that landed). Boxes that reach past the tensor's extent are zero-filled, which is
+//              what the seqlen tails and padded head dims need.
+//   mbarrier   a 64-bit shared-memory barrier with a phase bit: a phase completes when its expected arrivals have
+//              arrived and its expected transaction bytes have landed. Waiters poll for "the phase of parity P has
+//              completed". A fresh barrier is in phase 0, so waiting for parity 1 returns at once: producers start
+//              their waits on the "empty" barriers with parity 1 (the ring's stages start empty).
+//   bar.sync / bar.arrive with an id and a thread count: named barriers (id 0 is __syncthreads), used for the
+//              ping-pong between consumer warpgroups and for a barrier among the consumers only.
+//   setmaxnreg moves registers between warpgroups: the producer gives its registers back, the consumers grow.
+//              Needs __launch_bounds__(threads, 1) and each role as one branch of an if/else (ptxas C7508).
+#pragma once
+#include "ptx.cuh"
+
+namespace fav {
+
+// A CUtensorMap as the kernel sees it: opaque, 64-byte aligned, passed as a __grid_constant__ parameter so
+// that its address is a parameter-space address the TMA unit can read.
+struct alignas(64) TmaDesc {
+    unsigned long long bits[16];
+};
+
+__forceinline__ __device__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the inits visible to the async proxy (the TMA unit) before any copy signals the barriers.
+__forceinline__ __device__ void fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of TMA transactions for the current phase.
+__forceinline__ __device__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One arrival by the calling thread when `leader` holds, in one predicated instruction: no branch, so it may sit
+// between wgmma issue and wait (ptxas makes every in-flight wgmma complete at a control-flow join).
+__forceinline__ __device__ void mbar_arrive_if(u32 bar, bool leader) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0]; }"
+                 ::"r"(bar), "r"((int)leader) : "memory");
+}
+// Blocks until the phase of parity `parity` has completed.
+__forceinline__ __device__ void mbar_wait(u32 bar, int parity) {
+    asm volatile(
+        "{ .reg .pred done;\n"
+        "WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=; }" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// The box of a 4-d tensor map at coordinates (c0 innermost .. c3) into shared memory at `dst`, completion
+// counted on `bar`. The map lives in kernel parameter space (its generic address is what the instruction takes).
+__forceinline__ __device__ void tma_load_4d(u32 dst, const TmaDesc& map, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__forceinline__ __device__ void tma_prefetch_desc(const TmaDesc& map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+
+__forceinline__ __device__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__forceinline__ __device__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int N>
+__forceinline__ __device__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__forceinline__ __device__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+}  // namespace fav

@@ -1,0 +1,124 @@
+"""Launcher of cuda_src/fa3_fwd.cu (FlashAttention-3 forward, sm_90a only): tiles per template head dim, TMA
+tensor maps (kernels/tma.py), grid (Q block, head, batch), 384 threads (a producer and two consumer warpgroups),
+and the launch plan of one call signature.
+
+A plan keeps the three tensor maps encoded for the call signature and patches this call's addresses into them,
+so a warm call is still one cuLaunchKernel (with four parameters: the maps of q, k and v, and FwdParams).
+``plan(..., pingpong=False)`` / ``overlap=False`` run the ablation's instances (bench/ablation.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import struct
+
+import numpy as np
+
+from .. import jit
+from . import KernelLauncher
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, forward_via_plan, fwd_params, template_dim)
+from .launch import _cupy, _driver_launch, _torch, function_of
+from .tma import MapTemplate
+
+SOURCE = "fa3_fwd.cu"
+ARCHS = ("sm_90a",)
+THREADS = 384
+BM = 128
+# template head_dim -> (BM, BN keys per K/V block, K/V ring stages). n128 key blocks where O (D / 2 registers a
+# thread) leaves room for S, P and the next S; at d = 256, O takes 128, so n64.
+TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
+DIMS = tuple(TILES)
+# The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
+ABLATION_DIM = 128
+ABLATIONS = ((False, True), (True, False), (False, False))  # (pingpong, overlap); (True, True) is the default
+
+
+def smem_bytes(d: int, cfg) -> int:
+    bm, bn, stages = cfg
+    return 1024 + bm * 2 * d + stages * 2 * bn * 2 * d + 8 * (1 + 4 * stages)  # Q, the K/V ring, the mbarriers
+
+
+def tiles(head_dim, limit=None):
+    return TILES[template_dim(head_dim, DIMS)][:2]
+
+
+def instance(ctype: str, d: int, pingpong: bool = True, overlap: bool = True) -> str:
+    _, bn, stages = TILES[d]
+    return f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}>"
+
+
+def specializations():
+    main = tuple(instance(c, d) for c in CTYPE.values() for d in DIMS)
+    return main + tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
+
+
+def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fa3Plan:
+    """One fa3 forward for one call signature: fa2's FwdPlan plus the three tensor maps."""
+    func: int
+    grid: tuple
+    smem: int
+    template: bytes         # FwdParams with zero pointers
+    maps: tuple             # MapTemplate of q, k, v
+    out_shape: tuple
+    dtype: np.dtype
+    lse_shape: tuple | None
+    device: int
+
+    def _launch(self, stream, q, k, v, out, lse):
+        params = ctypes.create_string_buffer(self.template, len(self.template))
+        struct.pack_into("<5Q", params, 0, q, k, v, out, lse)
+        bufs = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, (q, k, v))] + [params]
+        argv = (ctypes.c_void_p * 4)(*(ctypes.addressof(b) for b in bufs))
+        _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], THREADS, 1, 1, self.smem, stream,
+                         ctypes.addressof(argv), 0)
+
+    def run_cupy(self, q, k, v):
+        empty, stream = _cupy()
+        out = empty(self.out_shape, self.dtype)
+        lse = None if self.lse_shape is None else empty(self.lse_shape, np.float32)
+        self._launch(stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+                     0 if lse is None else lse.data.ptr)
+        return out, lse
+
+    def run_torch(self, q, k, v):
+        torch, stream_of = _torch()
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self._launch(stream_of(self.device), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                     0 if lse is None else lse.data_ptr())
+        return out, lse
+
+
+def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool = True, overlap: bool = True) -> Fa3Plan:
+    """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8."""
+    import cupy
+    b, nq, h, d = q.shape
+    D = template_dim(d, DIMS)
+    if (pingpong, overlap) != (True, True) and D != ABLATION_DIM:
+        raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
+    cfg = TILES[D]
+    smem = smem_bytes(D, cfg)
+    kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap))
+    check_grid(h, "heads")
+    check_grid(b, "batch")
+    maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
+                 for a, rows, name in ((q, BM, "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
+    return Fa3Plan(func=function_of(kern, smem), grid=(cdiv(nq, BM), h, b), smem=smem,
+                   template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
+                                       out_strides=(nq * h * d, h * d, d)),
+                   maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
+                   lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id)
+
+
+def forward(q, k, v, *, causal, softmax_scale, return_lse):
+    return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES},
+                          forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
+                          source_archs={SOURCE: ARCHS}, plan_fn=plan)
