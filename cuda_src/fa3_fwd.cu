@@ -1,13 +1,14 @@
 // FlashAttention-3 forward (Shah et al., 2024) on Hopper (sm_90a): fa2_fwd_sm90.cu's algorithm and wgmma tiles,
 // with the three changes of the paper. Read beside fa2_fwd_sm90.cu.
-//   warp specialization  one CTA = 3 warpgroups. Warpgroup 0 is the producer: one of its threads issues TMA copies
-//                        (Q once, then K_j and V_j into a ring of STAGES stages) and nothing else, and gives its
-//                        registers to the two consumer warpgroups (setmaxnreg 24 / 240), which only compute, each
-//                        on 64 of the block's 128 query rows. Full/empty mbarriers per stage replace
-//                        fa2_fwd_sm90's __syncthreads: nobody waits for anybody else's softmax.
-//   ping-pong            (PINGPONG) two named barriers hand the tensor cores from one consumer to the other: a
-//                        consumer issues its wgmmas only after the other has issued its own, so one consumer's
-//                        softmax runs while the other's GEMMs occupy the tensor cores.
+//   warp specialization  one CTA = 1 + NC warpgroups. Warpgroup 0 is the producer: one of its threads issues TMA
+//                        copies (Q once, then K_j and V_j into a ring of STAGES stages) and nothing else, and gives
+//                        its registers to the NC consumer warpgroups (setmaxnreg: 24 / 240 with two consumers,
+//                        24 / 160 with three), which only compute, each on 64 of the block's BM = 64 NC query rows.
+//                        Full/empty mbarriers per stage replace fa2_fwd_sm90's __syncthreads: nobody waits for
+//                        anybody else's softmax.
+//   ping-pong            (PINGPONG) named barriers hand the tensor cores from one consumer to the next, round
+//                        robin: a consumer issues its wgmmas only after the previous one has issued its own, so one
+//                        consumer's softmax runs while another's GEMMs occupy the tensor cores.
 //   intra-warpgroup      (OVERLAP) S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}; the softmax of
 //   overlap              block j runs while the P V product of block j-1 is still on the tensor cores, and O is
 //                        rescaled by block j's factor once that product is done (one block later than FA2 does).
@@ -21,16 +22,18 @@
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
-template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP>
-__global__ void __launch_bounds__(384, 1)
+template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
         const __grid_constant__ fav::TmaDesc tv, const fav::FwdParams p) {
     using namespace fav;
-    constexpr int BM = 128, NT = BN / 8, DT = D / 8, SLABS = D / 64;
+    constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, SLABS = D / 64, CONSUMERS = 128 * NC;
+    constexpr int REGS = NC == 2 ? 240 : 160;  // the consumers' share once the producer keeps 24
     constexpr int DN = D < 128 ? D : 128;    // output columns per P V wgmma (n64 or n128)
     using TQ = SwizzledTile<BM, 2 * D>;      // [row][d]: SLABS slabs of 64 columns, one TMA box each
     using TKV = SwizzledTile<BN, 2 * D>;     // [key][d]: K-major B of Q K^T, N-major B of P V
     static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128 || D == 256), "wgmma n64 / n128 blocks");
+    static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
 
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
@@ -57,8 +60,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);   // the producer's expect_tx arrival; the bytes complete the phase
             mbar_init(v_full(s), 1);
-            mbar_init(k_empty(s), 8);  // one arrival per consumer warp
-            mbar_init(v_empty(s), 8);
+            mbar_init(k_empty(s), 4 * NC);  // one arrival per consumer warp
+            mbar_init(v_empty(s), 4 * NC);
         }
         fence_mbar_init();
     }
@@ -82,7 +85,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             }
         }
     } else {  // ---------------------------------------------------------------------------------- consumers
-        setmaxnreg_inc<240>();
+        setmaxnreg_inc<REGS>();
         const int c = wg - 1;                                   // rows [64c, 64c + 64) of the block
         const int row0 = c * 64 + (threadIdx.x / 32 % 4) * 16;  // this warp's first row within the block
         const bool leader = threadIdx.x % 32 == 0;              // arrives on the empty barriers for its warp
@@ -94,11 +97,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
         u32 pa[BN / 16][4];  // P~ of the block whose P V is next, as 16-bit A fragments
 
-        // Ping-pong: consumer c issues after `sched_wait` on barrier 1 + c, which the other consumer's
-        // `sched_pass` (bar.arrive) completes once it has issued. Consumer 1 passes first, so consumer 0 starts.
+        // Ping-pong: consumer c issues after `sched_wait` on barrier 1 + c, which the previous consumer's
+        // `sched_pass` (bar.arrive) completes once it has issued. The last consumer passes first, so consumer 0
+        // starts. (Barrier 0 is __syncthreads, barrier 4 the consumers' own.)
         auto sched_wait = [&] { if constexpr (PINGPONG) named_sync(1 + c, 256); };
-        auto sched_pass = [&] { if constexpr (PINGPONG) named_arrive(2 - c, 256); };
-        if (PINGPONG && c == 1) named_arrive(1, 256);
+        auto sched_pass = [&] { if constexpr (PINGPONG) named_arrive(1 + (c + 1) % NC, 256); };
+        if (PINGPONG && c == NC - 1) named_arrive(1, 256);
 
         auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
             wgmma_fence();
@@ -176,9 +180,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 hold_registers(o[0]);
             }
         }
-        if (PINGPONG && c == 0) named_sync(1, 256);  // consumer 1's last pass: every bar.arrive matched
+        if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
 
-        named_sync(3, 256);  // both consumers are done with Q and the ring: the epilogue stages O over them
+        named_sync(4, CONSUMERS);  // every consumer is done with Q and the ring: the epilogue stages O over them
         NormalizedOut<T, D>::store(WarpRows<1, DT>{o, m, l, p.scale_log2, b, h, m0 + row0}, p,
                                    reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE);
     }

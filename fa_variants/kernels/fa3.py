@@ -1,5 +1,5 @@
 """Launcher of cuda_src/fa3_fwd.cu (FlashAttention-3 forward, sm_90a only): tiles per template head dim, TMA
-tensor maps (kernels/tma.py), grid (Q block, head, batch), 384 threads (a producer and two consumer warpgroups),
+tensor maps (kernels/tma.py), grid (Q block, head, batch), a producer warpgroup and BM / 64 consumer warpgroups,
 and the launch plan of one call signature.
 
 A plan keeps the three tensor maps encoded for the call signature and patches this call's addresses into them,
@@ -22,15 +22,22 @@ from .tma import MapTemplate
 
 SOURCE = "fa3_fwd.cu"
 ARCHS = ("sm_90a",)
-THREADS = 384
-BM = 128
-# template head_dim -> (BM, BN keys per K/V block, K/V ring stages). n128 key blocks where O (D / 2 registers a
-# thread) leaves room for S, P and the next S; at d = 256, O takes 128, so n64.
-TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
+# template head_dim -> [(BM query rows = 64 per consumer warpgroup, BN keys per K/V block, K/V ring stages)], the
+# first being used (devcheck.py --tiles swaps it for a sweep). n128 key blocks where O (D / 2 registers a thread)
+# leaves room for S, P and the next S; at d = 256, O takes 128, so n64. Chosen by the sweep in bench/NOTES.md.
+TILES = {64: [(128, 128, 2)], 128: [(128, 128, 2)], 256: [(128, 64, 2)]}
 DIMS = tuple(TILES)
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
 ABLATIONS = ((False, True), (True, False), (False, False))  # (pingpong, overlap); (True, True) is the default
+
+
+def config(d: int):
+    return TILES[d][0]
+
+
+def threads(cfg) -> int:
+    return 128 * (1 + cfg[0] // 64)
 
 
 def smem_bytes(d: int, cfg) -> int:
@@ -39,12 +46,13 @@ def smem_bytes(d: int, cfg) -> int:
 
 
 def tiles(head_dim, limit=None):
-    return TILES[template_dim(head_dim, DIMS)][:2]
+    return config(template_dim(head_dim, DIMS))[:2]
 
 
-def instance(ctype: str, d: int, pingpong: bool = True, overlap: bool = True) -> str:
-    _, bn, stages = TILES[d]
-    return f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}>"
+def instance(ctype: str, d: int, pingpong: bool = True, overlap: bool = True, cfg=None) -> str:
+    bm, bn, stages = config(d) if cfg is None else cfg
+    return (f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}, "
+            f"{bm // 64}>")
 
 
 def specializations():
@@ -61,6 +69,7 @@ class Fa3Plan:
     """One fa3 forward for one call signature: fa2's FwdPlan plus the three tensor maps."""
     func: int
     grid: tuple
+    block: int
     smem: int
     template: bytes         # FwdParams with zero pointers
     maps: tuple             # MapTemplate of q, k, v
@@ -74,7 +83,7 @@ class Fa3Plan:
         struct.pack_into("<5Q", params, 0, q, k, v, out, lse)
         bufs = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, (q, k, v))] + [params]
         argv = (ctypes.c_void_p * 4)(*(ctypes.addressof(b) for b in bufs))
-        _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], THREADS, 1, 1, self.smem, stream,
+        _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
                          ctypes.addressof(argv), 0)
 
     def run_cupy(self, q, k, v):
@@ -101,14 +110,14 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool = True, o
     D = template_dim(d, DIMS)
     if (pingpong, overlap) != (True, True) and D != ABLATION_DIM:
         raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
-    cfg = TILES[D]
+    cfg = config(D)
     smem = smem_bytes(D, cfg)
-    kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap))
+    kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     check_grid(h, "heads")
     check_grid(b, "batch")
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
-                 for a, rows, name in ((q, BM, "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
-    return Fa3Plan(func=function_of(kern, smem), grid=(cdiv(nq, BM), h, b), smem=smem,
+                 for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
+    return Fa3Plan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=(nq * h * d, h * d, d)),
                    maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
