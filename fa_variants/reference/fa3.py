@@ -1,0 +1,343 @@
+"""FlashAttention-3 forward (Shah et al. 2024) on Hopper, in the loop order of ``cuda_src/fa3_fwd.cu``.
+
+One CTA per (Q block of B_r = 128 rows, head, batch), three warpgroups. Warpgroup 0 is the producer: one thread
+issues the TMA copies, Q_i once, then K_j and V_j into a ring of ``stages`` shared-memory slots. Warpgroups 1
+and 2 are consumers 0 and 1: consumer c owns rows [64c, 64c + 64) of the Q block (``consumer_rows``) and runs
+FA2's online softmax with deferred normalization on them, both reading the same K_j, V_j from shared memory.
+``PIPELINE`` (printed by ``fa-variants explain fa3``) describes the barriers that the model leaves out.
+
+What differs from ``reference/fa2.py``, and what this model reproduces:
+
+* The K/V blocks are visited in DESCENDING order, from the last block the CTA sees down to block 0
+  (``kv_visits``). The blocks that need a mask (the causal diagonal's, the short tail block of N_k) are the
+  highest-numbered ones a CTA visits, so they come first, and the rest of the loop runs without masks. Here a
+  mask is applied only where ``kv_visits`` says the kernel applies one: the comparison with the dense reference
+  (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none.
+* Per consumer, intra-warpgroup overlap (the kernel's OVERLAP): S_j = Q K_j^T is issued together with, and
+  before, O += P_prev V_prev, the product of the previous block's probabilities; the softmax of S_j runs while
+  that product is still on the tensor cores; O *= e^(m - m_new) follows once it has retired, and the last
+  block's P V comes after the loop (``_consume``). As a recurrence this is FA2's O = e^(m - m_new) O + P_j V_j
+  with each P_j V_j issued one block later: the floating-point operations are the same ones, in the same
+  order, so the model equals FA2's update over the same (descending) sequence of blocks bit for bit, and FA2's
+  ascending model up to rounding. (Likewise the kernel with OVERLAP off, FA2's step, applies the same
+  operations to O in the same order: its output should be bit-identical to OVERLAP on.)
+
+Precision follows ``reference/fa2.py``: float64 throughout (the kernel's S and O accumulate in fp32 and its P V
+takes P as a 16-bit wgmma operand; fa2's model does not round either). ``round_p=True`` rounds P to the input's
+float16 / bfloat16 before P V, as the kernel does, with l summed from the unrounded P (the kernel sums its fp32
+P). ``forward_fp8`` is the same pipeline on e4m3 operands with fa2_fp8's scaling (``reference/fp8.py``).
+
+HBM traffic is FA2's for the same blocks (``iomodel.fa2_accesses``) but for one case: per CTA the producer
+loads Q_i once and each visited K_j, V_j once, shared by both consumers; O_i and LSE_i are written once. A CTA
+that sees no key at all (causal with N_q > N_k: its Q block lies wholly above the diagonal) loads nothing, not
+even Q_i, and writes zeros and -inf; fa2's kernels load Q_i there anyway. ``accesses`` is the closed form.
+Per head, with T_r = ceil(N_q / B_r), non-causal:  N_q d (Q) + 2 T_r N_k d (K, V) + N_q d (O) + N_q (LSE).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import fp8 as _fp8
+from .common import (AccessCounter, ModelResult, block_scores, block_slices, block_visited, causal_visible,
+                     check_block, heads_major, kv_head_of, logsumexp_from, normalize, prepare, rescale, row_exp,
+                     to_flash_layout, validate)
+
+#: The consumer warpgroups of a CTA; each owns ceil(B_r / 2) rows of the Q block (64 of the kernel's 128).
+NUM_CONSUMERS = 2
+
+#: Template head dim -> (B_r, B_c, stages): the kernel's tiles (kernels/fa3.py ``TILES``; tests check they agree
+#: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
+#: O accumulator of a consumer thread's rows leaves room only for a 64-key S tile.
+DEFAULT_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
+
+LOOPS = """\
+for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
+  consumer c in 0, 1:      rows 64c..64c+63 of Q_i; O = 0, l = 0, m = -inf in its registers
+    j = J_i (last visible): S = Q_i K_j^T * scale; m = rowmax S; P = exp(S - m); l = rowsum P
+    for j = J_i-1 down to 1: S = Q_i K_j^T * scale       (issued first; masked in the first blocks only)
+                           O += P V_(j+1)               (the previous block's P, on the tensor cores meanwhile)
+                           m_new = max(m, rowmax S); P = exp(S - m_new); l = e^(m - m_new) l + rowsum P
+                           O *= e^(m - m_new) (once P V_(j+1) retired); m = m_new
+    O += P V_1; write O / l and LSE = m + log l (once)"""
+
+
+def template_dim(head_dim: int) -> int:
+    """The kernel's template head dim for ``head_dim``: 64, 128 or 256 (wgmma's 128-byte swizzled K-major rows)."""
+    return next((t for t in DEFAULT_TILES if head_dim <= t), max(DEFAULT_TILES))
+
+
+def default_blocks(head_dim: int, block_q=None, block_k=None) -> tuple[int, int]:
+    """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``DEFAULT_TILES``):
+    128 x 128 up to d = 128, 128 x 64 above."""
+    b_r, b_c, _ = DEFAULT_TILES[template_dim(head_dim)]
+    block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
+    return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
+
+
+def consumer_rows(rows: slice, block_q: int) -> list[slice]:
+    """The query rows of each consumer warpgroup of the CTA that owns ``rows``: consumer c takes rows
+    [c h, (c + 1) h) of the block, h = ceil(block_q / NUM_CONSUMERS). In the short last Q block a consumer may
+    own no real row (it still runs in the kernel, on the zero rows TMA fills in, and writes nothing): left out."""
+    h = -(-block_q // NUM_CONSUMERS)
+    out = []
+    for c in range(NUM_CONSUMERS):
+        start, stop = rows.start + c * h, min(rows.start + (c + 1) * h, rows.stop)
+        if start < stop:
+            out.append(slice(start, stop))
+    return out
+
+
+def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool) -> list[tuple[slice, bool]]:
+    """The K/V blocks the CTA owning Q rows ``rows`` visits, in the kernel's order, each with "needs a mask".
+
+    Descending: from the last block any of its rows sees (causal: the blocks wholly above the bottom-right
+    diagonal are skipped, as in fa2) down to block 0. A block needs a mask when it is the short tail block of
+    N_k (the kernel's TMA fills the missing keys with zeros, scores 0 rather than -inf) or, causal, when the
+    block's first row misses its last key. Those are always the first ones visited: the masked blocks form a
+    prefix of the list and the kernel's loop splits into masked steps, then unmasked ones.
+    """
+    visited = [c for c in block_slices(seqlen_k, block_k)
+               if not causal or block_visited(rows.stop - 1, c.start, seqlen_q, seqlen_k)]
+    return [(cols, (cols.stop - cols.start < block_k)
+             or (causal and cols.stop - 1 > rows.start + (seqlen_k - seqlen_q)))
+            for cols in reversed(visited)]
+
+
+def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False) -> dict:
+    """FA3's HBM element accesses per head, exact (causal included), with ``default_blocks`` for None: the keys
+    of ``iomodel.fa2_accesses`` (which it calls), less the Q rows of the CTAs that see no key and so load nothing.
+
+    Causal with N_q > N_k, Q block i sees no key iff its last row (i + 1) B_r - 1 < N_q - N_k: the first
+    e = floor((N_q - N_k) / B_r) blocks, all full, so Q = (N_q - e B_r) d. Otherwise fa2's Q = N_q d.
+    """
+    from .. import iomodel   # here, not at the top: iomodel imports reference.common, the registry both
+    B_r, B_c = default_blocks(head_dim, block_q, block_k)
+    counts = iomodel.fa2_accesses(seqlen_q, seqlen_k, head_dim, B_r, B_c, causal)
+    empty_rows = (max(0, seqlen_q - seqlen_k) // B_r) * B_r if causal else 0
+    counts["Q"] -= empty_rows * head_dim
+    counts["total"] -= empty_rows * head_dim
+    return counts
+
+
+def _consume(visits, scores, product, operand, shape):
+    """One consumer warpgroup's mainloop, in the kernel's order: (O unnormalized, m, l) of its rows.
+
+    ``scores(cols, masked)`` -> S (the wgmma S = Q K^T, scaled, -inf where masked); ``product(P, cols, O)`` ->
+    O + P V_cols (the wgmma P V accumulating into O); ``operand(P)`` -> P as the P V wgmma takes it.
+    ``shape``: (batch, heads, rows, d) of this consumer's O. np.maximum and ndarray.max keep NaN, as in fa2.
+    """
+    O = np.zeros(shape)
+    if not visits:                                    # no visible K block: O = 0, l = 0 -> LSE = -inf
+        return O, np.full(shape[:3], -np.inf), np.zeros(shape[:3])
+    (cols, masked), *rest = visits
+    S = scores(cols, masked)                          # the first block: no running max to rescale yet
+    m = S.max(axis=-1)
+    P = row_exp(S, m)
+    l = P.sum(axis=-1)
+    prev = cols
+    for cols, masked in rest:
+        S = scores(cols, masked)                      # issue S_j = Q K_j^T
+        O = product(operand(P), prev, O)              # issue O += P_prev V_prev; both wgmma groups in flight
+        m_new = np.maximum(m, S.max(axis=-1))         # wait for S_j only: softmax(S_j) overlaps P_prev V_prev
+        P = row_exp(S, m_new)
+        alpha = rescale(m, m_new)
+        l = alpha * l + P.sum(axis=-1)
+        O = alpha[..., None] * O                      # wait for P_prev V_prev, then rescale O
+        m, prev = m_new, cols
+    return product(operand(P), prev, O), m, l         # after the loop: O += P_last V_last
+
+
+def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish):
+    """The CTA loop both models share: (O heads-major, LSE, hbm). The producer's loads are counted once per
+    CTA (both consumers read the same shared-memory stage); ``scores(i, rows, j, cols, masked)``,
+    ``product(P, j, cols, O)``, ``operand(P)`` and ``finish(i, O, l)`` (O / l and any dequantization) are the
+    arithmetic, i and j the Q and K block numbers."""
+    batch, heads, N_q, d = Q.shape
+    N_k = K.shape[2]
+    programs = batch * heads  # every (batch, query head) CTA loads its own K/V blocks, GQA included
+    hbm = AccessCounter()
+    O = np.zeros_like(Q)
+    LSE = np.empty((batch, heads, N_q))
+    for i, rows in enumerate(block_slices(N_q, B_r)):         # one CTA per Q block
+        visits = kv_visits(rows, N_q, N_k, B_c, causal)
+        if visits:                                             # (a CTA that sees no key loads nothing)
+            hbm.read("Q", programs * (rows.stop - rows.start) * d)  # producer: Q_i once ...
+        for cols, _ in visits:                                 # ... then K_j, V_j through the ring, descending
+            hbm.read("K", programs * (cols.stop - cols.start) * d)
+            hbm.read("V", programs * (cols.stop - cols.start) * d)
+        for c_rows in consumer_rows(rows, B_r):                # the two consumer warpgroups
+            O_c, m, l = _consume(
+                visits,
+                lambda cols, masked, c_rows=c_rows: scores(i, c_rows, cols.start // B_c, cols, masked),
+                lambda P, cols, acc: product(P, cols.start // B_c, cols, acc),
+                operand, (batch, heads, c_rows.stop - c_rows.start, d))
+            O[:, :, c_rows] = finish(i, O_c, l)                # deferred normalization: once per row
+            LSE[:, :, c_rows] = logsumexp_from(m, l)
+        hbm.write("O", programs * (rows.stop - rows.start) * d)
+        hbm.write("LSE", programs * (rows.stop - rows.start))
+    return O, LSE, hbm
+
+
+def _p_operand(q, round_p):
+    """P -> the P V operand: unchanged (fa2's float64 convention), or rounded to q's float16 / bfloat16."""
+    if not isinstance(round_p, (bool, np.bool_)):
+        raise TypeError(f"round_p must be a bool, got {type(round_p).__name__}")
+    if not round_p:
+        return lambda P: P
+    dtype = np.asarray(q).dtype
+    if dtype.name not in ("float16", "bfloat16"):
+        raise ValueError(f"round_p=True rounds P to the input dtype as the kernel's 16-bit wgmma operand; "
+                         f"q must be float16 or bfloat16, got {dtype}")
+    return lambda P: P.astype(dtype).astype(np.float64)
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, round_p=False) -> ModelResult:
+    """FA3's forward on float64 copies; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
+
+    ``block_q``/``block_k`` default to the kernel's tiles (``default_blocks``). ``round_p``: P rounded to the
+    input's 16-bit dtype before P V, as the kernel's wgmma operand (default False: float64, fa2's convention).
+    Returns ``ModelResult`` (out float64 in flash layout, lse, hbm, blocks)."""
+    operand = _p_operand(q, round_p)
+    Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              block_q=block_q, block_k=block_k)
+    N_q, d, N_k = Q.shape[2], Q.shape[3], K.shape[2]
+    B_r, B_c = default_blocks(d, block_q, block_k)
+    O, LSE, hbm = _pipeline(
+        Q, K, V, B_r, B_c, causal,
+        scores=lambda i, rows, j, cols, masked: block_scores(Q[:, :, rows], K[:, :, cols], scale, rows, cols,
+                                                             N_q, N_k, causal and masked),
+        product=lambda P, j, cols, acc: acc + P @ V[:, :, cols],
+        operand=operand,
+        finish=lambda i, O_c, l: normalize(O_c, l))
+    return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
+
+
+def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, rotate=False, seed=0,
+                scaling="block", p_scale=256.0, accumulate_bits=None) -> ModelResult:
+    """FA3's pipeline on e4m3 operands: ``reference/fp8.py``'s ``forward`` (fa2_fp8) with FA3's block order
+    (descending, masked blocks first), its consumer split and its blocks (``default_blocks``).
+
+    The quantization is fp8.py's, called, not copied: Q scales per ``block_q`` rows (one per CTA), K per
+    ``block_k`` rows, V per channel (``scaling="block"``) or one scale each (``"tensor"``); ``rotate``, ``seed``,
+    ``p_scale`` and ``accumulate_bits`` mean what they mean there. P = exp(S - m_new) is summed into l before
+    rounding, then e4m3(p_scale P) is the P V operand.
+
+    Not fa2_fp8's numbers up to float64 rounding: P is rounded to e4m3 relative to the running max at the block,
+    and that max depends on the order the blocks come in, so the two orders round different values (they agree
+    within e4m3's rounding). On the same single block, or on keys reversed block for block, they are the same.
+    """
+    if scaling not in _fp8.SCALINGS:
+        raise ValueError(f"scaling must be one of {_fp8.SCALINGS}, got {scaling!r}")
+    p_scale = _fp8._check_p_scale(p_scale)
+    q64, k64, v64, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
+                                    block_k=block_k)
+    B_r, B_c = default_blocks(q64.shape[3], block_q, block_k)  # from the original head dim, as the kernel pads
+    if rotate:
+        q64, k64 = _fp8.rotate_qk(q64, k64, seed)
+    if scaling == "block":
+        Qz, Kz, Vz = (_fp8.quantize(q64, block=B_r), _fp8.quantize(k64, block=B_c),
+                      _fp8.quantize(v64, granularity="channel"))
+    else:
+        Qz, Kz, Vz = (_fp8.quantize(a, granularity="tensor") for a in (q64, k64, v64))
+    Q, K, V = heads_major(Qz.values, Kz.values, Vz.values)     # float64 copies of the e4m3 values
+    batch, heads, N_q, d = Q.shape
+    N_k = K.shape[2]
+    kv = kv_head_of(heads, k64.shape[2])
+    T_r, T_c = -(-N_q // B_r), -(-N_k // B_c)
+    if scaling == "block":
+        sq = Qz.scale.astype(np.float64)                       # (b, h, T_r)
+        sk = Kz.scale.astype(np.float64)[:, kv]                # (b, h, T_c)
+        sv = Vz.scale.astype(np.float64)[:, kv]                # (b, h, d)
+    else:
+        sq = np.full((batch, heads, T_r), float(Qz.scale))
+        sk = np.full((batch, heads, T_c), float(Kz.scale))
+        sv = np.full((batch, heads, d), float(Vz.scale))
+
+    def scores(i, rows, j, cols, masked):
+        S = _fp8.tc_matmul(Q[:, :, rows], K[:, :, cols].swapaxes(-1, -2), accumulate_bits)
+        S = S * (sq[:, :, i] * sk[:, :, j] * scale)[..., None, None]   # the pair's scales fold into the softmax's
+        if causal and masked:
+            S = np.where(causal_visible(np.arange(N_q)[rows], np.arange(N_k)[cols], N_q, N_k), S, -np.inf)
+        return S
+
+    O, LSE, hbm = _pipeline(
+        Q, K, V, B_r, B_c, causal, scores,
+        product=lambda P8, j, cols, acc: _fp8.tc_matmul(P8, V[:, :, cols], accumulate_bits, acc=acc),
+        operand=lambda P: (P * p_scale).astype(_fp8.E4M3).astype(np.float64),  # exact scaling, e4m3 rounding
+        finish=lambda i, O_c, l: normalize(O_c * (sv / p_scale)[:, :, None, :], l))
+    return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
+
+
+# ----------------------------------------------------------------------------------------------- the teaching text
+
+def _tile_lines() -> list[str]:
+    """Per template head dim: the operand tiles' shared memory and a consumer thread's accumulator registers,
+    arithmetic on ``DEFAULT_TILES`` (16-bit operands, 128 threads per warpgroup)."""
+    lines = []
+    for t, (b_r, b_c, stages) in DEFAULT_TILES.items():
+        rows = -(-b_r // NUM_CONSUMERS)
+        q_kib, kv_kib = b_r * t * 2 / 1024, 2 * b_c * t * 2 / 1024
+        lines += [f"  d={t:<3d}  B_r x B_c = {b_r} x {b_c}, n_st = {stages}: smem Q {q_kib:g} KiB + {stages} x (K+V) "
+                  f"{kv_kib:g} KiB = {q_kib + stages * kv_kib:g} KiB",
+                  f"          a consumer thread's registers: O {rows * t // 128} + S {rows * b_c // 128} fp32, "
+                  f"P {rows * b_c // 256} (two 16-bit values each)"]
+    return lines
+
+
+PIPELINE = "\n".join([
+    "FA3 forward pipeline (sm_90a: TMA, mbarriers, wgmma, setmaxnreg; cuda_src/fa3_fwd.cu)",
+    "",
+    "CTA = 3 warpgroups of 128 threads (384), one per (Q block i of B_r = 128 rows, head, batch); the last Q",
+    "block is launched first (causal: it has the most K/V blocks to visit).",
+    "  warpgroup 0  producer: one thread issues every TMA copy (cp.async.bulk.tensor), nothing else; the",
+    "               warpgroup gives its registers away (setmaxnreg 24) to the consumers (setmaxnreg 240)",
+    "  warpgroup 1  consumer 0: query rows 0..63 of the block, its own m, l, O in registers",
+    "  warpgroup 2  consumer 1: query rows 64..127",
+    "  Both consumers read the same Q_i, K_j, V_j from shared memory: one HBM load per CTA (fa2's traffic; a",
+    "  CTA that sees no key, causal with N_q > N_k, loads nothing and writes zeros and LSE = -inf).",
+    "",
+    "producer, in order:  Q_i once (barrier q_full), then K_j and V_j for j = J_i (the last visible block) down",
+    "  to 1: the t-th block (t = 0, 1, ...) into ring stage s = t mod n_st. The empty barriers keep it at most",
+    "  n_st blocks ahead of the consumers. Descending order puts the blocks that need a mask (the causal",
+    "  diagonal's, the tail block of N_k) first: the consumers' steps after them are compiled without a mask.",
+    "",
+    "K/V ring: n_st stages of a K_j and a V_j tile; per stage four mbarriers, K and V apart, so S = Q K_j^T",
+    "can start before V_j has landed and K's slot is freed before V's:",
+    "  k_full[s], v_full[s]    'the tile is in'. Initialised with 1 arrival: the producer's",
+    "            mbarrier.arrive.expect_tx, which also announces the tile's bytes; the TMA unit counts them",
+    "            down (complete_tx) as they land. The phase completes when the arrival is in and the count is 0:",
+    "            no thread copies or polls the data. Consumers wait with try_wait.parity before the wgmma.",
+    "  k_empty[s], v_empty[s]  'the slot may be refilled'. Initialised with 8 arrivals: lane 0 of each of the",
+    "            8 consumer warps arrives once the wgmma that read the tile has retired (wgmma.wait_group); the",
+    "            producer waits on it before its next TMA into the slot.",
+    "  Phases: a barrier's phase bit flips each time it completes; the t-th use of stage s waits for parity",
+    "  (t div n_st) mod 2 on the full barriers and the opposite on the empty ones, so the producer's first",
+    "  n_st waits pass at once (the ring starts empty).",
+    "",
+    "ping-pong between the consumers (PINGPONG; inter-warpgroup overlap): named barriers 1 and 2, over the 256",
+    "  consumer threads. Consumer c waits (bar.sync 1 + c) before issuing the wgmmas of a step, and right after",
+    "  issuing them lets the other go (bar.arrive on the other's barrier); consumer 1 arrives once at the start,",
+    "  so consumer 0 issues first. One consumer's softmax (exp2 on the multi-function units, max and sum on the",
+    "  FMA units) then runs while the other's GEMMs hold the tensor cores:",
+    "      tensor cores   | GEMMs of c0 | GEMMs of c1 | GEMMs of c0 | GEMMs of c1 | ...",
+    "      consumer 0     | issue       | softmax     | issue       | softmax     |",
+    "      consumer 1     | (waits)     | issue       | softmax     | issue       |",
+    "",
+    "intra-warpgroup overlap (OVERLAP; inside one consumer: wgmma is asynchronous, issue, commit, wait later):",
+    "  wait k_full (block j) and v_full (block j+1); [ping-pong wait]",
+    "  issue S_j = Q K_j^T, then O += P_(j+1) V_(j+1)   (the previous block's P, 16-bit A fragments in registers)",
+    "  [ping-pong pass]; wgmma.wait_group 1: S_j is done, P V still running -> release K_j's slot;",
+    "  mask (first steps only); softmax(S_j): m_new, P_j, l, e^(m - m_new)   <- overlaps P_(j+1) V_(j+1)",
+    "  wgmma.wait_group 0: P V done -> release V_(j+1)'s slot; O *= e^(m - m_new); P_j to 16-bit",
+    "  The first block has no P V to pair with; after the loop comes O += P_1 V_1. Then named barrier 3 (both",
+    "  consumers are done with Q and the ring), O / l staged through shared memory, O and LSE written once.",
+    "  The arithmetic is FA2's online softmax with each P V issued one block later: the same operations in the",
+    "  same order, so OVERLAP off (FA2's step: rescale, then P_j V_j at once) gives the same numbers.",
+    "",
+    "tiles (kernels/fa3.py TILES; arithmetic on the tile sizes, not a measurement):",
+    *_tile_lines(),
+    "",
+    "measured (placeholders until the H200 runs):",
+    "  fa3 vs fa2 TFLOP/s at d = 64, 128, 256, causal and not:  measured in bench/RESULTS.md",
+    "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): measured in bench/RESULTS.md",
+])
