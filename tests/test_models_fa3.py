@@ -160,7 +160,7 @@ def _fa2_descending(q, k, v, causal, B_r, B_c):
     N_q, N_k = Q.shape[2], K.shape[2]
     O, LSE = np.zeros_like(Q), np.empty(Q.shape[:3])
     for rows in common.block_slices(N_q, B_r):
-        for r in fa3.consumer_rows(rows, B_r):
+        for r in fa3.consumer_rows(rows):
             shape = Q[:, :, r].shape
             m, l, acc = np.full(shape[:3], -np.inf), np.zeros(shape[:3]), np.zeros(shape)
             for cols, masked in fa3.kv_visits(rows, N_q, N_k, B_c, causal):
@@ -205,16 +205,26 @@ def test_blocks_descend_and_masked_blocks_come_first(n_q, n_k, B_r, B_c, causal)
             assert sum(masked) <= -(-B_r // B_c) + 2
 
 
-@pytest.mark.parametrize("B_r", [128, 64, 7, 1])
+@pytest.mark.parametrize("B_r", [192, 128, 64, 7, 1])
 def test_consumers_split_the_q_block(B_r):
+    """64 rows per consumer warpgroup (the kernel's BM = 64 NC); the short last block may have fewer consumers."""
     for n in (1, 37, 128, 1000):
         for rows in common.block_slices(n, B_r):
-            parts = fa3.consumer_rows(rows, B_r)
-            assert 1 <= len(parts) <= fa3.NUM_CONSUMERS
+            parts = fa3.consumer_rows(rows)
+            assert 1 <= len(parts) <= -(-B_r // 64)
             assert parts[0].start == rows.start and parts[-1].stop == rows.stop
             assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
-            assert all(p.stop - p.start <= -(-B_r // 2) for p in parts)
-    assert fa3.consumer_rows(slice(128, 256), 128) == [slice(128, 192), slice(192, 256)]
+            assert all(p.stop - p.start == 64 for p in parts[:-1]) and parts[-1].stop - parts[-1].start <= 64
+    assert fa3.consumer_rows(slice(128, 256)) == [slice(128, 192), slice(192, 256)]
+    assert fa3.consumer_rows(slice(192, 384)) == [slice(192, 256), slice(256, 320), slice(320, 384)]
+    assert fa3.consumer_rows(slice(256, 300)) == [slice(256, 300)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumers(rng, causal):
+    """The kernel's NC = 3 configuration: B_r = 192."""
+    q, k, v = inputs(rng, 1, 500, 450, 2, 1, 32)
+    assert check(q, k, v, causal, block_q=192, block_k=128).blocks == (192, 128)
 
 
 def test_default_tiles_are_the_kernels():

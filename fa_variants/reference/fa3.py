@@ -1,9 +1,10 @@
 """FlashAttention-3 forward (Shah et al. 2024) on Hopper, in the loop order of ``cuda_src/fa3_fwd.cu``.
 
-One CTA per (Q block of B_r = 128 rows, head, batch), three warpgroups. Warpgroup 0 is the producer: one thread
-issues the TMA copies, Q_i once, then K_j and V_j into a ring of ``stages`` shared-memory slots. Warpgroups 1
-and 2 are consumers 0 and 1: consumer c owns rows [64c, 64c + 64) of the Q block (``consumer_rows``) and runs
-FA2's online softmax with deferred normalization on them, both reading the same K_j, V_j from shared memory.
+One CTA per (Q block of B_r = 64 NC rows, head, batch; NC = 2 in the default tiles: 128 rows), 1 + NC
+warpgroups. Warpgroup 0 is the producer: one thread issues the TMA copies, Q_i once, then K_j and V_j into a
+ring of ``stages`` shared-memory slots. Warpgroups 1..NC are consumers 0..NC-1: consumer c owns rows
+[64c, 64c + 64) of the Q block (``consumer_rows``) and runs FA2's online softmax with deferred normalization on
+them, all reading the same K_j, V_j from shared memory.
 ``PIPELINE`` (printed by ``fa-variants explain fa3``) describes the barriers that the model leaves out.
 
 What differs from ``reference/fa2.py``, and what this model reproduces:
@@ -28,7 +29,7 @@ float16 / bfloat16 before P V, as the kernel does, with l summed from the unroun
 P). ``forward_fp8`` is the same pipeline on e4m3 operands with fa2_fp8's scaling (``reference/fp8.py``).
 
 HBM traffic is FA2's for the same blocks (``iomodel.fa2_accesses``) but for one case: per CTA the producer
-loads Q_i once and each visited K_j, V_j once, shared by both consumers; O_i and LSE_i are written once. A CTA
+loads Q_i once and each visited K_j, V_j once, shared by the consumers; O_i and LSE_i are written once. A CTA
 that sees no key at all (causal with N_q > N_k: its Q block lies wholly above the diagonal) loads nothing, not
 even Q_i, and writes zeros and -inf; fa2's kernels load Q_i there anyway. ``accesses`` is the closed form.
 Per head, with T_r = ceil(N_q / B_r), non-causal:  N_q d (Q) + 2 T_r N_k d (K, V) + N_q d (O) + N_q (LSE).
@@ -42,8 +43,8 @@ from .common import (AccessCounter, ModelResult, block_scores, block_slices, blo
                      check_block, heads_major, kv_head_of, logsumexp_from, normalize, prepare, rescale, row_exp,
                      to_flash_layout, validate)
 
-#: The consumer warpgroups of a CTA; each owns ceil(B_r / 2) rows of the Q block (64 of the kernel's 128).
-NUM_CONSUMERS = 2
+#: Query rows per consumer warpgroup: a CTA of B_r rows has ceil(B_r / 64) consumers (the kernel's BM = 64 NC).
+CONSUMER_ROWS = 64
 
 #: Template head dim -> (B_r, B_c, stages): the kernel's tiles (kernels/fa3.py ``TILES``; tests check they agree
 #: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
@@ -52,7 +53,7 @@ DEFAULT_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
-  consumer c in 0, 1:      rows 64c..64c+63 of Q_i; O = 0, l = 0, m = -inf in its registers
+  consumer c in 0..NC-1:   rows 64c..64c+63 of Q_i; O = 0, l = 0, m = -inf in its registers
     j = J_i (last visible): S = Q_i K_j^T * scale; m = rowmax S; P = exp(S - m); l = rowsum P
     for j = J_i-1 down to 1: S = Q_i K_j^T * scale       (issued first; masked in the first blocks only)
                            O += P V_(j+1)               (the previous block's P, on the tensor cores meanwhile)
@@ -74,17 +75,12 @@ def default_blocks(head_dim: int, block_q=None, block_k=None) -> tuple[int, int]
     return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
 
 
-def consumer_rows(rows: slice, block_q: int) -> list[slice]:
+def consumer_rows(rows: slice) -> list[slice]:
     """The query rows of each consumer warpgroup of the CTA that owns ``rows``: consumer c takes rows
-    [c h, (c + 1) h) of the block, h = ceil(block_q / NUM_CONSUMERS). In the short last Q block a consumer may
-    own no real row (it still runs in the kernel, on the zero rows TMA fills in, and writes nothing): left out."""
-    h = -(-block_q // NUM_CONSUMERS)
-    out = []
-    for c in range(NUM_CONSUMERS):
-        start, stop = rows.start + c * h, min(rows.start + (c + 1) * h, rows.stop)
-        if start < stop:
-            out.append(slice(start, stop))
-    return out
+    [64c, 64c + 64) of the block (``CONSUMER_ROWS``). In the short last Q block a consumer may own no real row
+    (it still runs in the kernel, on the zero rows TMA fills in, and writes nothing): left out. Blocks below 64
+    rows (the tests' small ones) have a single consumer."""
+    return [slice(a, min(a + CONSUMER_ROWS, rows.stop)) for a in range(rows.start, rows.stop, CONSUMER_ROWS)]
 
 
 def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool) -> list[tuple[slice, bool]]:
@@ -149,7 +145,7 @@ def _consume(visits, scores, product, operand, shape):
 
 def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish):
     """The CTA loop both models share: (O heads-major, LSE, hbm). The producer's loads are counted once per
-    CTA (both consumers read the same shared-memory stage); ``scores(i, rows, j, cols, masked)``,
+    CTA (its consumers read the same shared-memory stage); ``scores(i, rows, j, cols, masked)``,
     ``product(P, j, cols, O)``, ``operand(P)`` and ``finish(i, O, l)`` (O / l and any dequantization) are the
     arithmetic, i and j the Q and K block numbers."""
     batch, heads, N_q, d = Q.shape
@@ -165,7 +161,7 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish):
         for cols, _ in visits:                                 # ... then K_j, V_j through the ring, descending
             hbm.read("K", programs * (cols.stop - cols.start) * d)
             hbm.read("V", programs * (cols.stop - cols.start) * d)
-        for c_rows in consumer_rows(rows, B_r):                # the two consumer warpgroups
+        for c_rows in consumer_rows(rows):                     # the consumer warpgroups
             O_c, m, l = _consume(
                 visits,
                 lambda cols, masked, c_rows=c_rows: scores(i, c_rows, cols.start // B_c, cols, masked),
@@ -275,7 +271,7 @@ def _tile_lines() -> list[str]:
     arithmetic on ``DEFAULT_TILES`` (16-bit operands, 128 threads per warpgroup)."""
     lines = []
     for t, (b_r, b_c, stages) in DEFAULT_TILES.items():
-        rows = -(-b_r // NUM_CONSUMERS)
+        rows = CONSUMER_ROWS
         q_kib, kv_kib = b_r * t * 2 / 1024, 2 * b_c * t * 2 / 1024
         lines += [f"  d={t:<3d}  B_r x B_c = {b_r} x {b_c}, n_st = {stages}: smem Q {q_kib:g} KiB + {stages} x (K+V) "
                   f"{kv_kib:g} KiB = {q_kib + stages * kv_kib:g} KiB",
@@ -287,13 +283,14 @@ def _tile_lines() -> list[str]:
 PIPELINE = "\n".join([
     "FA3 forward pipeline (sm_90a: TMA, mbarriers, wgmma, setmaxnreg; cuda_src/fa3_fwd.cu)",
     "",
-    "CTA = 3 warpgroups of 128 threads (384), one per (Q block i of B_r = 128 rows, head, batch); the last Q",
-    "block is launched first (causal: it has the most K/V blocks to visit).",
-    "  warpgroup 0  producer: one thread issues every TMA copy (cp.async.bulk.tensor), nothing else; the",
-    "               warpgroup gives its registers away (setmaxnreg 24) to the consumers (setmaxnreg 240)",
-    "  warpgroup 1  consumer 0: query rows 0..63 of the block, its own m, l, O in registers",
-    "  warpgroup 2  consumer 1: query rows 64..127",
-    "  Both consumers read the same Q_i, K_j, V_j from shared memory: one HBM load per CTA (fa2's traffic; a",
+    "CTA = 1 + NC warpgroups of 128 threads, one per (Q block i of B_r = 64 NC rows, head, batch); NC = 2 in",
+    "the default tiles (384 threads, 128 rows), 3 possible (192 rows). The last Q block is launched first",
+    "(causal: it has the most K/V blocks to visit).",
+    "  warpgroup 0      producer: one thread issues every TMA copy (cp.async.bulk.tensor), nothing else; the",
+    "                   warpgroup gives its registers away (setmaxnreg 24) to the consumers (240 each with",
+    "                   NC = 2, 160 with NC = 3)",
+    "  warpgroup 1 + c  consumer c: query rows 64c..64c+63 of the block, its own m, l, O in registers",
+    "  All consumers read the same Q_i, K_j, V_j from shared memory: one HBM load per CTA (fa2's traffic; a",
     "  CTA that sees no key, causal with N_q > N_k, loads nothing and writes zeros and LSE = -inf).",
     "",
     "producer, in order:  Q_i once (barrier q_full), then K_j and V_j for j = J_i (the last visible block) down",
@@ -307,18 +304,19 @@ PIPELINE = "\n".join([
     "            mbarrier.arrive.expect_tx, which also announces the tile's bytes; the TMA unit counts them",
     "            down (complete_tx) as they land. The phase completes when the arrival is in and the count is 0:",
     "            no thread copies or polls the data. Consumers wait with try_wait.parity before the wgmma.",
-    "  k_empty[s], v_empty[s]  'the slot may be refilled'. Initialised with 8 arrivals: lane 0 of each of the",
-    "            8 consumer warps arrives once the wgmma that read the tile has retired (wgmma.wait_group); the",
+    "  k_empty[s], v_empty[s]  'the slot may be refilled'. Initialised with 4 NC arrivals: lane 0 of each",
+    "            consumer warp arrives once the wgmma that read the tile has retired (wgmma.wait_group); the",
     "            producer waits on it before its next TMA into the slot.",
     "  Phases: a barrier's phase bit flips each time it completes; the t-th use of stage s waits for parity",
     "  (t div n_st) mod 2 on the full barriers and the opposite on the empty ones, so the producer's first",
     "  n_st waits pass at once (the ring starts empty).",
     "",
-    "ping-pong between the consumers (PINGPONG; inter-warpgroup overlap): named barriers 1 and 2, over the 256",
-    "  consumer threads. Consumer c waits (bar.sync 1 + c) before issuing the wgmmas of a step, and right after",
-    "  issuing them lets the other go (bar.arrive on the other's barrier); consumer 1 arrives once at the start,",
-    "  so consumer 0 issues first. One consumer's softmax (exp2 on the multi-function units, max and sum on the",
-    "  FMA units) then runs while the other's GEMMs hold the tensor cores:",
+    "ping-pong between the consumers (PINGPONG; inter-warpgroup overlap): named barriers 1..NC (bar.sync and",
+    "  bar.arrive over 256 threads: the waiting warpgroup and the one that lets it go). Consumer c waits",
+    "  (bar.sync 1 + c) before issuing the wgmmas of a step, and right after issuing them lets the next one go",
+    "  (bar.arrive 1 + (c + 1) mod NC), round robin; the last consumer arrives once at the start, so consumer 0",
+    "  issues first. One consumer's softmax (exp2 on the multi-function units, max and sum on the FMA units)",
+    "  then runs while another's GEMMs hold the tensor cores (NC = 2):",
     "      tensor cores   | GEMMs of c0 | GEMMs of c1 | GEMMs of c0 | GEMMs of c1 | ...",
     "      consumer 0     | issue       | softmax     | issue       | softmax     |",
     "      consumer 1     | (waits)     | issue       | softmax     | issue       |",
@@ -329,8 +327,8 @@ PIPELINE = "\n".join([
     "  [ping-pong pass]; wgmma.wait_group 1: S_j is done, P V still running -> release K_j's slot;",
     "  mask (first steps only); softmax(S_j): m_new, P_j, l, e^(m - m_new)   <- overlaps P_(j+1) V_(j+1)",
     "  wgmma.wait_group 0: P V done -> release V_(j+1)'s slot; O *= e^(m - m_new); P_j to 16-bit",
-    "  The first block has no P V to pair with; after the loop comes O += P_1 V_1. Then named barrier 3 (both",
-    "  consumers are done with Q and the ring), O / l staged through shared memory, O and LSE written once.",
+    "  The first block has no P V to pair with; after the loop comes O += P_1 V_1. Then named barrier 4 (every",
+    "  consumer is done with Q and the ring), O / l staged through shared memory, O and LSE written once.",
     "  The arithmetic is FA2's online softmax with each P V issued one block later: the same operations in the",
     "  same order, so OVERLAP off (FA2's step: rescale, then P_j V_j at once) gives the same numbers.",
     "",
