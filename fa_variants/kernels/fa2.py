@@ -17,7 +17,8 @@ from .launch import FwdPlan, function_of
 
 SOURCE = "fa2_fwd.cu"
 SM90_SOURCE = "fa2_fwd_sm90.cu"
-SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",)}  # wgmma exists only there
+SM90_BWD_SOURCE = "fa2_bwd_sm90.cu"  # kernels/fa2_bwd_sm90.py's source (named here for SOURCE_ARCHS)
+SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",), SM90_BWD_SOURCE: ("sm_90a",)}  # wgmma exists only there
 
 # template head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps, early prefetch), fastest first; each
 # warp owns BM / warps rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and
@@ -180,13 +181,17 @@ def merge_partials(parts, dtype):
 
 
 def _sources():
-    from . import fa2_bwd
-    return {SOURCE: specializations(), **SOURCES, fa2_bwd.SOURCE: fa2_bwd.specializations()}
+    from . import fa2_bwd, fa2_bwd_sm90
+    return {SOURCE: specializations(), **SOURCES, fa2_bwd.SOURCE: fa2_bwd.specializations(),
+            fa2_bwd_sm90.SOURCE: fa2_bwd_sm90.specializations()}
 
 
 def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
-    from . import fa2_bwd
-    return fa2_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+    """fa2_bwd_sm90 (wgmma) where the forward runs on wgmma and it takes the head dim, else fa2_bwd (mma.sync;
+    FA_VARIANTS_FA2_KERNEL=mma_sync forces it, as it does the forward)."""
+    from . import fa2_bwd, fa2_bwd_sm90
+    mod = fa2_bwd_sm90 if uses_wgmma() and fa2_bwd_sm90.supports(q.shape[3]) else fa2_bwd
+    return mod.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
 
 
 LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward,

@@ -1,0 +1,331 @@
+// fa2_bwd.cu on Hopper's warpgroup MMA (sm_90a): the same deterministic three-pass FlashAttention-2 backward, as
+// fa2_fwd_sm90.cu is fa2_fwd.cu. Pass 1 (D = rowsum(dO * O)) is fa2_bwd.cu's fa2_bwd_delta, launched as it is; the
+// two passes here change the matrix instruction and, with it, the unit of work:
+//   dkdv  grid (K/V block j, kv head, batch): a warpgroup owns 64 keys of K_j, V_j (BN = 64 or 128: one or two
+//         warpgroups) and their dK, dV in registers; loop over the group's query heads, head-major, and the Q blocks
+//         of BM = 64 queries that see block j: S^T = K Q^T, P^T = exp2(S^T scale_log2 - LSE2[col]),
+//         dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D[col]), dK += dS^T Q. A 64 x BM accumulator has keys
+//         as rows and queries as columns here, so LSE and D are per column (from shared memory).
+//   dq    grid (Q block i, head, batch): a warpgroup owns 64 query rows and their dQ; loop over the K/V blocks
+//         i sees: S = Q K^T, P (LSE, D per row: registers), dP = dO V^T, dS, dQ += dS K.
+// Operands: every tile ([row][d], 16-bit) sits in wgmma's 128-byte swizzled K-major layout (common/wgmma.cuh).
+// The products whose reduction runs over d read them K-major (desc); the ones whose reduction runs over rows
+// (queries for dV and dK, keys for dQ) read the same tile N-major (desc_mn, imm-trans-b), as the forward reads V.
+// P^T and dS^T (dS) stay in registers as the A operand of the next product: repack_a turns accumulator columns
+// 16k .. 16k + 15 into the A fragment of reduction step k (the forward's P V).
+// Overlap inside a step only: S^T and dP^T are issued together (two commit groups) so that the tensor cores run
+// dP^T while the threads compute P^T; dV runs while they compute dS^T. Q/dO (dkdv) and K/V (dq) tiles are
+// double-buffered with cp.async, one barrier per step.
+// d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the dkdv grid doubles:
+// even CTAs compute dK only (S^T, dP^T, dK), odd ones dV only (S^T, dV), each recomputing S^T (1.25x the work).
+#include "common/block_range.cuh"
+#include "common/epilogue.cuh"
+#include "common/fragments.cuh"
+#include "common/wgmma.cuh"
+
+namespace fav {
+
+constexpr float BWD_LOG2E = 1.4426950408889634f;
+
+// load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
+// wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
+template <int ROWS, int KB, int THREADS>
+__forceinline__ __device__ void load_rows_async(u32 tile, const unsigned char* __restrict__ g, i64 ld,
+                                                int valid_rows, int valid_bytes) {
+    constexpr int PART = KB < 2 * THREADS ? KB : 2 * THREADS;
+    using Tile = SwizzledTile<ROWS, KB>;
+    static_assert(KB % PART == 0 && SwizzledTile<ROWS, PART>::W == Tile::W, "parts made of whole slabs");
+#pragma unroll
+    for (int c = 0; c < KB / PART; ++c)
+        load_swizzled_async<ROWS, PART, THREADS>(tile + c * (PART / Tile::W) * Tile::SLAB, g + c * PART, ld,
+                                                 valid_rows, valid_bytes - c * PART);
+}
+
+// acc (64 x 8 DT, this warpgroup) += A B with A from registers (a: BK / 16 reduction steps of repack_a) and B
+// rows [0, BK) of an N-major tile (the reduction index is the tile's row): D / DN wgmmas of n64 or n128 per step.
+template <class T, class TB, int D, int KSTEPS>
+__forceinline__ __device__ void wgmma_rs_rows(float (&acc)[D / 8][4], const u32 (&a)[KSTEPS][4], u32 tile_b) {
+    constexpr int DN = D < 128 ? D : 128;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+        for (int n = 0; n < D / DN; ++n)
+            wgmma_16_rs<T>(reinterpret_cast<float(&)[DN / 8][4]>(acc[n * DN / 8]), a[kk],
+                           TB::desc_mn(tile_b, kk * 16, n * DN * 2), 1);
+}
+
+// acc (64 x 8 NT) = A B^T over d: A rows [a_row, a_row + 64) of tile TA, B rows [0, 8 NT) of tile TB, both K-major.
+template <class T, class TA, class TB, int D, int NT>
+__forceinline__ __device__ void wgmma_ss_abt(float (&acc)[NT][4], u32 tile_a, int a_row, u32 tile_b) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_16_ss<T>(acc, TA::desc(tile_a, a_row, kk * 32), TB::desc(tile_b, 0, kk * 32), kk > 0);
+}
+
+// The 16-bit A fragments of an fp32 accumulator (64 x 8 NT): reduction step k takes columns 16k .. 16k + 15.
+template <class T, int NT>
+__forceinline__ __device__ void repack_all(u32 (&a)[NT / 2][4], const float (&acc)[NT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) repack_a<T>(a[kk], acc[2 * kk], acc[2 * kk + 1]);
+}
+
+// One dkdv CTA: K/V block j of BN keys; DK, DV: which gradients it computes (both, or one each at d = 256).
+template <class T, int D, int BN, bool DK, bool DV>
+__forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
+    constexpr int BM = 64, THREADS = 2 * BN, NT = BM / 8, DT = D / 8;
+    using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major B of S^T, dP^T; N-major B of dK, dV
+    using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T
+    static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128 || D == 256), "wgmma n64 / n128 blocks");
+
+    extern __shared__ unsigned char smem[];
+    // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, two stages of (Q_i, dO_i), then two stages of
+    // the queries' LSE (log2 units) and D.
+    const u32 base = (smem_u32(smem) + 1023) & ~1023u;
+    const u32 sK = base, sV = sK + TKV::BYTES;
+    auto sQ = [&](int stage) { return sV + TKV::BYTES + stage * 2 * TQ::BYTES; };
+    auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
+    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + 2 * TKV::BYTES + 4 * TQ::BYTES);
+
+    const int h_kv = blockIdx.y, b = blockIdx.z, wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
+    const bool causal = p.causal;
+    const int key0 = j * BN, kr0 = wg * 64 + warp * 16;  // the block's first key; this warp's first row of it
+    const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
+    const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
+    const int steps = p.group * n_i;                              // (query head, Q block), head-major
+    const int row_bytes = 2 * p.head_dim;                         // columns past it are zero-filled
+
+    load_rows_async<BN, 2 * D, THREADS>(sK, reinterpret_cast<const unsigned char*>(p.k + b * p.k_b + h_kv * p.k_h +
+                                                                                   (i64)key0 * p.k_n),
+                                        p.k_n * 2, seqlen_k - key0, row_bytes);
+    if constexpr (DK)  // V enters dP^T only
+        load_rows_async<BN, 2 * D, THREADS>(sV, reinterpret_cast<const unsigned char*>(p.v + b * p.v_b +
+                                                                                       h_kv * p.v_h +
+                                                                                       (i64)key0 * p.v_n),
+                                            p.v_n * 2, seqlen_k - key0, row_bytes);
+    auto load_q = [&](int step, int stage) {  // one cp.async group per step (the first also carries K_j, V_j)
+        const int h = h_kv * p.group + step / n_i, m0 = (i_first + step % n_i) * BM;
+        load_rows_async<BM, 2 * D, THREADS>(sQ(stage), reinterpret_cast<const unsigned char*>(p.q + b * p.q_b +
+                                                                                              h * p.q_h +
+                                                                                              (i64)m0 * p.q_n),
+                                            p.q_n * 2, seqlen_q - m0, row_bytes);
+        load_rows_async<BM, 2 * D, THREADS>(sdO(stage), reinterpret_cast<const unsigned char*>(p.dout + b * p.do_b +
+                                                                                               h * p.do_h +
+                                                                                               (i64)m0 * p.do_n),
+                                            p.do_n * 2, seqlen_q - m0, row_bytes);
+        cp_async_commit();
+        for (int r = threadIdx.x; r < BM; r += THREADS) {  // queries past seqlen_q: LSE +inf, so P = 0 there
+            const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
+            const bool ok = m0 + r < seqlen_q;
+            stats[(2 * stage) * BM + r] = ok ? p.lse[at] * BWD_LOG2E : __int_as_float(0x7f800000);
+            stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
+        }
+    };
+    if (steps > 0) load_q(0, 0);
+    else cp_async_commit();
+
+    float dk[1][DT][4] = {}, dv[1][DT][4] = {};  // this warp's 16 keys x D (rows 16 warp + g, + 8 of the warpgroup)
+    for (int s = 0; s < steps; ++s) {
+        const int stage = s % 2, m0 = (i_first + s % n_i) * BM;
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
+        if (s + 1 < steps) load_q(s + 1, stage ^ 1);
+        const float* lse2 = stats + (2 * stage) * BM;
+        const float* delta = lse2 + BM;
+
+        // S^T = K_wg Q_i^T, then dP^T = V_wg dO_i^T: 64 keys x BM queries each, two commit groups
+        float st[NT][4], dpt[NT][4];
+        wgmma_fence();
+        wgmma_ss_abt<T, TKV, TQ, D>(st, sK, wg * 64, sQ(stage));
+        wgmma_commit();
+        if constexpr (DK) {
+            wgmma_ss_abt<T, TKV, TQ, D>(dpt, sV, wg * 64, sdO(stage));
+            wgmma_commit();
+        }
+        wgmma_wait<DK ? 1 : 0>();  // S^T is in (dP^T may still run)
+        hold_registers(st);
+
+        // P^T in place: element (key row, query col) = exp2(S^T scale_log2 - LSE2[query]) where the key is visible,
+        // else exactly 0 (a select: LSE = -inf for a query that saw no key must not make a NaN). A warp whose 16
+        // keys are all visible to the block's first query (hence to all of them) skips the test.
+        const int kw = key0 + kr0;
+        const bool edge = kw + 16 > seqlen_k || (causal && kw + 15 > m0 + diag);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2);
+                const float x = exp2f_approx(fmaf(st[nt][e], p.scale_log2, -lse2[col]));
+                st[nt][e] = !edge || (key < seqlen_k && !(causal && key > m0 + col + diag)) ? x : 0.f;
+            }
+
+        // dV_j += P^T dO_i: P^T from the registers (reduction index: the queries), dO_i read N-major
+        if constexpr (DV) {
+            u32 a[NT / 2][4];
+            repack_all<T>(a, st);
+            wgmma_fence();
+            wgmma_rs_rows<T, TQ, D>(dv[0], a, sdO(stage));
+            wgmma_commit();
+        }
+
+        // dS^T = P^T * (dP^T - D[query]) in place, then dK_j += dS^T Q_i (Q_i read N-major)
+        if constexpr (DK) {
+            wgmma_wait<DV ? 1 : 0>();  // dP^T is in (dV may still run)
+            hold_registers(dpt);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
+            u32 ads[NT / 2][4];
+            repack_all<T>(ads, dpt);
+            wgmma_fence();
+            wgmma_rs_rows<T, TQ, D>(dk[0], ads, sQ(stage));
+            wgmma_commit();
+        }
+        wgmma_wait<0>();  // before the next barrier lets this stage be overwritten
+        if constexpr (DK) hold_registers(dk[0]);  // (held, an unused accumulator would stay live)
+        if constexpr (DV) hold_registers(dv[0]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warpgroup is done with the tiles (and K_j's copies have landed with no step to run)
+
+    // dK = scale * dS^T Q and dV, each staged through shared memory (this warp's own 16 rows) for 16-byte stores
+    // into contiguous (batch, seqlen_k, heads_kv, head_dim) gradients.
+    const int heads_kv = p.heads / p.group;
+    const i64 ld = (i64)heads_kv * p.head_dim, at = ((i64)b * seqlen_k + key0 + kr0) * ld + (i64)h_kv * p.head_dim;
+    u16* stage_k = reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + kr0 * Tile<16, D>::STRIDE;
+    u16* stage_v = stage_k + BN * Tile<16, D>::STRIDE;
+    if constexpr (DK) {
+        const float scale[1][2] = {{p.scale, p.scale}};
+        store_acc_rows<T, D>(dk, scale, stage_k, p.dk + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+    }
+    if constexpr (DV) {
+        const float one[1][2] = {{1.f, 1.f}};
+        store_acc_rows<T, D>(dv, one, stage_v, p.dv + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+    }
+}
+
+}  // namespace fav
+
+// SPLIT (d = 256): blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV.
+template <class T, int D, int BN, bool SPLIT>
+__global__ void __launch_bounds__(2 * BN, 1)
+fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
+    if constexpr (SPLIT) {
+        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, true, false>(p, blockIdx.x / 2);
+        else fav::dkdv_block<T, D, BN, false, true>(p, blockIdx.x / 2);
+    } else {
+        fav::dkdv_block<T, D, BN, true, true>(p, blockIdx.x);
+    }
+}
+
+template <class T, int D, int BM, int BN>
+__global__ void __launch_bounds__(2 * BM, 1)
+fa2_bwd_dq_sm90(const fav::BwdParams p) {
+    using namespace fav;
+    constexpr int THREADS = 2 * BM, NT = BN / 8, DT = D / 8;
+    using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major A of S, dP
+    using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major B of S, dP; K_j N-major B of dQ
+    static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128) && (D == 64 || D == 128 || D == 256),
+                  "wgmma n64 / n128 blocks, one or two warpgroups");
+
+    extern __shared__ unsigned char smem[];
+    // Shared memory (1024-byte aligned for the swizzle): Q_i, dO_i, then two stages of (K_j, V_j).
+    const u32 base = (smem_u32(smem) + 1023) & ~1023u;
+    const u32 sQ = base, sdO = sQ + TQ::BYTES;
+    auto sK = [&](int stage) { return sdO + TQ::BYTES + stage * 2 * TKV::BYTES; };
+    auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
+
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
+    const bool causal = p.causal;
+    const int m0 = i_block * BM, row0 = wg * 64 + warp * 16;  // this warp's first row within the CTA's block
+    const BlockRange blocks = kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal);
+    const int row_bytes = 2 * p.head_dim;
+
+    load_rows_async<BM, 2 * D, THREADS>(sQ, reinterpret_cast<const unsigned char*>(p.q + b * p.q_b + h * p.q_h +
+                                                                                   (i64)m0 * p.q_n),
+                                        p.q_n * 2, seqlen_q - m0, row_bytes);
+    load_rows_async<BM, 2 * D, THREADS>(sdO, reinterpret_cast<const unsigned char*>(p.dout + b * p.do_b +
+                                                                                    h * p.do_h + (i64)m0 * p.do_n),
+                                        p.do_n * 2, seqlen_q - m0, row_bytes);
+    const auto* Kb = reinterpret_cast<const unsigned char*>(p.k + b * p.k_b + h_kv * p.k_h);
+    const auto* Vb = reinterpret_cast<const unsigned char*>(p.v + b * p.v_b + h_kv * p.v_h);
+    auto load_kv = [&](int j, int stage) {  // one cp.async group per K/V block (the first also carries Q_i, dO_i)
+        load_rows_async<BN, 2 * D, THREADS>(sK(stage), Kb + (i64)j * BN * p.k_n * 2, p.k_n * 2, seqlen_k - j * BN,
+                                            row_bytes);
+        load_rows_async<BN, 2 * D, THREADS>(sV(stage), Vb + (i64)j * BN * p.v_n * 2, p.v_n * 2, seqlen_k - j * BN,
+                                            row_bytes);
+        cp_async_commit();
+    };
+    if (blocks.count() > 0) load_kv(blocks.begin, 0);
+    else cp_async_commit();
+
+    // This thread's two rows (g and g + 8 of the warp's 16): LSE in log2 units and D; +inf past seqlen_q (P = 0)
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = m0 + row0 + g + 8 * r;
+        const i64 at = ((i64)b * p.heads + h) * seqlen_q + row;
+        lse2[r] = row < seqlen_q ? p.lse[at] * BWD_LOG2E : __int_as_float(0x7f800000);
+        delta[r] = row < seqlen_q ? p.delta[at] : 0.f;
+    }
+
+    float dq[1][DT][4] = {};
+    for (int j = blocks.begin; j < blocks.end; ++j) {
+        const int stage = (j - blocks.begin) % 2, key0 = j * BN;
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // K_j, V_j visible to the tensor cores; every warpgroup is done with block j-1
+        if (j + 1 < blocks.end) load_kv(j + 1, stage ^ 1);
+
+        // S = Q_wg K_j^T, then dP = dO_wg V_j^T: 64 queries x BN keys each, two commit groups
+        float s[NT][4], dp[NT][4];
+        wgmma_fence();
+        wgmma_ss_abt<T, TQ, TKV, D>(s, sQ, wg * 64, sK(stage));
+        wgmma_commit();
+        wgmma_ss_abt<T, TQ, TKV, D>(dp, sdO, wg * 64, sV(stage));
+        wgmma_commit();
+        wgmma_wait<1>();  // S is in (dP may still run)
+        hold_registers(s);
+
+        // P in place (rows: queries, LSE per row), visible keys only, by select as in dkdv
+        const int qw = m0 + row0;
+        const bool edge = key0 + BN > seqlen_k || (causal && key0 + BN - 1 > qw + diag);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + nt * 8 + 2 * t + e % 2, query = qw + g + 8 * (e / 2);
+                const float x = exp2f_approx(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+                s[nt][e] = !edge || (key < seqlen_k && !(causal && key > query + diag)) ? x : 0.f;
+            }
+
+        // dS = P * (dP - D[row]) in place, then dQ_i += dS K_j (K_j read N-major)
+        wgmma_wait<0>();
+        hold_registers(dp);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e / 2]);
+        u32 a[NT / 2][4];
+        repack_all<T>(a, dp);
+        wgmma_fence();
+        wgmma_rs_rows<T, TKV, D>(dq[0], a, sK(stage));
+        wgmma_commit();
+        wgmma_wait<0>();  // before the next barrier lets this stage be overwritten
+        hold_registers(dq[0]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warpgroup is done with the tiles: the epilogue stages dQ over them
+
+    // dQ = scale * dS K, staged through this warp's own 16 rows of shared memory for 16-byte stores
+    const i64 ld = (i64)p.heads * p.head_dim;
+    const float scale[1][2] = {{p.scale, p.scale}};
+    store_acc_rows<T, D>(dq, scale, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE,
+                         p.dq + ((i64)b * seqlen_q + m0 + row0) * ld + (i64)h * p.head_dim, ld,
+                         seqlen_q - m0 - row0, p.head_dim);
+}

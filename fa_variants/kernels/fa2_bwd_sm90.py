@@ -1,0 +1,95 @@
+"""Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic three-pass backward on Hopper's wgmma
+(sm_90a only). Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel); passes 2 (dK, dV per K/V block)
+and 3 (dQ per Q block) are the wgmma kernels. Same contract as ``fa2_bwd.backward``; head dims up to 256.
+
+NOT YET RUN ON A GPU: written and compiled for sm_90a (no spills) on a machine without one; fa2.backward
+dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
+"""
+from __future__ import annotations
+
+from .. import jit
+from . import fa2_bwd
+from .common import CTYPE, cdiv, check_grid, elem_strides, ensure_vector_aligned, pick_tiles, template_dim
+from .launch import function_of, launch
+from .params import BWD
+
+SOURCE = "fa2_bwd_sm90.cu"
+DIMS = (64, 128, 256)   # the swizzled tiles' rows of 128, 256 or 512 bytes; other d pad to the next one
+DKDV_BM = 64            # queries per step of the dK/dV pass (fixed in the kernel)
+
+# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split: dK and dV of 64 keys
+# at d = 256 would take 256 registers a thread, so each K/V block gets two CTAs, one per gradient.
+DKDV_TILES = {64: [(128, False)], 128: [(128, False)], 256: [(64, True)]}
+# template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)]. Not yet tuned on a GPU.
+DQ_TILES = {64: [(128, 128)], 128: [(128, 64)], 256: [(64, 64)]}
+
+
+def dkdv_smem(d: int, cfg) -> int:
+    bn = cfg[0]
+    return 1024 + 2 * bn * 2 * d + 4 * DKDV_BM * 2 * d + 4 * DKDV_BM * 4  # align; K, V; 2 x (Q, dO); 2 x (LSE, D)
+
+
+def dq_smem(d: int, cfg) -> int:
+    bm, bn = cfg
+    return 1024 + 2 * bm * 2 * d + 4 * bn * 2 * d  # align; Q, dO; two stages of K, V
+
+
+def dkdv_instance(ctype: str, d: int, cfg) -> str:
+    return f"fa2_bwd_dkdv_sm90<{ctype}, {d}, {cfg[0]}, {'true' if cfg[1] else 'false'}>"
+
+
+def dq_instance(ctype: str, d: int, cfg) -> str:
+    return f"fa2_bwd_dq_sm90<{ctype}, {d}, {cfg[0]}, {cfg[1]}>"
+
+
+def instances(ctype: str, d: int):
+    return (tuple(dkdv_instance(ctype, d, cfg) for cfg in DKDV_TILES[d])
+            + tuple(dq_instance(ctype, d, cfg) for cfg in DQ_TILES[d]))
+
+
+def specializations():
+    return tuple(e for c in CTYPE.values() for d in DIMS for e in instances(c, d))
+
+
+def supports(head_dim: int) -> bool:
+    """Whether these kernels take this head dim (a multiple of 8 up to 256; the API pads other d to one)."""
+    return 0 < head_dim <= DIMS[-1] and head_dim % 8 == 0
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
+    """(dq, dk, dv) of validated CuPy arrays on the current stream; head_dim a multiple of 8 up to 256."""
+    import cupy
+    from .common import scale_log2
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    if not supports(d):
+        raise ValueError(f"fa2's wgmma backward takes head_dim a multiple of 8 up to {DIMS[-1]}, got {d}")
+    check_grid(h, "heads")
+    check_grid(b, "batch")
+    D = template_dim(d, DIMS)
+    ctype = CTYPE[q.dtype.name]
+    q, k, v, out, dout = (ensure_vector_aligned(a) for a in (q, k, v, out, dout))
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    delta = fa2_bwd.delta(dout, out)  # pass 1: fa2_bwd.cu's kernel, independent of the MMA
+    dq = cupy.empty(q.shape, q.dtype)
+    dk = cupy.empty(k.shape, k.dtype)
+    dv = cupy.empty(v.shape, v.dtype)
+    qs, ks, vs, os, ds = (elem_strides(a) for a in (q, k, v, out, dout))
+    template = BWD.pack(q=0, k=0, v=0, o=0, dout=0, lse=0, delta=0, dq=0, dk=0, dv=0,
+                        q_b=qs[0], q_n=qs[1], q_h=qs[2], k_b=ks[0], k_n=ks[1], k_h=ks[2], v_b=vs[0], v_n=vs[1],
+                        v_h=vs[2], o_b=os[0], o_n=os[1], o_h=os[2], do_b=ds[0], do_n=ds[1], do_h=ds[2],
+                        seqlen_q=nq, seqlen_k=nk, heads=h, group=h // hkv, head_dim=d,
+                        scale_log2=scale_log2(softmax_scale), scale=softmax_scale, causal=int(bool(causal)))
+    ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse, delta, dq, dk, dv))
+    stream = cupy.cuda.get_current_stream().ptr
+    exprs = instances(ctype, D)
+
+    def run(kern, grid, block, smem):
+        launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
+
+    kv = pick_tiles(DKDV_TILES, dkdv_smem, D)
+    run(jit.kernel(SOURCE, dkdv_instance(ctype, D, kv), exprs), (cdiv(nk, kv[0]) * (2 if kv[1] else 1), hkv, b),
+        2 * kv[0], dkdv_smem(D, kv))
+    qc = pick_tiles(DQ_TILES, dq_smem, D)
+    run(jit.kernel(SOURCE, dq_instance(ctype, D, qc), exprs), (cdiv(nq, qc[0]), h, b), 2 * qc[0], dq_smem(D, qc))
+    return dq, dk, dv
