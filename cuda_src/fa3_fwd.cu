@@ -10,8 +10,9 @@
 //                        robin: a consumer issues its wgmmas only after the previous one has issued its own, so one
 //                        consumer's softmax runs while another's GEMMs occupy the tensor cores.
 //   intra-warpgroup      (OVERLAP) S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}; the softmax of
-//   overlap              block j runs while the P V product of block j-1 is still on the tensor cores, and O is
-//                        rescaled by block j's factor once that product is done (one block later than FA2 does).
+//   overlap              block j runs while the P V product of block j-1 is still on the tensor cores. O takes
+//                        block j-1's rescale factor between the two issues (while S_j is on the tensor cores),
+//                        just before P_{j-1} V_{j-1} is added: one block later than FA2 rescales, same arithmetic.
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
@@ -95,6 +96,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 
         float o[1][DT][4] = {};
         float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
+        float alpha[1][2];   // OVERLAP: the rescale factor O still owes to the last block's softmax
         u32 pa[BN / 16][4];  // P~ of the block whose P V is next, as 16-bit A fragments
 
         // Ping-pong: consumer c issues after `sched_wait` on barrier 1 + c, which the previous consumer's
@@ -133,12 +135,15 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         auto step = [&](int t, auto masked, auto overlapped) {
             constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
             const int j = blocks.end - 1 - t;
-            float s[1][NT][4], alpha[1][2];
+            float s[1][NT][4];
             mbar_wait(k_full(stage_of(t)), phase_of(t));
             if constexpr (PREV) mbar_wait(v_full(stage_of(t - 1)), phase_of(t - 1));
             sched_wait();
             issue_qk(s, stage_of(t));
-            if constexpr (PREV) issue_pv(stage_of(t - 1));
+            if constexpr (PREV) {
+                scale_rows(o, alpha);  // under S_t's wgmmas: O now in block t-1's reference, ready for P_{t-1} V
+                issue_pv(stage_of(t - 1));
+            }
             sched_pass();
             wgmma_wait<PREV ? 1 : 0>();
             hold_registers(s[0]);
@@ -150,9 +155,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 hold_registers(o[0]);
                 mbar_arrive_if(v_empty(stage_of(t - 1)), leader);
             }
-            scale_rows(o, alpha);
             pack_p(s);
-            if constexpr (!OVERLAP) {  // P_t V_t now
+            if constexpr (!OVERLAP) {  // P_t V_t now, O rescaled first
+                scale_rows(o, alpha);
                 mbar_wait(v_full(stage_of(t)), phase_of(t));
                 sched_wait();
                 issue_pv(stage_of(t));
@@ -174,6 +179,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (OVERLAP) {  // the last block's P V
                 mbar_wait(v_full(stage_of(n - 1)), phase_of(n - 1));
                 sched_wait();
+                scale_rows(o, alpha);
                 issue_pv(stage_of(n - 1));
                 sched_pass();
                 wgmma_wait<0>();

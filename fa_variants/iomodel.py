@@ -246,12 +246,13 @@ def explain(entry, N, d, M=DEFAULT_SRAM, blocks=None, backward=False) -> str:
     tiling = "" if variant_name == "naive" else \
         f", B_r={B_r}, B_c={B_c}, T_r={math.ceil(N / B_r)}, T_c={math.ceil(N / B_c)}"
     std = standard_attention(N, d)
-    lines = [f"{variant_name}: N={N}, d={d}, M={M} elements{tiling}", entry.loops, "",
+    pipeline = [entry.pipeline, ""] if getattr(entry, "pipeline", None) else []
+    lines = [f"{variant_name}: N={N}, d={d}, M={M} elements{tiling}", entry.loops, "", *pipeline,
              "HBM accesses per head (elements):",
              tabulate(rows, headers=("tensor", "formula", "counted"), colalign=("left", "right", "right")), "",
              f"standard attention 4N^2+4Nd = {std:,}; this variant moves {formula['total'] / std:.3g}x that"]
     B = M / (4 * d)
-    if variant_name.startswith("fa2"):
+    if variant_name.startswith(("fa2", "fa3")):   # FA3 moves FA2's bytes: the same K/V re-read line
         lines.append(f"paper: K/V re-reads 8N^2d^2/M = {kv_reread(N, d, M):,.0f} (with B_r = M/4d = {B:g}; "
                      f"here B_r = {B_r}); standard/flash -> M/2d^2 = {flash_ratio(d, M):.3g}")
     elif variant_name == "fa1":

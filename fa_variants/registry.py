@@ -21,6 +21,7 @@ from .kernels import fa3 as k_fa3
 from .kernels import naive as k_naive
 from .reference import fa1 as ref_fa1
 from .reference import fa2 as ref_fa2
+from .reference import fa3 as ref_fa3
 from .reference import fp8 as ref_fp8
 from .reference import naive as ref_naive
 
@@ -52,6 +53,7 @@ class Variant:
     archs: tuple[str, ...] = ("sm_80", "sm_86", "sm_89", "sm_90a")  # what `fa-variants build` compiles
     operand_dtype: str | None = None   # the tensor cores' operand format when it is not the input's (e4m3)
     max_cc: int | None = None          # the newest compute capability it runs on (sm_90a code runs on sm_90 only)
+    pipeline: str | None = None        # the kernel's pipeline (warp roles, barriers, overlap): explain prints it
 
     def __post_init__(self):
         unknown = set(self.directions) - set(DIRECTIONS)
@@ -153,8 +155,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         summary="FlashAttention-3 (Hopper): TMA producer warpgroup, K/V ring on mbarriers, 2 consumer warpgroups "
                 "in ping-pong, softmax overlapped with P V",
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=90, max_cc=90, launcher=k_fa3.LAUNCHER,
-        reference=ref_fa2.forward, loops=ref_fa2.LOOPS, io_model=iomodel.fa2_accesses, tensor_bytes={"LSE": 4},
-        archs=("sm_90a",),
+        reference=ref_fa3.forward, loops=ref_fa3.LOOPS, io_model=ref_fa3.accesses, tensor_bytes={"LSE": 4},
+        archs=("sm_90a",), pipeline=ref_fa3.PIPELINE,
     ),
 )}
 

@@ -46,7 +46,7 @@ def nothing_runs(monkeypatch):
         raise AssertionError("validation let a misuse through to dispatch")
 
     real_get = api.get
-    no_launch = KernelLauncher(sources=boom, forward_fn=boom, tiles_fn=boom, extra_bytes_fn=boom)
+    no_launch = KernelLauncher(sources=boom, forward_fn=boom, tiles_fn=boom, extra_bytes_fn=boom, backward_fn=boom)
     monkeypatch.setattr(api, "get", lambda name: dataclasses.replace(real_get(name), reference=boom,
                                                                      launcher=no_launch))
     monkeypatch.setattr(arrays, "to_cupy", boom)

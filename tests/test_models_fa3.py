@@ -54,7 +54,7 @@ def test_odd_sizes(rng, n_q, n_k, causal, blocks):
     q, k, v = inputs(rng, 1, n_q, n_k, 2, 2, 8)
     kw = {} if blocks is None else dict(block_q=blocks[0], block_k=blocks[1])
     res = check(q, k, v, causal, **kw)
-    assert res.blocks == (blocks or (128, 128))
+    assert res.blocks == (blocks or fa3.DEFAULT_TILES[64][:2])
 
 
 @pytest.mark.parametrize("n_q,n_k", [(300, 129), (129, 300), (128, 256), (256, 128), (200, 201)])
@@ -71,7 +71,7 @@ def test_gqa_mqa(rng, heads, heads_kv, causal):
     check(q, k, v, causal, block_q=12, block_k=16)
 
 
-@pytest.mark.parametrize("d,blocks", [(8, (128, 128)), (64, (128, 128)), (100, (128, 128)), (128, (128, 128)),
+@pytest.mark.parametrize("d,blocks", [(8, (192, 128)), (64, (192, 128)), (100, (128, 128)), (128, (128, 128)),
                                       (160, (128, 64)), (256, (128, 64))])
 def test_kernel_tiles_by_head_dim(rng, d, blocks):
     q, k, v = inputs(rng, 1, 150, 140, 1, 1, d)
@@ -231,7 +231,7 @@ def test_default_tiles_are_the_kernels():
     """The model's default blocks are the kernel's: TILES maps a template dim to (BM, BN, stages), or to a list
     of such configurations, first choice first."""
     kernels = pytest.importorskip("fa_variants.kernels.fa3")
-    first = {d: tuple(t[0] if isinstance(t, list) else t) for d, t in kernels.TILES.items()}
+    first = {d: tuple(t[0] if isinstance(t, list) else t)[:3] for d, t in kernels.TILES.items()}
     assert first == fa3.DEFAULT_TILES
     for d in (1, 64, 65, 128, 129, 256):
         assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]
@@ -277,7 +277,7 @@ def test_closed_form_is_fa2s_but_for_ctas_that_see_no_key():
         {t: n for t, n in fa2_counts.items() if t not in ("Q", "total")}
     assert fa3_counts["total"] == fa2_counts["total"] - 24 * d
     # None: the kernel's tiles, not the paper's blocks fa2_accesses would pick
-    assert fa3.accesses(1000, 1000, 64) == iomodel.fa2_accesses(1000, 1000, 64, 128, 128)
+    assert fa3.accesses(1000, 1000, 64) == iomodel.fa2_accesses(1000, 1000, 64, *fa3.DEFAULT_TILES[64][:2])
     assert fa3.accesses(1000, 1000, 256, causal=True) == iomodel.fa2_accesses(1000, 1000, 256, 128, 64, True)
 
 
@@ -295,7 +295,7 @@ def test_fp8_close_to_float64(rng, causal, n_q, n_k, heads, heads_kv):
     q, k, v = inputs(rng, 1, n_q, n_k, heads, heads_kv, 64)
     res = run(fa3.forward_fp8, q, k, v, causal)
     ref_out, ref_lse = reference64(q, k, v, causal)
-    assert res.blocks == (128, 128)
+    assert res.blocks == fa3.DEFAULT_TILES[64][:2]
     assert 1e-4 < rel_err(res.out, ref_out) < TOL["float8_e4m3fn"], "quantizes, within the fp8 tolerance"
     assert np.array_equal(np.isneginf(res.lse), np.isneginf(ref_lse))
     empty = np.isneginf(ref_lse).transpose(0, 2, 1)

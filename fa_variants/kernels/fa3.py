@@ -22,14 +22,16 @@ from .tma import MapTemplate
 
 SOURCE = "fa3_fwd.cu"
 ARCHS = ("sm_90a",)
-# template head_dim -> [(BM query rows = 64 per consumer warpgroup, BN keys per K/V block, K/V ring stages)], the
-# first being used (devcheck.py --tiles swaps it for a sweep). n128 key blocks where O (D / 2 registers a thread)
-# leaves room for S, P and the next S; at d = 256, O takes 128, so n64. Chosen by the sweep in bench/NOTES.md.
-TILES = {64: [(128, 128, 2)], 128: [(128, 128, 2)], 256: [(128, 64, 2)]}
+# template head_dim -> [(BM query rows = 64 per consumer warpgroup, BN keys per K/V block, K/V ring stages,
+# ping-pong on)], the first being used (devcheck.py --tiles swaps it for a sweep: 'fa3:64=192,128,2,1'). n128 key
+# blocks where O (D / 2 registers a thread) leaves room for S, P and the next S; at d = 256, O takes 128, so n64.
+# d = 64: three consumers (BM = 192) keep the tensor cores fed where a block's GEMMs are short next to its softmax.
+# Chosen by the sweeps in bench/NOTES.md.
+TILES = {64: [(192, 128, 2, 1)], 128: [(128, 128, 2, 1)], 256: [(128, 64, 2, 1)]}
 DIMS = tuple(TILES)
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
-ABLATIONS = ((False, True), (True, False), (False, False))  # (pingpong, overlap); (True, True) is the default
+ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
 
 
 def config(d: int):
@@ -41,7 +43,7 @@ def threads(cfg) -> int:
 
 
 def smem_bytes(d: int, cfg) -> int:
-    bm, bn, stages = cfg
+    bm, bn, stages = cfg[:3]
     return 1024 + bm * 2 * d + stages * 2 * bn * 2 * d + 8 * (1 + 4 * stages)  # Q, the K/V ring, the mbarriers
 
 
@@ -49,15 +51,17 @@ def tiles(head_dim, limit=None):
     return config(template_dim(head_dim, DIMS))[:2]
 
 
-def instance(ctype: str, d: int, pingpong: bool = True, overlap: bool = True, cfg=None) -> str:
-    bm, bn, stages = config(d) if cfg is None else cfg
+def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None) -> str:
+    bm, bn, stages, pp = config(d) if cfg is None else cfg
+    pingpong = bool(pp) if pingpong is None else pingpong
     return (f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}, "
             f"{bm // 64}>")
 
 
 def specializations():
     main = tuple(instance(c, d) for c in CTYPE.values() for d in DIMS)
-    return main + tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
+    ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
+    return main + tuple(e for e in dict.fromkeys(ablation) if e not in main)
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
@@ -103,12 +107,14 @@ class Fa3Plan:
         return out, lse
 
 
-def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool = True, overlap: bool = True) -> Fa3Plan:
-    """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8."""
+def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = None,
+         overlap: bool = True) -> Fa3Plan:
+    """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8.
+    ``pingpong`` None: the tile table's choice; False/True and ``overlap=False``: the ablation's instances."""
     import cupy
     b, nq, h, d = q.shape
     D = template_dim(d, DIMS)
-    if (pingpong, overlap) != (True, True) and D != ABLATION_DIM:
+    if (pingpong is not None or not overlap) and D != ABLATION_DIM:
         raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
     cfg = config(D)
     smem = smem_bytes(D, cfg)

@@ -15,12 +15,12 @@ What differs from ``reference/fa2.py``, and what this model reproduces:
   mask is applied only where ``kv_visits`` says the kernel applies one: the comparison with the dense reference
   (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none.
 * Per consumer, intra-warpgroup overlap (the kernel's OVERLAP): S_j = Q K_j^T is issued together with, and
-  before, O += P_prev V_prev, the product of the previous block's probabilities; the softmax of S_j runs while
-  that product is still on the tensor cores; O *= e^(m - m_new) follows once it has retired, and the last
-  block's P V comes after the loop (``_consume``). As a recurrence this is FA2's O = e^(m - m_new) O + P_j V_j
-  with each P_j V_j issued one block later: the floating-point operations are the same ones, in the same
-  order, so the model equals FA2's update over the same (descending) sequence of blocks bit for bit, and FA2's
-  ascending model up to rounding. (Likewise the kernel with OVERLAP off, FA2's step, applies the same
+  before, O += P_prev V_prev, the product of the previous block's probabilities; O takes the previous block's
+  rescale factor e^(m - m_new) just before that product is added (while S_j is on the tensor cores), the softmax
+  of S_j runs while the product is still on the tensor cores, and the last block's P V comes after the loop
+  (``_consume``). As a recurrence this is FA2's O = e^(m - m_new) O + P_j V_j with each step issued one block
+  later: the floating-point operations are the same ones, in the same order, so the model equals FA2's update
+  over the same (descending) sequence of blocks bit for bit, and FA2's ascending model up to rounding. (Likewise the kernel with OVERLAP off, FA2's step, applies the same
   operations to O in the same order: its output should be bit-identical to OVERLAP on.)
 
 Precision follows ``reference/fa2.py``: float64 throughout (the kernel's S and O accumulate in fp32 and its P V
@@ -49,17 +49,17 @@ CONSUMER_ROWS = 64
 #: Template head dim -> (B_r, B_c, stages): the kernel's tiles (kernels/fa3.py ``TILES``; tests check they agree
 #: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
 #: O accumulator of a consumer thread's rows leaves room only for a 64-key S tile.
-DEFAULT_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
+DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
   consumer c in 0..NC-1:   rows 64c..64c+63 of Q_i; O = 0, l = 0, m = -inf in its registers
     j = J_i (last visible): S = Q_i K_j^T * scale; m = rowmax S; P = exp(S - m); l = rowsum P
     for j = J_i-1 down to 1: S = Q_i K_j^T * scale       (issued first; masked in the first blocks only)
-                           O += P V_(j+1)               (the previous block's P, on the tensor cores meanwhile)
-                           m_new = max(m, rowmax S); P = exp(S - m_new); l = e^(m - m_new) l + rowsum P
-                           O *= e^(m - m_new) (once P V_(j+1) retired); m = m_new
-    O += P V_1; write O / l and LSE = m + log l (once)"""
+                           O = e^(m_prev - m) O + P V_(j+1)   (block j+1's rescale and P V, on the tensor cores
+                                                               while this block's softmax runs)
+                           m_new = max(m, rowmax S); P = exp(S - m_new); l = e^(m - m_new) l + rowsum P; m = m_new
+    O = e^(m_prev - m) O + P V_1; write O / l and LSE = m + log l (once)"""
 
 
 def template_dim(head_dim: int) -> int:
@@ -130,17 +130,17 @@ def _consume(visits, scores, product, operand, shape):
     m = S.max(axis=-1)
     P = row_exp(S, m)
     l = P.sum(axis=-1)
+    alpha = np.zeros(shape[:3])                       # what O owes the last softmax: O = 0 owes nothing
     prev = cols
     for cols, masked in rest:
         S = scores(cols, masked)                      # issue S_j = Q K_j^T
-        O = product(operand(P), prev, O)              # issue O += P_prev V_prev; both wgmma groups in flight
+        O = product(operand(P), prev, alpha[..., None] * O)  # rescale O (under S_j), issue O += P_prev V_prev
         m_new = np.maximum(m, S.max(axis=-1))         # wait for S_j only: softmax(S_j) overlaps P_prev V_prev
         P = row_exp(S, m_new)
         alpha = rescale(m, m_new)
         l = alpha * l + P.sum(axis=-1)
-        O = alpha[..., None] * O                      # wait for P_prev V_prev, then rescale O
         m, prev = m_new, cols
-    return product(operand(P), prev, O), m, l         # after the loop: O += P_last V_last
+    return product(operand(P), prev, alpha[..., None] * O), m, l  # after the loop: O += P_last V_last
 
 
 def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish):
@@ -283,8 +283,8 @@ def _tile_lines() -> list[str]:
 PIPELINE = "\n".join([
     "FA3 forward pipeline (sm_90a: TMA, mbarriers, wgmma, setmaxnreg; cuda_src/fa3_fwd.cu)",
     "",
-    "CTA = 1 + NC warpgroups of 128 threads, one per (Q block i of B_r = 64 NC rows, head, batch); NC = 2 in",
-    "the default tiles (384 threads, 128 rows), 3 possible (192 rows). The last Q block is launched first",
+    "CTA = 1 + NC warpgroups of 128 threads, one per (Q block i of B_r = 64 NC rows, head, batch); NC = 3 at",
+    "d = 64 (512 threads, 192 rows), 2 above (384 threads, 128 rows). The last Q block is launched first",
     "(causal: it has the most K/V blocks to visit).",
     "  warpgroup 0      producer: one thread issues every TMA copy (cp.async.bulk.tensor), nothing else; the",
     "                   warpgroup gives its registers away (setmaxnreg 24) to the consumers (240 each with",
@@ -323,10 +323,11 @@ PIPELINE = "\n".join([
     "",
     "intra-warpgroup overlap (OVERLAP; inside one consumer: wgmma is asynchronous, issue, commit, wait later):",
     "  wait k_full (block j) and v_full (block j+1); [ping-pong wait]",
-    "  issue S_j = Q K_j^T, then O += P_(j+1) V_(j+1)   (the previous block's P, 16-bit A fragments in registers)",
+    "  issue S_j = Q K_j^T; O *= block j+1's e^(m - m_new) (FMULs under S_j's wgmmas); issue O += P_(j+1) V_(j+1)",
+    "  (the previous block's P, 16-bit A fragments in registers)",
     "  [ping-pong pass]; wgmma.wait_group 1: S_j is done, P V still running -> release K_j's slot;",
     "  mask (first steps only); softmax(S_j): m_new, P_j, l, e^(m - m_new)   <- overlaps P_(j+1) V_(j+1)",
-    "  wgmma.wait_group 0: P V done -> release V_(j+1)'s slot; O *= e^(m - m_new); P_j to 16-bit",
+    "  wgmma.wait_group 0: P V done -> release V_(j+1)'s slot; P_j to 16-bit (its registers were P V's operand)",
     "  The first block has no P V to pair with; after the loop comes O += P_1 V_1. Then named barrier 4 (every",
     "  consumer is done with Q and the ring), O / l staged through shared memory, O and LSE written once.",
     "  The arithmetic is FA2's online softmax with each P V issued one block later: the same operations in the",
