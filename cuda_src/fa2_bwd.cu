@@ -1,36 +1,31 @@
 // FlashAttention-2 backward (Dao, 2023, Algorithm 2) on mma.sync tensor cores: recomputation, deterministic.
 //
 //   pass 1  fa2_bwd_delta   D_i = rowsum(dO_i * O_i) in fp32, one warp per query row
-//   pass 2  fa2_bwd_dkdv    grid (K/V block j, kv head, batch): K_j, V_j in shared memory, dK_j, dV_j in registers;
-//                           loop over the group's query heads and, for each, the Q blocks that see block j:
-//                           recompute S^T = K_j Q_i^T and P^T = exp(S^T - LSE_i) from the forward's LSE,
-//                           dV_j += P^T dO_i, dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D_i), dK_j += dS^T Q_i.
-//                           GQA's sum over the query heads of a group happens in that loop, in a fixed order.
-//   pass 3  fa2_bwd_dq      grid (Q block i, head, batch): Q_i, dO_i in shared memory, dQ_i in registers; loop over
-//                           the K/V blocks i sees: S, P, dP = dO_i V_j^T, dS, dQ_i += dS K_j.
+//   pass 2  fa2_bwd_dkdv    grid (K/V block j x column slice, kv head, batch): K_j, V_j in shared memory, dK_j, dV_j
+//                           in registers; loop over the group's query heads and, for each, the Q blocks that see
+//                           block j: recompute S^T = K_j Q_i^T and P^T = exp(S^T - LSE_i) from the forward's LSE,
+//                           dV_j += P^T dO_i, dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D_i), dK_j += dS^T Q_i
+//                           (common/backward.cuh: key_rows_step). GQA's sum over the query heads of a group happens
+//                           in that loop, in a fixed order.
+//   pass 3  fa2_bwd_dq      grid (Q block i x column slice, head, batch): Q_i, dO_i in shared memory, dQ_i in
+//                           registers; loop over the K/V blocks i sees: S, P, dP = dO_i V_j^T, dS, dQ_i += dS K_j.
 //
 // Pass 3 replaces FA2's atomic adds of dQ (which make dQ differ run to run) at the price of computing S, P and dP
 // a second time. In pass 2 a warp owns 16 keys, so its S^T block has keys as rows and queries as columns (the mma
 // C layout of softmax.cuh transposed): LSE and D are per column there, per row in pass 3.
+//
+// Column slices (DC < D, head dims above 128): a warp's 16 rows of dK and dV take 2 D / 8 fp32 registers a thread
+// each (256 at D = 256), so a CTA accumulates only columns [c0, c0 + DC) of its gradients, c0 = slice * DC, and
+// the D / DC slices of one block are neighbouring CTAs (blockIdx.x = block * (D / DC) + slice). Each recomputes
+// S^T and dP^T over the whole head dim: a slice costs the QK^T and dO V^T products again, not registers.
+// DC = D is the unsplit kernel. Every slice's results are its own columns: still deterministic.
+#include "common/backward.cuh"
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
-#include "common/fragments.cuh"
 
-namespace fav {
-
-constexpr float LOG2E = 1.4426950408889634f;
-
-// P = exp2(s * scale_log2 - lse_log2) where the key is visible (key < seqlen_k; causal: key <= query + diag), else
-// exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN).
-__forceinline__ __device__ float recompute_p(float s, float scale_log2, float lse_log2, int key, int query,
-                                             int seqlen_k, int diag, bool causal) {
-    const bool visible = key < seqlen_k && !(causal && key > query + diag);
-    return visible ? exp2f_approx(s * scale_log2 - lse_log2) : 0.f;
-}
-
-}  // namespace fav
-
-template <class T, int D, int NWARPS>
+// The delta pass is independent of the head dim's template (any head_dim a multiple of 8): other backwards (the
+// Hopper one) launch it too, through kernels/fa2_bwd.py's delta().
+template <class T, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_bwd_delta(const fav::BwdParams p) {
     using namespace fav;
@@ -47,14 +42,15 @@ fa2_bwd_delta(const fav::BwdParams p) {
     if (lane == 0) p.delta[((i64)b * p.heads + h) * p.seqlen_q + i] = sum;
 }
 
-template <class T, int D, int BM, int BN, int NWARPS>
+template <class T, int D, int DC, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_bwd_dkdv(const fav::BwdParams p) {
     using namespace fav;
-    constexpr int THREADS = NWARPS * 32, NT = BM / 8, DT = D / 8;
+    constexpr int THREADS = NWARPS * 32, NT = BM / 8, DCT = DC / 8, SLICES = D / DC;
     using TQ = Tile<BM, D>;
     using TKV = Tile<BN, D>;
     static_assert(BN == 16 * NWARPS && BM % 16 == 0 && D % 16 == 0, "a warp owns 16 keys");
+    static_assert(D % DC == 0 && DC % 16 == 0, "column slices of whole mma n-tile pairs");
 
     extern __shared__ __align__(16) unsigned char smem[];
     // Shared memory: K_j, V_j, then two stages of (Q_i, dO_i), then two stages of the rows' LSE (log2) and D.
@@ -63,8 +59,8 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
     float* stats = reinterpret_cast<float*>(smem + 2 * TKV::BYTES + 4 * TQ::BYTES);  // [stage][lse2 | D][BM]
 
-    const int j = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z, warp = threadIdx.x / 32;
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int j = blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC, h_kv = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x / 32;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
     const bool causal = p.causal;
     const int key0 = j * BN, kr0 = warp * 16;  // the block's first key; this warp's first row of it
@@ -93,63 +89,41 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
     if (steps > 0) load_q(0, 0);
     else cp_async_commit();
 
-    float dk[1][DT][4] = {}, dv[1][DT][4] = {};
+    float dk[1][DCT][4] = {}, dv[1][DCT][4] = {};
     for (int s = 0; s < steps; ++s) {
         const int stage = s % 2, m0 = (i_first + s % n_i) * BM;
         cp_async_wait<0>();
         __syncthreads();  // step s visible to every warp; every warp is done with step s-1's stage
         if (s + 1 < steps) load_q(s + 1, stage ^ 1);
-        const float* lse2 = stats + (2 * stage) * BM;
-        const float* delta = stats + (2 * stage + 1) * BM;
-
-        // S^T = K_w Q_i^T (16 keys x BM queries), then P^T in place
-        float pt[1][NT][4] = {};
-        warp_mma_abt<T, TKV, TQ, D / 16>(pt, sK, kr0, sQ(stage));
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = nt * 8 + 2 * t + (e % 2);
-                pt[0][nt][e] = recompute_p(pt[0][nt][e], p.scale_log2, lse2[col], key0 + kr0 + g + 8 * (e / 2),
-                                           m0 + col, seqlen_k, diag, causal);
-            }
-
-        // dV_j += P^T dO_i, P^T from the registers as the A operand (its reduction index: the queries)
-        warp_mma_pb<T, TQ>(dv, pt, sdO(stage));
-
-        // dP^T = V_w dO_i^T, then dS^T = P^T * (dP^T - D) in place
-        float ds[1][NT][4] = {};
-        warp_mma_abt<T, TKV, TQ, D / 16>(ds, sV, kr0, sdO(stage));
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[0][nt][e] = pt[0][nt][e] * (ds[0][nt][e] - delta[nt * 8 + 2 * t + (e % 2)]);
-
-        // dK_j += dS^T Q_i
-        warp_mma_pb<T, TQ>(dk, ds, sQ(stage));
+        float ds[1][NT][4];
+        key_rows_step<T, D, BM, BN>(dk, dv, ds, sK, sV, kr0, sQ(stage), sdO(stage), c0, stats + (2 * stage) * BM,
+                                    stats + (2 * stage + 1) * BM, p.scale_log2, key0, m0, seqlen_k, diag, causal);
     }
     cp_async_wait<0>();
     __syncthreads();  // with no step to run, K_j's and V_j's copies (from every thread) may still be landing
 
-    // dK = scale * dS^T Q and dV, each staged through this warp's own rows of the K and V tiles (which only this
-    // warp read) for 16-byte stores into contiguous (batch, seqlen_k, heads_kv, head_dim) gradients.
+    // dK = scale * dS^T Q and dV, columns [c0, c0 + DC), each staged through this warp's own rows of the K and V
+    // tiles (which only this warp read) for 16-byte stores into contiguous (batch, seqlen_k, heads_kv, head_dim)
+    // gradients.
     const int heads_kv = p.heads / p.group;
-    const i64 ld = (i64)heads_kv * p.head_dim, at = ((i64)b * seqlen_k + key0 + kr0) * ld + (i64)h_kv * p.head_dim;
+    const i64 ld = (i64)heads_kv * p.head_dim;
+    const i64 at = ((i64)b * seqlen_k + key0 + kr0) * ld + (i64)h_kv * p.head_dim + c0;
     u16* stage_k = reinterpret_cast<u16*>(smem) + kr0 * TKV::STRIDE;
     u16* stage_v = reinterpret_cast<u16*>(smem + TKV::BYTES) + kr0 * TKV::STRIDE;
     const float scale[1][2] = {{p.scale, p.scale}}, one[1][2] = {{1.f, 1.f}};
-    store_acc_rows<T, D>(dk, scale, stage_k, p.dk + at, ld, seqlen_k - key0 - kr0, p.head_dim);
-    store_acc_rows<T, D>(dv, one, stage_v, p.dv + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+    store_acc_rows<T, DC>(dk, scale, stage_k, p.dk + at, ld, seqlen_k - key0 - kr0, p.head_dim - c0);
+    store_acc_rows<T, DC>(dv, one, stage_v, p.dv + at, ld, seqlen_k - key0 - kr0, p.head_dim - c0);
 }
 
-template <class T, int D, int BM, int BN, int NWARPS>
+template <class T, int D, int DC, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_bwd_dq(const fav::BwdParams p) {
     using namespace fav;
-    constexpr int THREADS = NWARPS * 32, NT = BN / 8, DT = D / 8;
+    constexpr int THREADS = NWARPS * 32, NT = BN / 8, DCT = DC / 8, SLICES = D / DC;
     using TQ = Tile<BM, D>;
     using TKV = Tile<BN, D>;
     static_assert(BM == 16 * NWARPS && BN % 16 == 0 && D % 16 == 0, "a warp owns 16 query rows");
+    static_assert(D % DC == 0 && DC % 16 == 0, "column slices of whole mma n-tile pairs");
 
     extern __shared__ __align__(16) unsigned char smem[];
     // Shared memory: Q_i, dO_i, then two stages of (K_j, V_j).
@@ -157,7 +131,9 @@ fa2_bwd_dq(const fav::BwdParams p) {
     auto sK = [&](int stage) { return sdO + TQ::BYTES + stage * 2 * TKV::BYTES; };
     auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
 
-    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    // The heaviest Q blocks (causal: the last) first; the slices of one block are neighbours.
+    const int i_block = gridDim.x / SLICES - 1 - blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC;
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
     const bool causal = p.causal;
@@ -188,7 +164,7 @@ fa2_bwd_dq(const fav::BwdParams p) {
         delta[r] = row < seqlen_q ? p.delta[at] : 0.f;
     }
 
-    float dq[1][DT][4] = {};
+    float dq[1][DCT][4] = {};
     for (int j = blocks.begin; j < blocks.end; ++j) {
         const int stage = (j - blocks.begin) % 2, key0 = j * BN;
         cp_async_wait<0>();
@@ -213,16 +189,17 @@ fa2_bwd_dq(const fav::BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) ds[0][nt][e] = pr[0][nt][e] * (ds[0][nt][e] - delta[e / 2]);
 
-        // dQ_i += dS K_j
-        warp_mma_pb<T, TKV>(dq, ds, sK(stage));
+        // dQ_i[:, c0 + DC) += dS K_j[:, c0 + DC)
+        warp_mma_pb<T, TKV>(dq, ds, sK(stage) + 2 * c0);
     }
     cp_async_wait<0>();
     __syncthreads();  // with no K/V block to visit, Q's and dO's copies may still be landing
 
-    // dQ = scale * dS K, staged through this warp's own rows of the Q tile (which only this warp read)
+    // dQ = scale * dS K, columns [c0, c0 + DC), staged through this warp's own rows of the Q tile (which only this
+    // warp read)
     const i64 ld = (i64)p.heads * p.head_dim;
     const float scale[1][2] = {{p.scale, p.scale}};
-    store_acc_rows<T, D>(dq, scale, reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE,
-                         p.dq + ((i64)b * seqlen_q + m0 + row0) * ld + (i64)h * p.head_dim, ld,
-                         seqlen_q - m0 - row0, p.head_dim);
+    store_acc_rows<T, DC>(dq, scale, reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE,
+                          p.dq + ((i64)b * seqlen_q + m0 + row0) * ld + (i64)h * p.head_dim + c0, ld,
+                          seqlen_q - m0 - row0, p.head_dim - c0);
 }

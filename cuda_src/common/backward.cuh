@@ -1,0 +1,92 @@
+// What the 16-bit backwards share (fa2_bwd.cu, fa1_bwd.cu): P recomputed from the forward's LSE, and one step of
+// a warp that owns 16 keys of a K/V block against one Q block (S^T, P^T, dV, dP^T, dS^T, dK), with dK and dV
+// accumulated over a slice of their columns, so that head dims above 128 split their gradients' columns over
+// CTAs instead of over registers. Also the A operand of a matrix stored transposed (dS from dS^T), for dQ = dS K.
+#pragma once
+#include "fragments.cuh"
+
+namespace fav {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// P = exp2(s * scale_log2 - lse_log2) where the key is visible (key < seqlen_k; causal: key <= query + diag), else
+// exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN).
+__forceinline__ __device__ float recompute_p(float s, float scale_log2, float lse_log2, int key, int query,
+                                             int seqlen_k, int diag, bool causal) {
+    const bool visible = key < seqlen_k && !(causal && key > query + diag);
+    return visible ? exp2f_approx(s * scale_log2 - lse_log2) : 0.f;
+}
+
+// A operand (16 x 16) of rows [row0, row0+16), reduction cols [col0, col0+16) of a matrix A stored transposed in
+// a row-major tile (tile row = A's column): ldmatrix.trans hands each lane A's pair (row g, cols 2t, 2t+1), the
+// a0..a3 order of load_a (mma_16816 in ptx.cuh).
+template <class TILE>
+__forceinline__ __device__ void load_a_trans(u32 (&a)[4], u32 tile, int row0, int col0) {
+    const int l = lane_id();
+    ldmatrix_x4_trans(a, TILE::at(tile, col0 + (l % 8) + 8 * (l / 16), row0 + 8 * ((l / 8) % 2)));
+}
+
+//   acc (16 x 8DT) += A B     A: rows [a_row, a_row + 16) of a matrix stored transposed in tile TA ([k][row]),
+//                             over k [0, 16 KSTEPS); B: rows [0, 16 KSTEPS) of tile TB (the reduction), its
+//                             columns [0, 8DT) from tile_b (offset the base for a slice), as V in O = P V
+template <class T, class TA, class TB, int KSTEPS, int DT>
+__forceinline__ __device__ void warp_mma_atb(float (&acc)[1][DT][4], u32 tile_a, int a_row, u32 tile_b) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        u32 a[4];
+        load_a_trans<TA>(a, tile_a, a_row, kk * 16);
+#pragma unroll
+        for (int dt = 0; dt < DT; dt += 2) {
+            u32 b[4];
+            load_b_cols<TB>(b, tile_b, kk * 16, dt * 8);
+            mma_16816<T>(acc[0][dt], a, b[0], b[1]);
+            mma_16816<T>(acc[0][dt + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// One step of a warp owning keys [key0 + kr0, key0 + kr0 + 16) (rows kr0.. of the K and V tiles, Tile<*, D>)
+// against a Q block of BM queries from m0 (Q and dO tiles, Tile<BM, D>; lse2 = LSE * log2(e) and D per query, in
+// shared memory, LSE = +inf past seqlen_q so that P = 0 there). In registers, keys as rows and queries as columns:
+//   S^T = K_w Q^T (over all D columns), P^T = exp(S^T - LSE)         (recompute_p)
+//   dV_w[:, c0 + 8DCT) += P^T dO[:, c0 + 8DCT)                        P^T repacked as the A operand
+//   dP^T = V_w dO^T (over all D columns), dS^T = P^T (dP^T - D)       left in ds for the caller (fa1: dQ)
+//   dK_w[:, c0 + 8DCT) += dS^T Q[:, c0 + 8DCT)                        unscaled: the caller multiplies by scale
+// c0: the first column of the gradients' slice (a multiple of 8; 0 and 8DCT = D when there is no split).
+template <class T, int D, int BM, int BN, int DCT>
+__forceinline__ __device__ void key_rows_step(float (&dk)[1][DCT][4], float (&dv)[1][DCT][4], float (&ds)[1][BM / 8][4],
+                                              u32 sK, u32 sV, int kr0, u32 sQ, u32 sdO, int c0,
+                                              const float* lse2, const float* delta, float scale_log2, int key0,
+                                              int m0, int seqlen_k, int diag, bool causal) {
+    using TQ = Tile<BM, D>;
+    using TKV = Tile<BN, D>;
+    constexpr int NT = BM / 8;
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+
+    float pt[1][NT][4] = {};
+    warp_mma_abt<T, TKV, TQ, D / 16>(pt, sK, kr0, sQ);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = nt * 8 + 2 * t + (e % 2);
+            pt[0][nt][e] = recompute_p(pt[0][nt][e], scale_log2, lse2[col], key0 + kr0 + g + 8 * (e / 2), m0 + col,
+                                       seqlen_k, diag, causal);
+        }
+
+    warp_mma_pb<T, TQ>(dv, pt, sdO + 2 * c0);
+
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[0][nt][e] = 0.f;
+    warp_mma_abt<T, TKV, TQ, D / 16>(ds, sV, kr0, sdO);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[0][nt][e] = pt[0][nt][e] * (ds[0][nt][e] - delta[nt * 8 + 2 * t + (e % 2)]);
+
+    warp_mma_pb<T, TQ>(dk, ds, sQ + 2 * c0);
+}
+
+}  // namespace fav
