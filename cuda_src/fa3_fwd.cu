@@ -22,6 +22,7 @@
 #include "common/fragments.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
+#include "common/wgmma_n.cuh"
 
 template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
@@ -33,7 +34,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     constexpr int DN = D < 128 ? D : 128;    // output columns per P V wgmma (n64 or n128)
     using TQ = SwizzledTile<BM, 2 * D>;      // [row][d]: SLABS slabs of 64 columns, one TMA box each
     using TKV = SwizzledTile<BN, 2 * D>;     // [key][d]: K-major B of Q K^T, N-major B of P V
-    static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128 || D == 256), "wgmma n64 / n128 blocks");
+    static_assert(BN % 16 == 0 && (D == 64 || D == 128 || D == 256), "16-key steps of P V; 64-column slabs");
     static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
 
     extern __shared__ unsigned char smem[];

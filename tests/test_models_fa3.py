@@ -71,8 +71,8 @@ def test_gqa_mqa(rng, heads, heads_kv, causal):
     check(q, k, v, causal, block_q=12, block_k=16)
 
 
-@pytest.mark.parametrize("d,blocks", [(8, (192, 128)), (64, (192, 128)), (100, (128, 128)), (128, (128, 128)),
-                                      (160, (128, 64)), (256, (128, 64))])
+@pytest.mark.parametrize("d,blocks", [(8, (192, 128)), (64, (192, 128)), (100, (128, 176)), (128, (128, 176)),
+                                      (160, (128, 80)), (256, (128, 80))])
 def test_kernel_tiles_by_head_dim(rng, d, blocks):
     q, k, v = inputs(rng, 1, 150, 140, 1, 1, d)
     assert fa3.default_blocks(d) == blocks
@@ -278,7 +278,7 @@ def test_closed_form_is_fa2s_but_for_ctas_that_see_no_key():
     assert fa3_counts["total"] == fa2_counts["total"] - 24 * d
     # None: the kernel's tiles, not the paper's blocks fa2_accesses would pick
     assert fa3.accesses(1000, 1000, 64) == iomodel.fa2_accesses(1000, 1000, 64, *fa3.DEFAULT_TILES[64][:2])
-    assert fa3.accesses(1000, 1000, 256, causal=True) == iomodel.fa2_accesses(1000, 1000, 256, 128, 64, True)
+    assert fa3.accesses(1000, 1000, 256, causal=True) == iomodel.fa2_accesses(1000, 1000, 256, *fa3.DEFAULT_TILES[256][:2], True)
 
 
 def test_whole_call_is_batch_times_heads_and_gqa_saves_no_reads():
@@ -331,7 +331,7 @@ def test_fp8_descending_is_fa2_fp8_on_reversed_keys(rng, accumulate_bits):
 
 def test_fp8_default_blocks_follow_head_dim(rng):
     q, k, v = inputs(rng, 1, 20, 20, 1, 1, 160)
-    assert fa3.forward_fp8(q, k, v).blocks == (128, 64)
+    assert fa3.forward_fp8(q, k, v).blocks == fa3.DEFAULT_TILES[256][:2]
     with pytest.raises(ValueError, match="scaling"):
         fa3.forward_fp8(q, k, v, scaling="channel")
     with pytest.raises(ValueError, match="p_scale"):

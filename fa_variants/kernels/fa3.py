@@ -23,11 +23,12 @@ from .tma import MapTemplate
 SOURCE = "fa3_fwd.cu"
 ARCHS = ("sm_90a",)
 # template head_dim -> [(BM query rows = 64 per consumer warpgroup, BN keys per K/V block, K/V ring stages,
-# ping-pong on)], the first being used (devcheck.py --tiles swaps it for a sweep: 'fa3:64=192,128,2,1'). n128 key
-# blocks where O (D / 2 registers a thread) leaves room for S, P and the next S; at d = 256, O takes 128, so n64.
-# d = 64: three consumers (BM = 192) keep the tensor cores fed where a block's GEMMs are short next to its softmax.
-# Chosen by the sweeps in bench/NOTES.md.
-TILES = {64: [(192, 128, 2, 1)], 128: [(128, 128, 2, 1)], 256: [(128, 64, 2, 1)]}
+# ping-pong on)], the first being used (devcheck.py --tiles swaps it for a sweep: 'fa3:64=192,128,2,1'). Wide key
+# blocks amortize each block's fixed work (barrier waits, row max, O rescale) where O (D / 2 registers a thread)
+# leaves room for S, P and the next S: n176 at d = 128 (FA3's tile), n80 at d = 256 (O takes 128; two stages of
+# K and V at n80 are 224 KB of the 227). d = 64: three consumers (BM = 192) keep the tensor cores fed where a
+# block's GEMMs are short next to its softmax. Chosen by the sweeps in bench/NOTES.md (wgmma_n.cuh: n80, n176).
+TILES = {64: [(192, 128, 2, 1)], 128: [(128, 176, 2, 1)], 256: [(128, 80, 2, 1)]}
 DIMS = tuple(TILES)
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128

@@ -48,8 +48,8 @@ CONSUMER_ROWS = 64
 
 #: Template head dim -> (B_r, B_c, stages): the kernel's tiles (kernels/fa3.py ``TILES``; tests check they agree
 #: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
-#: O accumulator of a consumer thread's rows leaves room only for a 64-key S tile.
-DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
+#: O accumulator of a consumer thread's rows leaves room only for an 80-key S tile.
+DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 176, 2), 256: (128, 80, 2)}
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
