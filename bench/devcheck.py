@@ -29,10 +29,14 @@ CHECK_SHAPES = [  # (B, Nq, Nk, H, Hkv, d, causal)
 # The issue's matrix: B*N = 16K tokens, heads*d = 2048, N from 1K to 16K; plus FA1's small-grid case.
 ISSUE = [Shape(16384 // n, 2048 // d, n, d, dt, c) for dt in ("bfloat16", "float16") for d in (64, 128)
          for n in (1024, 2048, 4096, 8192, 16384) for c in (False, True)]
+# Issue 9's matrix: d 64, 128 and 256, N 1K-16K, causal and not, bf16 and fp16 (B*N = 16K, H*d = 2048).
+FA3_MATRIX = [Shape(16384 // n, 2048 // d, n, d, dt, c) for dt in ("bfloat16", "float16") for d in (64, 128, 256)
+              for n in (1024, 2048, 4096, 8192, 16384) for c in (False, True)]
 SETS = {
     "quick": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", True),
               Shape(8, 32, 2048, 64, "float16", False), Shape(2, 8, 8192, 256, "bfloat16", False)],
     "issue": ISSUE,
+    "fa3": FA3_MATRIX,
     "tiles": [Shape(4, 32, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", False),
               Shape(4, 16, 4096, 128, "bfloat16", True), Shape(4, 8, 4096, 256, "bfloat16", False)],
     "fp8": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(2, 16, 8192, 128, "bfloat16", False),
@@ -90,8 +94,11 @@ def time_sweep(shapes, names, repeats):
         row = [shape.id] + [f"{tf[k]:.1f}" if k in tf else "" for k in names + ["torch-flash", "torch-cudnn"]]
         for k in names:
             row.append(f"{tf[k] / tf['torch-flash']:.2f}" if k in tf and "torch-flash" in tf else "")
+        for k in names:
+            row.append(f"{tf[k] / tf['torch-cudnn']:.2f}" if k in tf and "torch-cudnn" in tf else "")
         rows.append(row)
-    heads = ["shape"] + [f"{k} TF/s" for k in names + ["torch-flash", "torch-cudnn"]] + [f"{k}/flash" for k in names]
+    heads = ["shape"] + [f"{k} TF/s" for k in names + ["torch-flash", "torch-cudnn"]] + \
+        [f"{k}/flash" for k in names] + [f"{k}/cudnn" for k in names]
     print(tabulate(rows, headers=heads))
 
 
