@@ -85,5 +85,16 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES},
-                          forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes, plan_fn=plan)
+def _sources():
+    from . import fa1_bwd
+    return {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES, fa1_bwd.SOURCE: fa1_bwd.specializations()}
+
+
+def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
+    """Algorithm 4 on the GPU (kernels/fa1_bwd.py): dQ through fp32 atomic adds, so not bitwise deterministic."""
+    from . import fa1_bwd
+    return fa1_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+
+
+LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
+                          plan_fn=plan, backward_fn=backward)
