@@ -127,6 +127,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_naive.LAUNCHER,
         reference=ref_naive.forward, loops=ref_naive.LOOPS, io_model=iomodel.naive_accesses, tensor_bytes={"S": 4, "P": 4},
         reference_backward=ref_naive.backward, io_model_backward=iomodel.naive_backward_accesses,
+        directions=("forward", "backward"),
     ),
     Variant(
         name="fa1",
@@ -134,6 +135,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=80, launcher=k_fa1.LAUNCHER,
         reference=ref_fa1.forward, loops=ref_fa1.LOOPS, io_model=iomodel.fa1_accesses, tensor_bytes={"O": 4, "l": 4, "m": 4},
         reference_backward=ref_fa1.backward, io_model_backward=iomodel.fa1_backward_accesses,
+        directions=("forward", "backward"),
     ),
     Variant(
         name="fa2",
