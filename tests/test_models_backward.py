@@ -76,7 +76,7 @@ def run(name, dout, q, k, v, out, lse, **kw):
         return MODELS[name](dout, q, k, v, out, lse, **kw)
 
 
-def check(name, dout, q, k, v, causal, **kw):
+def check(name, dout, q, k, v, causal, exact=EXACT, **kw):
     """Run ``name`` on the yardstick's own out and lse and compare dq, dk, dv; returns the model's result."""
     out, lse, dq, dk, dv = dense_attention_grads(dout, q, k, v, causal, kw.get("softmax_scale"))
     res = run(name, dout, q, k, v, out, lse, causal=causal, **kw)
@@ -88,7 +88,7 @@ def check(name, dout, q, k, v, causal, **kw):
             assert np.abs(got).max() < 1e-13, where   # ... up to D = rowsum(dO o O)'s rounding in the models
             continue
         err = rel(got, want)
-        assert err < EXACT, f"relative error {err:.2e}: {where}"
+        assert err < exact, f"relative error {err:.2e}: {where}"
     return res
 
 
@@ -147,8 +147,10 @@ def test_block_sizes_that_do_not_divide(rng, name, block_q, block_k):
 @pytest.mark.parametrize("name", MODELS)
 def test_large_scores_and_a_given_scale(rng, name):
     dout, q, k, v = inputs(rng, 1, 100, 100, 2, 2, 32, scale=30.0)   # scores in the thousands
-    check(name, dout, q, k, v, False, block_q=16, block_k=32)
-    check(name, dout, q, k, v, True, block_q=16, block_k=32, softmax_scale=0.05)
+    # exp(s - lse) with |s| ~ 3000 carries ~3000 ulp of relative error per element, and dS = P (dP - D) cancels:
+    # measured up to 1.01e-10 against the dense yardstick (a CI run), so this case gets 1e-8
+    check(name, dout, q, k, v, False, exact=1e-8, block_q=16, block_k=32)
+    check(name, dout, q, k, v, True, exact=1e-8, block_q=16, block_k=32, softmax_scale=0.05)
 
 
 @pytest.mark.parametrize("name", MODELS)
