@@ -13,6 +13,10 @@
 //   overlap              block j runs while the P V product of block j-1 is still on the tensor cores. O takes
 //                        block j-1's rescale factor between the two issues (while S_j is on the tensor cores),
 //                        just before P_{j-1} V_{j-1} is added: one block later than FA2 rescales, same arithmetic.
+//   persistent grid      (PERSISTENT) one CTA per SM walks the (Q block, head, batch) tiles, heaviest Q blocks
+//                        first; its producer loads the next tile's Q and K/V while the consumers finish this
+//                        one, whose O then goes out straight from registers (DirectOut: shared memory is busy).
+//                        Otherwise one CTA per tile, O staged through shared memory (NormalizedOut).
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
@@ -24,7 +28,7 @@
 #include "common/wgmma.cuh"
 #include "common/wgmma_n.cuh"
 
-template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2>
+template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
         const __grid_constant__ fav::TmaDesc tv, const fav::FwdParams p) {
@@ -42,23 +46,31 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     const u32 sQ = base;
     auto sK = [&](int s) { return sQ + TQ::BYTES + s * 2 * TKV::BYTES; };
     auto sV = [&](int s) { return sK(s) + TKV::BYTES; };
-    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q; per stage K full, V full, K empty, V empty
-    const u32 q_full = bars;
-    auto k_full = [&](int s) { return bars + 8 * (1 + s); };
-    auto v_full = [&](int s) { return bars + 8 * (1 + STAGES + s); };
-    auto k_empty = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
-    auto v_empty = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
+    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty; per stage K/V full, K/V empty
+    const u32 q_full = bars, q_empty = bars + 8;
+    auto k_full = [&](int s) { return bars + 8 * (2 + s); };
+    auto v_full = [&](int s) { return bars + 8 * (2 + STAGES + s); };
+    auto k_empty = [&](int s) { return bars + 8 * (2 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bars + 8 * (2 + 3 * STAGES + s); };
 
-    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
-    const int m0 = i_block * BM, wg = threadIdx.x / 128;
+    // Tiles: Q blocks of every (head, batch), the heaviest (last) Q blocks first; tile t is the CTA's own with
+    // one CTA per tile, every gridDim.x-th from blockIdx.x with PERSISTENT.
+    const int q_blocks = (p.seqlen_q + BM - 1) / BM, per_block = p.heads * p.batch;
+    const int tiles = q_blocks * per_block;
+    struct Work { int m0, h, b; BlockRange blocks; };
+    auto tile_at = [&](int t) {
+        const int i_block = q_blocks - 1 - t / per_block, hb = t % per_block;
+        const int m0 = i_block * BM;
+        return Work{m0, hb % p.heads, hb / p.heads,
+                    kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal, p.kv_block_begin, p.kv_block_end)};
+    };
     const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;
     const bool causal = p.causal;
-    const BlockRange blocks = kv_block_range<BM, BN>(m0, p.seqlen_q, seqlen_k, causal, p.kv_block_begin,
-                                                     p.kv_block_end);
-    const int n = blocks.count();
+    const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, 4 * NC);  // one arrival per consumer warp, once it has issued its last S of a tile
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);   // the producer's expect_tx arrival; the bytes complete the phase
             mbar_init(v_full(s), 1);
@@ -71,126 +83,153 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 
     if (wg == 0) {  // ------------------------------------------------------------------------------ producer
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0 && n > 0) {
+        if (threadIdx.x == 0) {
             tma_prefetch_desc(tk);
             tma_prefetch_desc(tv);
-            mbar_expect_tx(q_full, TQ::BYTES);  // rows past seqlen_q and columns past head_dim land as zeros
-            for (int c = 0; c < SLABS; ++c) tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, 64 * c, m0, h, b);
-            for (int t = 0; t < n; ++t) {
-                const int j = blocks.end - 1 - t, s = t % STAGES, phase = (t / STAGES) & 1;
-                mbar_wait(k_empty(s), phase ^ 1);  // the consumers are done with block t - STAGES's K
-                mbar_expect_tx(k_full(s), TKV::BYTES);
-                for (int c = 0; c < SLABS; ++c) tma_load_4d(sK(s) + c * TKV::SLAB, tk, k_full(s), 64 * c, j * BN, h_kv, b);
-                mbar_wait(v_empty(s), phase ^ 1);
-                mbar_expect_tx(v_full(s), TKV::BYTES);
-                for (int c = 0; c < SLABS; ++c) tma_load_4d(sV(s) + c * TKV::SLAB, tv, v_full(s), 64 * c, j * BN, h_kv, b);
+            int it = 0, q_uses = 0;  // K/V blocks and Q tiles loaded so far: ring stage and phase
+            for (int t = blockIdx.x; t < tiles; t += PERSISTENT ? gridDim.x : tiles) {
+                const Work w = tile_at(t);
+                const int n = w.blocks.count(), h_kv = w.h / p.group;
+                if (n == 0) continue;  // no key for these rows: nothing to load, the consumers write zeros
+                mbar_wait(q_empty, (q_uses & 1) ^ 1);  // the consumers have issued their last S on the old Q
+                ++q_uses;
+                mbar_expect_tx(q_full, TQ::BYTES);  // rows past seqlen_q and columns past head_dim land as zeros
+                for (int c = 0; c < SLABS; ++c) tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, 64 * c, w.m0, w.h, w.b);
+                for (int j = w.blocks.end - 1; j >= w.blocks.begin; --j, ++it) {
+                    const int s = it % STAGES, phase = (it / STAGES) & 1;
+                    mbar_wait(k_empty(s), phase ^ 1);  // the consumers are done with block it - STAGES's K
+                    mbar_expect_tx(k_full(s), TKV::BYTES);
+                    for (int c = 0; c < SLABS; ++c)
+                        tma_load_4d(sK(s) + c * TKV::SLAB, tk, k_full(s), 64 * c, j * BN, h_kv, w.b);
+                    mbar_wait(v_empty(s), phase ^ 1);
+                    mbar_expect_tx(v_full(s), TKV::BYTES);
+                    for (int c = 0; c < SLABS; ++c)
+                        tma_load_4d(sV(s) + c * TKV::SLAB, tv, v_full(s), 64 * c, j * BN, h_kv, w.b);
+                }
             }
         }
     } else {  // ---------------------------------------------------------------------------------- consumers
         setmaxnreg_inc<REGS>();
-        const int c = wg - 1;                                   // rows [64c, 64c + 64) of the block
-        const int row0 = c * 64 + (threadIdx.x / 32 % 4) * 16;  // this warp's first row within the block
+        const int c = wg - 1;                                   // rows [64c, 64c + 64) of each tile
+        const int row0 = c * 64 + (threadIdx.x / 32 % 4) * 16;  // this warp's first row within a tile
         const bool leader = threadIdx.x % 32 == 0;              // arrives on the empty barriers for its warp
-        // Blocks j >= j_mask hold a key that some row of this block must not see (past seqlen_k or, causal,
-        // right of row m0's diagonal); the blocks below are visible to every row.
-        const int j_mask = max(0, causal ? min(seqlen_k, m0 + diag + 1) : seqlen_k) / BN;
-
-        float o[1][DT][4] = {};
-        float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
-        float alpha[1][2];   // OVERLAP: the rescale factor O still owes to the last block's softmax
-        u32 pa[BN / 16][4];  // P~ of the block whose P V is next, as 16-bit A fragments
 
         // Ping-pong: consumer c issues after `sched_wait` on barrier 1 + c, which the previous consumer's
         // `sched_pass` (bar.arrive) completes once it has issued. The last consumer passes first, so consumer 0
-        // starts. (Barrier 0 is __syncthreads, barrier 4 the consumers' own.)
+        // starts; the turns run on across tiles (every consumer visits the same blocks). (Barrier 0 is
+        // __syncthreads, barrier 4 the consumers' own.)
         auto sched_wait = [&] { if constexpr (PINGPONG) named_sync(1 + c, 256); };
         auto sched_pass = [&] { if constexpr (PINGPONG) named_arrive(1 + (c + 1) % NC, 256); };
         if (PINGPONG && c == NC - 1) named_arrive(1, 256);
 
-        auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_16_ss<T>(s[0], TQ::desc(sQ, c * 64, kk * 32), TKV::desc(sK(stage), 0, kk * 32), kk > 0);
-            wgmma_commit();
-        };
-        auto issue_pv = [&](int stage) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-                for (int nn = 0; nn < D / DN; ++nn)
-                    wgmma_16_rs<T>(reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]), pa[kk],
-                                   TKV::desc_mn(sV(stage), kk * 16, nn * DN * 2), 1);
-            wgmma_commit();
-        };
-        auto pack_p = [&](const float (&s)[1][NT][4]) {
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
-        };
-        auto stage_of = [](int t) { return t % STAGES; };
-        auto phase_of = [](int t) { return (t / STAGES) & 1; };
+        int it = 0, q_uses = 0;  // as the producer counts them
+        for (int t = blockIdx.x; t < tiles; t += PERSISTENT ? gridDim.x : tiles) {
+            const Work w = tile_at(t);
+            const int n = w.blocks.count(), m0 = w.m0;
+            // Blocks j >= j_mask hold a key that some row of this tile must not see (past seqlen_k or, causal,
+            // right of row m0's diagonal); the blocks below are visible to every row.
+            const int j_mask = max(0, causal ? min(seqlen_k, m0 + diag + 1) : seqlen_k) / BN;
 
-        // Visit t of n (block j = end - 1 - t). OVERLAP: S_t is issued with P_{t-1} V_{t-1}; without it, S_t
-        // waits, its softmax rescales O at once and P_t V_t follows: fa2_fwd_sm90's step, with TMA barriers.
-        auto step = [&](int t, auto masked, auto overlapped) {
-            constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
-            const int j = blocks.end - 1 - t;
-            float s[1][NT][4];
-            mbar_wait(k_full(stage_of(t)), phase_of(t));
-            if constexpr (PREV) mbar_wait(v_full(stage_of(t - 1)), phase_of(t - 1));
-            sched_wait();
-            issue_qk(s, stage_of(t));
-            if constexpr (PREV) {
-                scale_rows(o, alpha);  // under S_t's wgmmas: O now in block t-1's reference, ready for P_{t-1} V
-                issue_pv(stage_of(t - 1));
-            }
-            sched_pass();
-            wgmma_wait<PREV ? 1 : 0>();
-            hold_registers(s[0]);
-            mbar_arrive_if(k_empty(stage_of(t)), leader);
-            if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
-            online_softmax_rescale(s, m, l, p.scale_log2, alpha);
-            if constexpr (PREV) {
-                wgmma_wait<0>();
-                hold_registers(o[0]);
-                mbar_arrive_if(v_empty(stage_of(t - 1)), leader);
-            }
-            pack_p(s);
-            if constexpr (!OVERLAP) {  // P_t V_t now, O rescaled first
-                scale_rows(o, alpha);
-                mbar_wait(v_full(stage_of(t)), phase_of(t));
-                sched_wait();
-                issue_pv(stage_of(t));
-                sched_pass();
-                wgmma_wait<0>();
-                hold_registers(o[0]);
-                mbar_arrive_if(v_empty(stage_of(t)), leader);
-            }
-        };
-        auto visit = [&](int t, auto overlapped) {
-            if (blocks.end - 1 - t >= j_mask) step(t, flag<true>(), overlapped);
-            else step(t, flag<false>(), overlapped);
-        };
+            float o[1][DT][4] = {};
+            float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
+            float alpha[1][2];   // OVERLAP: the rescale factor O still owes to the last block's softmax
+            u32 pa[BN / 16][4];  // P~ of the block whose P V is next, as 16-bit A fragments
 
-        if (n > 0) {
-            mbar_wait(q_full, 0);
-            visit(0, flag<false>());
-            for (int t = 1; t < n; ++t) visit(t, flag<OVERLAP>());
-            if constexpr (OVERLAP) {  // the last block's P V
-                mbar_wait(v_full(stage_of(n - 1)), phase_of(n - 1));
+            auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk)
+                    wgmma_16_ss<T>(s[0], TQ::desc(sQ, c * 64, kk * 32), TKV::desc(sK(stage), 0, kk * 32), kk > 0);
+                wgmma_commit();
+            };
+            auto issue_pv = [&](int stage) {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                    for (int nn = 0; nn < D / DN; ++nn)
+                        wgmma_16_rs<T>(reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]), pa[kk],
+                                       TKV::desc_mn(sV(stage), kk * 16, nn * DN * 2), 1);
+                wgmma_commit();
+            };
+            auto pack_p = [&](const float (&s)[1][NT][4]) {
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+            };
+            auto stage_of = [&](int u) { return (it + u) % STAGES; };  // the tile's u-th block in the ring
+            auto phase_of = [&](int u) { return ((it + u) / STAGES) & 1; };
+
+            // Visit u of n (block j = end - 1 - u). OVERLAP: S_u is issued with P_{u-1} V_{u-1}; without it,
+            // S_u waits, its softmax rescales O at once and P_u V_u follows: fa2_fwd_sm90's step, with TMA
+            // barriers. The tile's last S releases Q (q_empty) for the producer's next tile.
+            auto step = [&](int u, auto masked, auto overlapped) {
+                constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
+                const int j = w.blocks.end - 1 - u;
+                float s[1][NT][4];
+                mbar_wait(k_full(stage_of(u)), phase_of(u));
+                if constexpr (PREV) mbar_wait(v_full(stage_of(u - 1)), phase_of(u - 1));
                 sched_wait();
-                scale_rows(o, alpha);
-                issue_pv(stage_of(n - 1));
+                issue_qk(s, stage_of(u));
+                if constexpr (PREV) {
+                    scale_rows(o, alpha);  // under S_u's wgmmas: O now in block u-1's reference, ready for P V
+                    issue_pv(stage_of(u - 1));
+                }
                 sched_pass();
-                wgmma_wait<0>();
-                hold_registers(o[0]);
+                wgmma_wait<PREV ? 1 : 0>();
+                hold_registers(s[0]);
+                mbar_arrive_if(k_empty(stage_of(u)), leader);
+                mbar_arrive_if(q_empty, leader && u == n - 1);
+                if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
+                online_softmax_rescale(s, m, l, p.scale_log2, alpha);
+                if constexpr (PREV) {
+                    wgmma_wait<0>();
+                    hold_registers(o[0]);
+                    mbar_arrive_if(v_empty(stage_of(u - 1)), leader);
+                }
+                pack_p(s);
+                if constexpr (!OVERLAP) {  // P_u V_u now, O rescaled first
+                    scale_rows(o, alpha);
+                    mbar_wait(v_full(stage_of(u)), phase_of(u));
+                    sched_wait();
+                    issue_pv(stage_of(u));
+                    sched_pass();
+                    wgmma_wait<0>();
+                    hold_registers(o[0]);
+                    mbar_arrive_if(v_empty(stage_of(u)), leader);
+                }
+            };
+            auto visit = [&](int u, auto overlapped) {
+                if (w.blocks.end - 1 - u >= j_mask) step(u, flag<true>(), overlapped);
+                else step(u, flag<false>(), overlapped);
+            };
+
+            if (n > 0) {
+                mbar_wait(q_full, q_uses & 1);
+                ++q_uses;
+                visit(0, flag<false>());
+                for (int u = 1; u < n; ++u) visit(u, flag<OVERLAP>());
+                if constexpr (OVERLAP) {  // the last block's P V
+                    mbar_wait(v_full(stage_of(n - 1)), phase_of(n - 1));
+                    sched_wait();
+                    scale_rows(o, alpha);
+                    issue_pv(stage_of(n - 1));
+                    sched_pass();
+                    wgmma_wait<0>();
+                    hold_registers(o[0]);
+                    mbar_arrive_if(v_empty(stage_of(n - 1)), leader);
+                }
+                it += n;
+            }
+
+            const WarpRows<1, DT> rows{o, m, l, p.scale_log2, w.b, w.h, m0 + row0};
+            if constexpr (PERSISTENT) {
+                DirectOut<T, D>::store(rows, p);
+            } else {
+                named_sync(4, CONSUMERS);  // every consumer is done with Q and the ring: O is staged over them
+                NormalizedOut<T, D>::store(rows, p, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) +
+                                                        row0 * Tile<16, D>::STRIDE);
             }
         }
         if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
-
-        named_sync(4, CONSUMERS);  // every consumer is done with Q and the ring: the epilogue stages O over them
-        NormalizedOut<T, D>::store(WarpRows<1, DT>{o, m, l, p.scale_log2, b, h, m0 + row0}, p,
-                                   reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE);
     }
 }

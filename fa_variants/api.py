@@ -200,7 +200,7 @@ def _remember(key, plan, q) -> bool:
 
 
 def clear_plans() -> None:
-    """Forget every cached launch plan (after changing FA_VARIANTS_SMEM_LIMIT or FA_VARIANTS_FP8_KERNEL, which
+    """Forget every cached launch plan (after changing FA_VARIANTS_SMEM_LIMIT, FA_VARIANTS_FP8_KERNEL or FA_VARIANTS_FA3_PERSISTENT, which
     change the tiles a plan was made with)."""
     from .kernels import common, fa2_fp8
     with _lock:

@@ -1,6 +1,7 @@
 // The end of a forward: what a CTA does with its rows once the K/V loop is over. One rule for every kernel, and
-// one interface (Policy::store(rows, params, ...)) with three policies:
-//   NormalizedOut   O / l in the input's format and LSE = m + ln l                         (fa2)
+// one interface (Policy::store(rows, params, ...)) with four policies:
+//   NormalizedOut   O / l in the input's format and LSE = m + ln l, staged through shared memory  (fa2, fa3)
+//   DirectOut       the same, stored from registers                                 (fa3's persistent grid)
 //   Fp8DequantOut   O * s_v / (256 l): undoes P's x256 and V's per-channel scale       (fa2_fp8, both kernels)
 //   PartialOut      unnormalized O, m (log2 units) and l to a float32 workspace            (split-KV)
 // fa1 keeps O normalized in HBM at every step (Algorithm 1), so it uses the rule (finish_row) but no policy.
@@ -91,6 +92,34 @@ struct NormalizedOut {
         __syncwarp();
         store_rows_warp<MT * 16, D>(p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n, stage,
                                     p.seqlen_q - r.row0, p.head_dim);
+    }
+};
+
+// O / l straight from the accumulator registers (4-byte stores: a quad writes 16 contiguous bytes of a row) and
+// LSE by the quad's first thread, for a kernel whose shared memory is already taken by its next tile's loads
+// (fa3's persistent grid). Same rule as NormalizedOut; rows past seqlen_q and columns past head_dim not stored.
+template <class T, int D>
+struct DirectOut {
+    template <int MT, int DT>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16* = nullptr) {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
+                const int row = r.row0 + mt * 16 + g + 8 * h2;
+                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, row, e.lse);
+                if (row >= p.seqlen_q) continue;
+                u16* dst = p.o + r.b * p.o_b + (i64)row * p.o_n + r.h * p.o_h;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int col = dt * 8 + 2 * t;  // head_dim is a multiple of 8: col < head_dim covers col + 1
+                    if (col < p.head_dim)
+                        *reinterpret_cast<u32*>(dst + col) =
+                            T::pack(r.o[mt][dt][2 * h2] * e.inv, r.o[mt][dt][2 * h2 + 1] * e.inv);
+                }
+            }
     }
 };
 

@@ -22,7 +22,7 @@ struct FwdParams {
     i64 k_b, k_n, k_h;
     i64 v_b, v_n, v_h;
     i64 o_b, o_n, o_h;
-    int seqlen_q, seqlen_k;
+    int batch, seqlen_q, seqlen_k;
     int heads, group;      // group = heads / heads_kv: query head h reads kv head h / group
     int head_dim;          // the real d (a multiple of 8) <= the template D: columns at or past it are
                            // zero-filled on load and never stored

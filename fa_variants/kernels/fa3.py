@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import struct
 
 import numpy as np
@@ -23,12 +24,13 @@ from .tma import MapTemplate
 SOURCE = "fa3_fwd.cu"
 ARCHS = ("sm_90a",)
 # template head_dim -> [(BM query rows = 64 per consumer warpgroup, BN keys per K/V block, K/V ring stages,
-# ping-pong on)], the first being used (devcheck.py --tiles swaps it for a sweep: 'fa3:64=192,128,2,1'). Wide key
+# ping-pong on, persistent grid on)], the first being used (devcheck.py --tiles swaps it for a sweep:
+# 'fa3:64=192,128,2,1,0'). Wide key
 # blocks amortize each block's fixed work (barrier waits, row max, O rescale) where O (D / 2 registers a thread)
 # leaves room for S, P and the next S: n176 at d = 128 (FA3's tile), n80 at d = 256 (O takes 128; two stages of
 # K and V at n80 are 224 KB of the 227). d = 64: three consumers (BM = 192) keep the tensor cores fed where a
 # block's GEMMs are short next to its softmax. Chosen by the sweeps in bench/NOTES.md (wgmma_n.cuh: n80, n176).
-TILES = {64: [(192, 128, 2, 1)], 128: [(128, 176, 2, 1)], 256: [(128, 80, 2, 1)]}
+TILES = {64: [(192, 128, 2, 1, 0)], 128: [(128, 176, 2, 1, 0)], 256: [(128, 80, 2, 1, 0)]}
 DIMS = tuple(TILES)
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
@@ -36,7 +38,15 @@ ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pin
 
 
 def config(d: int):
-    return TILES[d][0]
+    """The tile table's first entry at template dim d; FA_VARIANTS_FA3_PERSISTENT=0 or 1 overrides its persistent
+    flag (call fav.clear_plans() after changing it)."""
+    cfg = tuple(TILES[d][0]) + (0,) * (5 - len(TILES[d][0]))
+    flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
+    if flag:
+        if flag not in ("0", "1"):
+            raise ValueError(f"FA_VARIANTS_FA3_PERSISTENT must be 0 or 1, got {flag!r}")
+        cfg = cfg[:4] + (int(flag),)
+    return cfg
 
 
 def threads(cfg) -> int:
@@ -53,14 +63,28 @@ def tiles(head_dim, limit=None):
 
 
 def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None) -> str:
-    bm, bn, stages, pp = config(d) if cfg is None else cfg
+    cfg = config(d) if cfg is None else tuple(cfg) + (0,) * (5 - len(cfg))
+    bm, bn, stages, pp, persistent = cfg
     pingpong = bool(pp) if pingpong is None else pingpong
     return (f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}, "
-            f"{bm // 64}>")
+            f"{bm // 64}, {str(bool(persistent)).lower()}>")
+
+
+def grid(nq: int, heads: int, batch: int, cfg) -> tuple:
+    """One CTA per (Q block, head, batch) tile, or with the persistent grid one per SM (at most one per tile)."""
+    tiles = cdiv(nq, cfg[0]) * heads * batch
+    if len(cfg) > 4 and cfg[4]:
+        tiles = min(tiles, sm_count())
+    return (tiles, 1, 1)
+
+
+def sm_count() -> int:
+    import cupy
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def specializations():
-    main = tuple(instance(c, d) for c in CTYPE.values() for d in DIMS)
+    main = tuple(instance(c, d, cfg=config(d)[:4] + (pers,)) for c in CTYPE.values() for d in DIMS for pers in (0, 1))
     ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
     return main + tuple(e for e in dict.fromkeys(ablation) if e not in main)
 
@@ -120,11 +144,11 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     cfg = config(D)
     smem = smem_bytes(D, cfg)
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
-    check_grid(h, "heads")
-    check_grid(b, "batch")
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
                  for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
-    return Fa3Plan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=threads(cfg), smem=smem,
+    if cdiv(nq, cfg[0]) * h * b >= 2**31:
+        raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
+    return Fa3Plan(func=function_of(kern, smem), grid=grid(nq, h, b, cfg), block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=(nq * h * d, h * d, d)),
                    maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,

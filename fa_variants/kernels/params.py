@@ -79,7 +79,7 @@ def _fields(text: str, kind: str):
 FWD = ParamStruct("FwdParams", (
     *_fields("q k v o lse o_ws l_ws m_ws", "ptr"),
     *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h", "i64"),
-    *_fields("seqlen_q seqlen_k heads group head_dim kv_block_begin kv_block_end", "int"),
+    *_fields("batch seqlen_q seqlen_k heads group head_dim kv_block_begin kv_block_end", "int"),
     ("scale_log2", "float"), ("causal", "int"),
 ))
 

@@ -1,0 +1,55 @@
+"""fa3's two grids on the GPU: one CTA per tile, and the persistent grid (one CTA per SM walking the tiles), on
+shapes with more tiles than the H200 has SMs (132), so that a CTA's Q ring, K/V ring phases and ping-pong turns
+carry over from one tile to the next; tiles whose rows see no key (causal, N_q > N_k) mixed in. The persistent grid
+does the same arithmetic in the same order, so its output must be bitwise identical to the one-tile-per-CTA grid's.
+test_gpu_forward.py runs the rest of the forward suite on whichever grid is the default."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fa_variants as fav
+from conftest import Case, assert_matches, new_seed, random_qkv_host, reference64, to_device, to_host
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    Case(3, 1000, 777, 8, 2, 128, True),        # 8 x 8 x 3 = 192 tiles of 128 rows, GQA 4:1
+    Case(2, 2000, 2000, 16, 16, 64, False),     # 11 x 16 x 2 = 352 tiles of 192 rows
+    Case(1, 3000, 1000, 8, 1, 256, True),       # 24 x 8 tiles, MQA; rows 0..1999 see no key
+    Case(4, 129, 300, 40, 8, 96, True),         # 2 x 40 x 4 = 320 small tiles, padded head dim
+]
+
+
+def _run(case, dtype, host, persistent: str, monkeypatch, poisoned):
+    monkeypatch.setenv("FA_VARIANTS_FA3_PERSISTENT", persistent)
+    fav.clear_plans()
+    q, k, v = to_device(host)
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant="fa3", causal=case.causal, return_lse=True)
+        return to_host(out), to_host(lse)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    yield
+    fav.clear_plans()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_persistent_grid_matches_float64_and_the_tile_grid_bitwise(request, monkeypatch, poisoned, case, dtype):
+    ok, why = fav.get("fa3").available()
+    if not ok:
+        pytest.skip(why)
+    seed = new_seed()
+    request.node.user_properties.append(("seed", seed))
+    host = random_qkv_host(np.random.default_rng(seed), case.batch, case.seqlen_q, case.seqlen_k, case.heads,
+                           case.heads_kv, case.head_dim, dtype)
+    ref_out, ref_lse = reference64(*host, causal=case.causal)
+    per_tile = _run(case, dtype, host, "0", monkeypatch, poisoned)
+    persistent = _run(case, dtype, host, "1", monkeypatch, poisoned)
+    for (out, lse), grid in ((per_tile, "one CTA per tile"), (persistent, "persistent")):
+        assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"fa3 {grid} {case.id} {dtype}")
+    assert np.array_equal(per_tile[0].view(np.uint16), persistent[0].view(np.uint16)), "out differs bitwise"
+    assert np.array_equal(per_tile[1].view(np.uint32), persistent[1].view(np.uint32)), "lse differs bitwise"
