@@ -8,10 +8,11 @@
     fav.get("fa1")     # one entry: .launcher (GPU), .reference / .reference_backward (NumPy models), .io_model
 """
 from . import fp8
-from .api import BackendUnavailable, attention
+from .api import BackendUnavailable, attention, clear_plans
 from .backward import attention_backward
 from .jit import CompileError
 from .registry import Variant, get, variants
 
-__all__ = ["attention", "attention_backward", "variants", "get", "Variant", "CompileError", "BackendUnavailable", "fp8"]
+__all__ = ["attention", "attention_backward", "variants", "get", "Variant", "CompileError", "BackendUnavailable", "fp8",
+           "clear_plans"]
 __version__ = "0.1.0"
