@@ -37,6 +37,7 @@ SETS = {
               Shape(8, 32, 2048, 64, "float16", False), Shape(2, 8, 8192, 256, "bfloat16", False)],
     "issue": ISSUE,
     "fa3": FA3_MATRIX,
+    "fa3_bf16": [s for s in FA3_MATRIX if s.dtype == "bfloat16"],
     "tiles": [Shape(4, 32, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", False),
               Shape(4, 16, 4096, 128, "bfloat16", True), Shape(4, 8, 4096, 256, "bfloat16", False)],
     "fp8": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(2, 16, 8192, 128, "bfloat16", False),
