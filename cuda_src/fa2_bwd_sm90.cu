@@ -18,6 +18,12 @@
 // double-buffered with cp.async, one barrier per step.
 // d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the dkdv grid doubles:
 // even CTAs compute dK only (S^T, dP^T, dK), odd ones dV only (S^T, dV), each recomputing S^T (1.25x the work).
+// Tile parameters (kernels/fa2_bwd_sm90.py's tables; the trailing template arguments default to the first
+// version's tiles, whose machine code they leave as it was): dkdv BN = 64, 128 or 192 keys (one to three
+// warpgroups), BM = 32, 64 or 128 queries per step (the N of S^T and dP^T), BM_DV the dV CTAs' BM where the d = 256
+// split gives them another (they hold no V, so their Q/dO stages take its place); dq BM = 64, 128 or 192 queries
+// (one to three warpgroups), BN = 32, 64 or 128 keys per step; MINB: the launch bounds' CTAs per SM (a register cap
+// of 64K / (MINB x threads)).
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
 #include "common/fragments.cuh"
@@ -27,18 +33,42 @@ namespace fav {
 
 constexpr float BWD_LOG2E = 1.4426950408889634f;
 
+// m64n32k16, both operands in shared memory (wgmma.cuh has n64 and n128, wgmma_n.cuh fa3's widths): S^T over
+// BM = 32 queries (dkdv) or S over BN = 32 keys (dq) at d = 256, where the tiles of 64 leave too little shared
+// memory for two warpgroups.
+template <class T>
+__forceinline__ __device__ void wgmma_16_ss(float (&d)[4][4], u64 a_desc, u64 b_desc, int accumulate) {
+#define FAV_D16 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define FAV_R16 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+    if constexpr (T::is_bf16)
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" FAV_R16 "}, %16, %17, p, 1, 1, 0, 0; }"
+                     : FAV_D16 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" FAV_R16 "}, %16, %17, p, 1, 1, 0, 0; }"
+                     : FAV_D16 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+#undef FAV_D16
+#undef FAV_R16
+}
+
 // load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
 // wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
+// A CTA of three warpgroups (384 threads) copies with its first 256 threads (whole passes of 64-row tiles).
 template <int ROWS, int KB, int THREADS>
 __forceinline__ __device__ void load_rows_async(u32 tile, const unsigned char* __restrict__ g, i64 ld,
                                                 int valid_rows, int valid_bytes) {
-    constexpr int PART = KB < 2 * THREADS ? KB : 2 * THREADS;
+    constexpr int LT = (THREADS & (THREADS - 1)) == 0 ? THREADS : 256;  // copying threads: a power of 2
+    constexpr int PART = KB < 2 * LT ? KB : 2 * LT;
     using Tile = SwizzledTile<ROWS, KB>;
     static_assert(KB % PART == 0 && SwizzledTile<ROWS, PART>::W == Tile::W, "parts made of whole slabs");
+    static_assert(LT <= THREADS, "power-of-2 copying threads");
+    if (LT < THREADS && threadIdx.x >= LT) return;
 #pragma unroll
     for (int c = 0; c < KB / PART; ++c)
-        load_swizzled_async<ROWS, PART, THREADS>(tile + c * (PART / Tile::W) * Tile::SLAB, g + c * PART, ld,
-                                                 valid_rows, valid_bytes - c * PART);
+        load_swizzled_async<ROWS, PART, LT>(tile + c * (PART / Tile::W) * Tile::SLAB, g + c * PART, ld,
+                                            valid_rows, valid_bytes - c * PART);
 }
 
 // acc (64 x 8 DT, this warpgroup) += A B with A from registers (a: BK / 16 reduction steps of repack_a) and B
@@ -69,22 +99,26 @@ __forceinline__ __device__ void repack_all(u32 (&a)[NT / 2][4], const float (&ac
     for (int kk = 0; kk < NT / 2; ++kk) repack_a<T>(a[kk], acc[2 * kk], acc[2 * kk + 1]);
 }
 
-// One dkdv CTA: K/V block j of BN keys; DK, DV: which gradients it computes (both, or one each at d = 256).
-template <class T, int D, int BN, bool DK, bool DV>
+// One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
+// each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would.
+template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
-    constexpr int BM = 64, THREADS = 2 * BN, NT = BM / 8, DT = D / 8;
+    constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8;
     using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major B of S^T, dP^T; N-major B of dK, dV
     using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T
-    static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128 || D == 256), "wgmma n64 / n128 blocks");
+    static_assert((BN == 64 || BN == 128 || BN == 192) && (D == 64 || D == 128 || D == 256), "1-3 warpgroups");
+    static_assert(BM == 32 || BM == 64 || BM == 128, "wgmma n32 / n64 / n128 blocks");
+    static_assert(!(NO_V && DK), "dK needs V (dP^T)");
 
     extern __shared__ unsigned char smem[];
     // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, two stages of (Q_i, dO_i), then two stages of
     // the queries' LSE (log2 units) and D.
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
     const u32 sK = base, sV = sK + TKV::BYTES;
-    auto sQ = [&](int stage) { return sV + TKV::BYTES + stage * 2 * TQ::BYTES; };
+    constexpr int KV_BYTES = (NO_V ? 1 : 2) * TKV::BYTES;
+    auto sQ = [&](int stage) { return sK + KV_BYTES + stage * 2 * TQ::BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
-    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + 2 * TKV::BYTES + 4 * TQ::BYTES);
+    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + KV_BYTES + 4 * TQ::BYTES);
 
     const int h_kv = blockIdx.y, b = blockIdx.z, wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -209,27 +243,29 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
 
 }  // namespace fav
 
-// SPLIT (d = 256): blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV.
-template <class T, int D, int BN, bool SPLIT>
-__global__ void __launch_bounds__(2 * BN, 1)
+// SPLIT (d = 256): blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV (with BM_DV queries per step; when that
+// differs from BM the dV part leaves V out of its shared memory).
+template <class T, int D, int BN, bool SPLIT, int BM = 64, int MINB = 1, int BM_DV = BM>
+__global__ void __launch_bounds__(2 * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
+    static_assert(SPLIT || BM_DV == BM, "BM_DV is the split's");
     if constexpr (SPLIT) {
-        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, true, false>(p, blockIdx.x / 2);
-        else fav::dkdv_block<T, D, BN, false, true>(p, blockIdx.x / 2);
+        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, BM, true, false>(p, blockIdx.x / 2);
+        else fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM)>(p, blockIdx.x / 2);
     } else {
-        fav::dkdv_block<T, D, BN, true, true>(p, blockIdx.x);
+        fav::dkdv_block<T, D, BN, BM, true, true>(p, blockIdx.x);
     }
 }
 
-template <class T, int D, int BM, int BN>
-__global__ void __launch_bounds__(2 * BM, 1)
+template <class T, int D, int BM, int BN, int MINB = 1>
+__global__ void __launch_bounds__(2 * BM, MINB)
 fa2_bwd_dq_sm90(const fav::BwdParams p) {
     using namespace fav;
     constexpr int THREADS = 2 * BM, NT = BN / 8, DT = D / 8;
     using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major A of S, dP
     using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major B of S, dP; K_j N-major B of dQ
-    static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128) && (D == 64 || D == 128 || D == 256),
-                  "wgmma n64 / n128 blocks, one or two warpgroups");
+    static_assert((BM == 64 || BM == 128 || BM == 192) && (BN == 32 || BN == 64 || BN == 128) &&
+                  (D == 64 || D == 128 || D == 256), "wgmma n32 / n64 / n128 blocks, one to three warpgroups");
 
     extern __shared__ unsigned char smem[];
     // Shared memory (1024-byte aligned for the swizzle): Q_i, dO_i, then two stages of (K_j, V_j).

@@ -15,31 +15,64 @@ from .params import BWD
 
 SOURCE = "fa2_bwd_sm90.cu"
 DIMS = (64, 128, 256)   # the swizzled tiles' rows of 128, 256 or 512 bytes; other d pad to the next one
-DKDV_BM = 64            # queries per step of the dK/dV pass (fixed in the kernel)
+DKDV_BM = 64            # queries per step of the dK/dV pass by default (a config's third entry)
 
 # template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split: dK and dV of 64 keys
 # at d = 256 would take 256 registers a thread, so each K/V block gets two CTAs, one per gradient.
+# A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
+# CTAs' BM); left out, they are (64, 1, BM). bench/bwd_sweep.py times such alternatives.
 DKDV_TILES = {64: [(128, False)], 128: [(128, False)], 256: [(64, True)]}
-# template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)]. Not yet tuned on a GPU.
+# template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
+# 1). Not yet tuned on a GPU.
 DQ_TILES = {64: [(128, 128)], 128: [(128, 64)], 256: [(64, 64)]}
+DKDV_DEFAULTS = (DKDV_BM, 1, None)  # BM, MINB, BM_DV (None: = BM)
+DQ_DEFAULTS = (1,)                  # MINB
+
+
+def dkdv_config(cfg) -> tuple:
+    """(BN, split, BM, MINB, BM_DV) of a DKDV_TILES entry, the left-out trailing entries filled in."""
+    bn, split, bm, minb, bm_dv = tuple(cfg) + DKDV_DEFAULTS[len(cfg) - 2:]
+    return bn, bool(split), bm, minb, bm if bm_dv is None else bm_dv
+
+
+def dq_config(cfg) -> tuple:
+    """(BM, BN, MINB) of a DQ_TILES entry."""
+    return tuple(cfg) + DQ_DEFAULTS[len(cfg) - 2:]
 
 
 def dkdv_smem(d: int, cfg) -> int:
-    bn = cfg[0]
-    return 1024 + 2 * bn * 2 * d + 4 * DKDV_BM * 2 * d + 4 * DKDV_BM * 4  # align; K, V; 2 x (Q, dO); 2 x (LSE, D)
+    bn, split, bm, _, bm_dv = dkdv_config(cfg)
+
+    def part(bm, kv):  # align; K (and V); 2 x (Q, dO); 2 x (LSE, D)
+        return 1024 + kv * bn * 2 * d + 4 * bm * 2 * d + 4 * bm * 4
+    # the split's dV CTAs with their own BM hold no V (the kernel's NO_V)
+    return max(part(bm, 2), part(bm_dv, 1 if bm_dv != bm else 2))
 
 
 def dq_smem(d: int, cfg) -> int:
-    bm, bn = cfg
+    bm, bn, _ = dq_config(cfg)
     return 1024 + 2 * bm * 2 * d + 4 * bn * 2 * d  # align; Q, dO; two stages of K, V
 
 
+def _template_args(full: tuple, defaults: tuple) -> tuple:
+    """``full`` less its trailing entries equal to ``defaults``' (so the first version's names are unchanged)."""
+    n = len(full)
+    while n > len(full) - len(defaults) and full[n - 1] == defaults[n - 1 - (len(full) - len(defaults))]:
+        n -= 1
+    return full[:n]
+
+
 def dkdv_instance(ctype: str, d: int, cfg) -> str:
-    return f"fa2_bwd_dkdv_sm90<{ctype}, {d}, {cfg[0]}, {'true' if cfg[1] else 'false'}>"
+    bn, split, bm, minb, bm_dv = dkdv_config(cfg)
+    extra = _template_args((bm, minb, bm_dv), (DKDV_BM, 1, bm))
+    args = [ctype, d, bn, "true" if split else "false", *extra]
+    return f"fa2_bwd_dkdv_sm90<{', '.join(map(str, args))}>"
 
 
 def dq_instance(ctype: str, d: int, cfg) -> str:
-    return f"fa2_bwd_dq_sm90<{ctype}, {d}, {cfg[0]}, {cfg[1]}>"
+    bm, bn, minb = dq_config(cfg)
+    args = [ctype, d, bm, bn, *_template_args((minb,), DQ_DEFAULTS)]
+    return f"fa2_bwd_dq_sm90<{', '.join(map(str, args))}>"
 
 
 def instances(ctype: str, d: int):
@@ -88,8 +121,10 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
     kv = pick_tiles(DKDV_TILES, dkdv_smem, D)
-    run(jit.kernel(SOURCE, dkdv_instance(ctype, D, kv), exprs), (cdiv(nk, kv[0]) * (2 if kv[1] else 1), hkv, b),
-        2 * kv[0], dkdv_smem(D, kv))
+    bn, split = dkdv_config(kv)[:2]
+    run(jit.kernel(SOURCE, dkdv_instance(ctype, D, kv), exprs), (cdiv(nk, bn) * (2 if split else 1), hkv, b),
+        2 * bn, dkdv_smem(D, kv))
     qc = pick_tiles(DQ_TILES, dq_smem, D)
-    run(jit.kernel(SOURCE, dq_instance(ctype, D, qc), exprs), (cdiv(nq, qc[0]), h, b), 2 * qc[0], dq_smem(D, qc))
+    bm = dq_config(qc)[0]
+    run(jit.kernel(SOURCE, dq_instance(ctype, D, qc), exprs), (cdiv(nq, bm), h, b), 2 * bm, dq_smem(D, qc))
     return dq, dk, dv
