@@ -53,13 +53,15 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     auto k_empty = [&](int s) { return bars + 8 * (2 + 2 * STAGES + s); };
     auto v_empty = [&](int s) { return bars + 8 * (2 + 3 * STAGES + s); };
 
-    // Tiles: Q blocks of every (head, batch), the heaviest (last) Q blocks first; tile t is the CTA's own with
-    // one CTA per tile, every gridDim.x-th from blockIdx.x with PERSISTENT.
-    const int q_blocks = (p.seqlen_q + BM - 1) / BM, per_block = p.heads * p.batch;
-    const int tiles = q_blocks * per_block;
+    // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
+    // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
+    // cost 12 % at d 128 N 4K: a wave then reads 132 heads' K/V). Tile t is the CTA's own with one CTA per tile,
+    // every gridDim.x-th from blockIdx.x with PERSISTENT.
+    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
+    const int tiles = q_blocks * p.heads * p.batch;
     struct Work { int m0, h, b; BlockRange blocks; };
     auto tile_at = [&](int t) {
-        const int i_block = q_blocks - 1 - t / per_block, hb = t % per_block;
+        const int i_block = q_blocks - 1 - t % q_blocks, hb = t / q_blocks;
         const int m0 = i_block * BM;
         return Work{m0, hb % p.heads, hb / p.heads,
                     kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal, p.kv_block_begin, p.kv_block_end)};

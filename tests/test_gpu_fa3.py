@@ -1,7 +1,8 @@
 """fa3's two grids on the GPU: one CTA per tile, and the persistent grid (one CTA per SM walking the tiles), on
 shapes with more tiles than the H200 has SMs (132), so that a CTA's Q ring, K/V ring phases and ping-pong turns
 carry over from one tile to the next; tiles whose rows see no key (causal, N_q > N_k) mixed in. The persistent grid
-does the same arithmetic in the same order, so its output must be bitwise identical to the one-tile-per-CTA grid's.
+does the same arithmetic in the same order, so its output must be bitwise identical to the one-tile-per-CTA grid's
+(its LSE to the last bits: the two epilogues compute it in separately compiled code).
 test_gpu_forward.py runs the rest of the forward suite on whichever grid is the default."""
 from __future__ import annotations
 
@@ -52,4 +53,7 @@ def test_persistent_grid_matches_float64_and_the_tile_grid_bitwise(request, monk
     for (out, lse), grid in ((per_tile, "one CTA per tile"), (persistent, "persistent")):
         assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"fa3 {grid} {case.id} {dtype}")
     assert np.array_equal(per_tile[0].view(np.uint16), persistent[0].view(np.uint16)), "out differs bitwise"
-    assert np.array_equal(per_tile[1].view(np.uint32), persistent[1].view(np.uint32)), "lse differs bitwise"
+    # LSE = (m + log2 l) ln 2 is the epilogues' own arithmetic (staged and register stores compile apart): 2 ulp
+    assert np.array_equal(np.isneginf(per_tile[1]), np.isneginf(persistent[1]))
+    finite = np.isfinite(per_tile[1])
+    assert np.allclose(per_tile[1][finite], persistent[1][finite], rtol=2.5e-7, atol=0), "lse differs"
