@@ -21,11 +21,12 @@ DKDV_BM = 64            # queries per step of the dK/dV pass by default (a confi
 # at d = 256 would take 256 registers a thread, so each K/V block gets two CTAs, one per gradient.
 # A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
 # CTAs' BM); left out, they are (64, 1, BM). bench/bwd_sweep.py times such alternatives.
-DKDV_TILES = {64: [(128, False, 128)], 128: [(128, False)], 256: [(128, True, 32, 1, 64)]}
+DKDV_TILES = {64: [(128, False)], 128: [(128, False)], 256: [(64, True)]}
 # template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
-# 1). d 64 and 256 from bench/bwd_sweep.py on the H200 (bf16 N 4096; both passes together): d 64 6.34 -> 5.18 ms,
-# d 256 6.91 -> 5.38 ms (bench/NOTES.md); d 128 untuned.
-DQ_TILES = {64: [(64, 64, 4)], 128: [(128, 64)], 256: [(128, 32)]}
+# 1). Faster on the H200 by bench/bwd_sweep.py (bf16 N 4096, both passes; its outputs equal these tiles'), not yet
+# through tests/test_gpu_backward.py, so not yet the defaults: d 64 kv (128, False, 128) + q (64, 64, 4) 5.18 ms
+# against 6.34; d 256 kv (128, True, 32, 1, 64) + q (128, 32) 5.38 ms against 6.91 (bench/NOTES.md).
+DQ_TILES = {64: [(128, 128)], 128: [(128, 64)], 256: [(64, 64)]}
 DKDV_DEFAULTS = (DKDV_BM, 1, None)  # BM, MINB, BM_DV (None: = BM)
 DQ_DEFAULTS = (1,)                  # MINB
 
