@@ -9,14 +9,13 @@ Rows, for each N (default bf16, d = 128, B = 1, H = 16, N = 2K, 4K, 8K, 16K, not
 
   naive            ours, fav.attention_backward(variant="naive", backend="cuda"): the standard backward (P stored)
   fa2              ours, fav.attention_backward(variant="fa2", backend="cuda"): recomputation, deterministic dQ pass
-  fa2_bwd_kernel   fa2's GPU backward kernel, kernels.fa2_bwd.backward called directly: UNVALIDATED, only with
-                   --unvalidated-kernel (meant for right after tests/test_gpu_backward.py passes on the GPU)
+  fa2_bwd_kernel   fa2's mma.sync backward kernel, kernels.fa2_bwd.backward called directly (skipping the API's
+                   checks), only with --unvalidated-kernel
   torch-math       torch SDPA's MATH backend: autograd keeps the forward's softmax P (torch's standard backward)
   torch-flash      torch SDPA's FLASH_ATTENTION backend: FA2's backward (CUTLASS), dQ accumulated atomically
 
-While ``fav.attention_backward`` raises BackendUnavailable on the GPU (its kernels are not validated yet), our two
-rows say so and the torch rows carry the comparison: torch-math is the stored-P backward, torch-flash the
-recomputing one.
+torch-math is torch's stored-P backward and torch-flash its recomputing one, beside ours (naive and fa2 through
+fav.attention_backward, both GPU kernels tested on the H200).
 
 Columns: the FLOPs the backward computes (``iomodel.backward_flops`` x B x H: the standard backward 2x the forward's
 4BHN^2d, fa2 with its separate dQ pass 3.5x, FA2 with atomic dQ 2.5x; causal counted on 64 x 64 blocks), the
@@ -223,8 +222,8 @@ def measure_all(args, torch) -> tuple[list[dict], bool]:
         douts = timing.gpu_dout_sets(shape, len(sets))
         for impl in IMPLS:
             if impl.kind == "kernel" and not args.unvalidated_kernel:
-                rows.append(row_values(impl, shape, status="not run: pass --unvalidated-kernel (fa2's GPU backward "
-                                       "kernel is not validated yet)"))
+                rows.append(row_values(impl, shape, status="not run: pass --unvalidated-kernel (fa2's mma.sync "
+                                       "kernel called directly)"))
                 continue
             if impl.kind == "kernel" and (shape.head_dim > 128 or shape.head_dim % 8):
                 rows.append(row_values(impl, shape, status="not run: the kernel takes head_dim a multiple of 8 "

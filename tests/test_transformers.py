@@ -11,8 +11,8 @@ run with ``attn_implementation="sdpa"`` and with ours, on the same weights and i
   ours casts q/k/v to bfloat16 and the output back (the one test of that path). Masks, dropout, windows and the
   rest raise ``Unsupported``.
 * GPU (marked gpu): the same model in bfloat16 on CUDA with ``backend="auto"`` (fa2's kernels): logits and
-  generation. The training step there skips while ``fav.attention_backward`` raises BackendUnavailable on the
-  GPU (its kernels are not validated yet).
+  generation, and one training step through fa2's GPU backward (it skips only if ``fav.attention_backward``
+  raises BackendUnavailable, i.e. on a GPU without backward kernels).
 
 Seeds are fixed (weights and token ids): greedy decoding compares argmaxes, and a random draw could put two
 logits within a rounding of each other; the test reports the smallest top-1 margin if it fails.
