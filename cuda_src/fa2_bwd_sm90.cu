@@ -24,34 +24,13 @@
 // split gives them another (they hold no V, so their Q/dO stages take its place); dq BM = 64, 128 or 192 queries
 // (one to three warpgroups), BN = 32, 64 or 128 keys per step; MINB: the launch bounds' CTAs per SM (a register cap
 // of 64K / (MINB x threads)).
+#include "common/backward.cuh"
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
-#include "common/fragments.cuh"
 #include "common/wgmma.cuh"
+#include "common/wgmma_n.cuh"
 
 namespace fav {
-
-constexpr float BWD_LOG2E = 1.4426950408889634f;
-
-// m64n32k16, both operands in shared memory (wgmma.cuh has n64 and n128, wgmma_n.cuh fa3's widths): S^T over
-// BM = 32 queries (dkdv) or S over BN = 32 keys (dq) at d = 256, where the tiles of 64 leave too little shared
-// memory for two warpgroups.
-template <class T>
-__forceinline__ __device__ void wgmma_16_ss(float (&d)[4][4], u64 a_desc, u64 b_desc, int accumulate) {
-#define FAV_D16 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-#define FAV_R16 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-    if constexpr (T::is_bf16)
-        asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" FAV_R16 "}, %16, %17, p, 1, 1, 0, 0; }"
-                     : FAV_D16 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-    else
-        asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" FAV_R16 "}, %16, %17, p, 1, 1, 0, 0; }"
-                     : FAV_D16 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-#undef FAV_D16
-#undef FAV_R16
-}
 
 // load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
 // wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
@@ -152,7 +131,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
         for (int r = threadIdx.x; r < BM; r += THREADS) {  // queries past seqlen_q: LSE +inf, so P = 0 there
             const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
             const bool ok = m0 + r < seqlen_q;
-            stats[(2 * stage) * BM + r] = ok ? p.lse[at] * BWD_LOG2E : __int_as_float(0x7f800000);
+            stats[(2 * stage) * BM + r] = ok ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
             stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
         }
     };
@@ -306,7 +285,7 @@ fa2_bwd_dq_sm90(const fav::BwdParams p) {
     for (int r = 0; r < 2; ++r) {
         const int row = m0 + row0 + g + 8 * r;
         const i64 at = ((i64)b * p.heads + h) * seqlen_q + row;
-        lse2[r] = row < seqlen_q ? p.lse[at] * BWD_LOG2E : __int_as_float(0x7f800000);
+        lse2[r] = row < seqlen_q ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
         delta[r] = row < seqlen_q ? p.delta[at] : 0.f;
     }
 

@@ -1,7 +1,8 @@
-// What the 16-bit backwards share (fa2_bwd.cu, fa1_bwd.cu): P recomputed from the forward's LSE, and one step of
-// a warp that owns 16 keys of a K/V block against one Q block (S^T, P^T, dV, dP^T, dS^T, dK), with dK and dV
-// accumulated over a slice of their columns, so that head dims above 128 split their gradients' columns over
-// CTAs instead of over registers. Also the A operand of a matrix stored transposed (dS from dS^T), for dQ = dS K.
+// What the 16-bit backwards share (fa2_bwd.cu, fa1_bwd.cu; fa2_bwd_sm90.cu takes LOG2E): P recomputed from the
+// forward's LSE, and one step of a warp that owns 16 keys of a K/V block against one Q block (S^T, P^T, dV, dP^T,
+// dS^T, dK), with dK and dV accumulated over a slice of their columns, so that head dims above 128 split their
+// gradients' columns over CTAs instead of over registers. Also the A operand of a matrix stored transposed (dS from
+// dS^T), for dQ = dS K.
 #pragma once
 #include "fragments.cuh"
 
