@@ -12,8 +12,8 @@ fa2_bwd. NOT YET RUN ON A GPU: compiled without spills for every arch.
 from __future__ import annotations
 
 from .. import jit
-from .common import CTYPE, TEMPLATE_DIMS, cdiv, check_grid, ensure_vector_aligned, pick_tiles, template_dim
-from .fa2_bwd import _params
+from .common import CTYPE, TEMPLATE_DIMS, cdiv, pick_tiles, template_dim
+from .fa2_bwd import bwd_params, prepare
 from .launch import function_of, launch
 from .params import BWD
 
@@ -71,19 +71,13 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     import cupy
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    if d % 8 or d > DIMS[-1]:
-        raise ValueError(f"fa1's GPU backward takes head_dim a multiple of 8 up to {DIMS[-1]}, got {d}")
-    check_grid(h, "heads")
-    check_grid(b, "batch")
-    D = template_dim(d, DIMS)
+    D, (dout, q, k, v, out, lse) = prepare("fa1's GPU backward", DIMS, dout, q, k, v, out, lse)
     ctype = CTYPE[q.dtype.name]
-    q, k, v, out, dout = (ensure_vector_aligned(a) for a in (q, k, v, out, dout))
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     dq_acc = cupy.zeros(q.shape, cupy.float32)   # Algorithm 4, line 5: dQ = 0 in HBM (fp32: the atomic adds' sum)
     dq = cupy.empty(q.shape, q.dtype)
     dk = cupy.empty(k.shape, k.dtype)
     dv = cupy.empty(v.shape, v.dtype)
-    template = _params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
+    template = bwd_params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
     stream = cupy.cuda.get_current_stream().ptr
     exprs = instances(ctype, D)
     cfg = config(d)

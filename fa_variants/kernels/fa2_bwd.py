@@ -82,7 +82,21 @@ def specializations():
             + tuple(e for c in CTYPE.values() for d in DIMS for e in instances(c, d)))
 
 
-def _params(dout, q, k, v, out, *, causal: bool, softmax_scale: float) -> bytes:
+def prepare(what: str, dims, dout, q, k, v, out, lse):
+    """What every GPU backward does first (``what`` names it in the error): head_dim a multiple of 8 up to
+    dims[-1], the grid's limits, 16-byte aligned copies of what is not, LSE as contiguous float32. Returns
+    (template head dim, (dout, q, k, v, out, lse))."""
+    import cupy
+    b, _, h, d = q.shape
+    if d % 8 or d > dims[-1]:
+        raise ValueError(f"{what} takes head_dim a multiple of 8 up to {dims[-1]}, got {d}")
+    check_grid(h, "heads")
+    check_grid(b, "batch")
+    q, k, v, out, dout = (ensure_vector_aligned(a) for a in (q, k, v, out, dout))
+    return template_dim(d, dims), (dout, q, k, v, out, cupy.ascontiguousarray(lse, dtype=cupy.float32))
+
+
+def bwd_params(dout, q, k, v, out, *, causal: bool, softmax_scale: float) -> bytes:
     """BwdParams with every pointer zero (the launches fill them)."""
     from .common import scale_log2
     b, nq, h, d = q.shape
@@ -113,7 +127,7 @@ def delta(dout, out, delta_out=None):
         delta_out = cupy.empty((b, h, nq), cupy.float32)
     elif delta_out.shape != (b, h, nq) or delta_out.dtype != cupy.float32 or not delta_out.flags.c_contiguous:
         raise ValueError(f"delta_out must be contiguous float32 {(b, h, nq)}, got {delta_out.dtype} {delta_out.shape}")
-    template = _params(dout, out, out, out, out, causal=False, softmax_scale=1.0)
+    template = bwd_params(dout, out, out, out, out, causal=False, softmax_scale=1.0)
     expr = delta_instance(CTYPE[out.dtype.name])
     func = function_of(jit.kernel(SOURCE, expr, (expr,)), 0)
     ptrs = (0, 0, 0, out.data.ptr, dout.data.ptr, 0, delta_out.data.ptr, 0, 0, 0)
@@ -127,19 +141,13 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     import cupy
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    if d % 8 or d > DIMS[-1]:
-        raise ValueError(f"fa2's GPU backward takes head_dim a multiple of 8 up to {DIMS[-1]}, got {d}")
-    check_grid(h, "heads")
-    check_grid(b, "batch")
-    D = template_dim(d, DIMS)
+    D, (dout, q, k, v, out, lse) = prepare("fa2's GPU backward", DIMS, dout, q, k, v, out, lse)
     ctype = CTYPE[q.dtype.name]
-    q, k, v, out, dout = (ensure_vector_aligned(a) for a in (q, k, v, out, dout))
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     dlt = delta(dout, out)
     dq = cupy.empty(q.shape, q.dtype)
     dk = cupy.empty(k.shape, k.dtype)
     dv = cupy.empty(v.shape, v.dtype)
-    template = _params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
+    template = bwd_params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
     ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse, dlt, dq, dk, dv))
     stream = cupy.cuda.get_current_stream().ptr
     exprs = instances(ctype, D)

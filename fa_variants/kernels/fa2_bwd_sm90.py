@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .. import jit
 from . import fa2_bwd
-from .common import CTYPE, cdiv, check_grid, elem_strides, ensure_vector_aligned, pick_tiles, template_dim
+from .common import CTYPE, cdiv, pick_tiles
 from .launch import function_of, launch
 from .params import BWD
 
@@ -94,27 +94,15 @@ def supports(head_dim: int) -> bool:
 def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     """(dq, dk, dv) of validated CuPy arrays on the current stream; head_dim a multiple of 8 up to 256."""
     import cupy
-    from .common import scale_log2
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    if not supports(d):
-        raise ValueError(f"fa2's wgmma backward takes head_dim a multiple of 8 up to {DIMS[-1]}, got {d}")
-    check_grid(h, "heads")
-    check_grid(b, "batch")
-    D = template_dim(d, DIMS)
+    D, (dout, q, k, v, out, lse) = fa2_bwd.prepare("fa2's wgmma backward", DIMS, dout, q, k, v, out, lse)
     ctype = CTYPE[q.dtype.name]
-    q, k, v, out, dout = (ensure_vector_aligned(a) for a in (q, k, v, out, dout))
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     delta = fa2_bwd.delta(dout, out)  # pass 1: fa2_bwd.cu's kernel, independent of the MMA
     dq = cupy.empty(q.shape, q.dtype)
     dk = cupy.empty(k.shape, k.dtype)
     dv = cupy.empty(v.shape, v.dtype)
-    qs, ks, vs, os, ds = (elem_strides(a) for a in (q, k, v, out, dout))
-    template = BWD.pack(q=0, k=0, v=0, o=0, dout=0, lse=0, delta=0, dq=0, dk=0, dv=0,
-                        q_b=qs[0], q_n=qs[1], q_h=qs[2], k_b=ks[0], k_n=ks[1], k_h=ks[2], v_b=vs[0], v_n=vs[1],
-                        v_h=vs[2], o_b=os[0], o_n=os[1], o_h=os[2], do_b=ds[0], do_n=ds[1], do_h=ds[2],
-                        seqlen_q=nq, seqlen_k=nk, heads=h, group=h // hkv, head_dim=d,
-                        scale_log2=scale_log2(softmax_scale), scale=softmax_scale, causal=int(bool(causal)))
+    template = fa2_bwd.bwd_params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
     ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse, delta, dq, dk, dv))
     stream = cupy.cuda.get_current_stream().ptr
     exprs = instances(ctype, D)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, forward_via_plan, fwd_params, template_dim)
+from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, forward_via_plan, fwd_params, template_dim
 from .launch import _cupy, _driver_launch, _torch, function_of
 from .tma import MapTemplate
 
