@@ -40,7 +40,7 @@ import numpy as np
 
 from . import fp8 as _fp8
 from .common import (AccessCounter, ModelResult, block_scores, block_slices, block_visited, causal_visible,
-                     check_block, heads_major, kv_head_of, logsumexp_from, normalize, prepare, rescale, row_exp,
+                     check_block, logsumexp_from, normalize, prepare, rescale, row_exp,
                      to_flash_layout, validate)
 
 #: Query rows per consumer warpgroup: a CTA of B_r rows has ceil(B_r / 64) consumers (the kernel's BM = 64 NC).
@@ -228,26 +228,8 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
     q64, k64, v64, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
                                     block_k=block_k)
     B_r, B_c = default_blocks(q64.shape[3], block_q, block_k)  # from the original head dim, as the kernel pads
-    if rotate:
-        q64, k64 = _fp8.rotate_qk(q64, k64, seed)
-    if scaling == "block":
-        Qz, Kz, Vz = (_fp8.quantize(q64, block=B_r), _fp8.quantize(k64, block=B_c),
-                      _fp8.quantize(v64, granularity="channel"))
-    else:
-        Qz, Kz, Vz = (_fp8.quantize(a, granularity="tensor") for a in (q64, k64, v64))
-    Q, K, V = heads_major(Qz.values, Kz.values, Vz.values)     # float64 copies of the e4m3 values
-    batch, heads, N_q, d = Q.shape
-    N_k = K.shape[2]
-    kv = kv_head_of(heads, k64.shape[2])
-    T_r, T_c = -(-N_q // B_r), -(-N_k // B_c)
-    if scaling == "block":
-        sq = Qz.scale.astype(np.float64)                       # (b, h, T_r)
-        sk = Kz.scale.astype(np.float64)[:, kv]                # (b, h, T_c)
-        sv = Vz.scale.astype(np.float64)[:, kv]                # (b, h, d)
-    else:
-        sq = np.full((batch, heads, T_r), float(Qz.scale))
-        sk = np.full((batch, heads, T_c), float(Kz.scale))
-        sv = np.full((batch, heads, d), float(Vz.scale))
+    Q, K, V, sq, sk, sv = _fp8.quantized_operands(q64, k64, v64, scaling, B_r, B_c, rotate, seed)
+    N_q, N_k = Q.shape[2], K.shape[2]
 
     def scores(i, rows, j, cols, masked):
         S = _fp8.tc_matmul(Q[:, :, rows], K[:, :, cols].swapaxes(-1, -2), accumulate_bits)

@@ -200,6 +200,28 @@ def _check_p_scale(p_scale) -> float:
     return p
 
 
+
+def quantized_operands(q64, k64, v64, scaling: str, block_q: int, block_k: int, rotate: bool, seed):
+    """The e4m3 operands and their scales as the FP8 models' loops take them: heads-major float64 copies of the
+    e4m3 values Q, K, V (K/V expanded to one per query head, as fa2's model) and the scales sq (b, h, T_r), sk
+    (b, h, T_c), sv (b, h, d): per block of rows and per channel of V ("block"), or one per tensor ("tensor"),
+    after the optional rotation of Q and K."""
+    if rotate:
+        q64, k64 = rotate_qk(q64, k64, seed)
+    if scaling == "block":
+        Qz, Kz, Vz = quantize(q64, block=block_q), quantize(k64, block=block_k), quantize(v64, granularity="channel")
+    else:
+        Qz, Kz, Vz = (quantize(a, granularity="tensor") for a in (q64, k64, v64))
+    Q, K, V = heads_major(Qz.values, Kz.values, Vz.values)
+    batch, heads, N_q, d = Q.shape
+    kv = kv_head_of(heads, k64.shape[2])
+    T_r, T_c = -(-N_q // block_q), -(-K.shape[2] // block_k)
+    if scaling == "block":
+        return (Q, K, V, Qz.scale.astype(np.float64), Kz.scale.astype(np.float64)[:, kv],
+                Vz.scale.astype(np.float64)[:, kv])
+    return (Q, K, V, np.full((batch, heads, T_r), float(Qz.scale)), np.full((batch, heads, T_c), float(Kz.scale)),
+            np.full((batch, heads, d), float(Vz.scale)))
+
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, rotate=False, seed=0,
             scaling="block", p_scale=256.0, accumulate_bits=None) -> ModelResult:
     """FP8 attention, FA2 loop order; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
@@ -219,27 +241,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
                                     block_k=block_k)
     block_q = DEFAULT_BLOCKS[0] if block_q is None else int(block_q)
     block_k = DEFAULT_BLOCKS[1] if block_k is None else int(block_k)
-    if rotate:
-        q64, k64 = rotate_qk(q64, k64, seed)
-    if scaling == "block":
-        Qz, Kz, Vz = quantize(q64, block=block_q), quantize(k64, block=block_k), quantize(v64, granularity="channel")
-    else:
-        Qz, Kz, Vz = (quantize(a, granularity="tensor") for a in (q64, k64, v64))
-
-    # heads-major float64 copies of the e4m3 values, K/V expanded to one per query head (as fa2's model)
-    Q, K, V = heads_major(Qz.values, Kz.values, Vz.values)
+    Q, K, V, sq, sk, sv = quantized_operands(q64, k64, v64, scaling, block_q, block_k, rotate, seed)
     batch, heads, N_q, d = Q.shape
     N_k = K.shape[2]
-    kv = kv_head_of(heads, k64.shape[2])
-    T_r, T_c = -(-N_q // block_q), -(-N_k // block_k)
-    if scaling == "block":
-        sq = Qz.scale.astype(np.float64)                      # (b, h, T_r)
-        sk = Kz.scale.astype(np.float64)[:, kv]               # (b, h, T_c)
-        sv = Vz.scale.astype(np.float64)[:, kv]               # (b, h, d)
-    else:
-        sq = np.full((batch, heads, T_r), float(Qz.scale))
-        sk = np.full((batch, heads, T_c), float(Kz.scale))
-        sv = np.full((batch, heads, d), float(Vz.scale))
 
     programs = batch * heads
     hbm = AccessCounter()  # elements, as fa2's model; the kernel's Q/K/V elements are 1 byte instead of 2
