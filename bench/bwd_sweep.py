@@ -48,12 +48,12 @@ DEFAULT = "wgmma default"
 # The notes: registers (sm_90a, bf16) and CTAs x warpgroups per SM by registers and shared memory.
 CANDIDATES = {
     64: [
-        ("kv BM128", (128, False, 128), None),     # 250 regs, 1 x 2 WG; S^T, dP^T n128 (default: n64)
+        ("kv BM64 (old default)", (128, False, 64), None),  # 1 x 2 WG; S^T, dP^T n64 (default BM128: n128)
         ("kv BN64 BM128", (64, False, 128), None),  # 250 regs, 2 x 1 WG, 83 KB; n128
         ("kv BN64", (64, False, 64), None),         # 170 regs, 2 x 1 WG, 50 KB: the default's math, CTAs decoupled
         ("q 128x64 x2", None, (128, 64, 2)),        # 124 regs, 2 x 2 WG (default 128x128: 196 regs, 1 x 2 WG)
         ("q 64x128", None, (64, 128)),              # 196 regs, 2 x 1 WG, n128 S
-        ("q 64x64 x4", None, (64, 64, 4)),          # 124 regs, 4 x 1 WG, 49 KB
+        ("q 128x128 (old default)", None, (128, 128)),  # 196 regs, 1 x 2 WG (default 64x64 x4: 124 regs)
     ],
     128: [
         ("kv BN64", (64, False), None),             # 234 regs, 2 x 1 WG, 98 KB (default BN128: 1 x 2 WG)
@@ -62,9 +62,9 @@ CANDIDATES = {
         ("q 192x64", None, (192, 64)),              # 154 regs, 1 x 3 WG, 161 KB
     ],
     256: [
-        ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB (default: 1 x 1 WG)
-        ("kv BN128 BM32/dV64", (128, True, 32, 1, 64), None),  # 187 regs; dV CTAs hold no V, BM 64 (n64 S^T)
-        ("q 128x32", None, (128, 32)),                      # 202 regs, 1 x 2 WG, 193 KB (default 64x64: 1 WG)
+        ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too
+        ("kv BN64 (old default)", (64, True), None),       # 1 x 1 WG (default BN128 BM32/dV64: 187 regs)
+        ("q 64x64 (old default)", None, (64, 64)),          # 1 WG (default 128x32: 202 regs, 1 x 2 WG, 193 KB)
     ],
 }
 MAX_CANDIDATES = 6

@@ -51,18 +51,21 @@ def test_candidates_well_formed(sweep):
 
 def test_default_names_unchanged():
     """The trailing template arguments are left out at their defaults: the first version's names (and cache keys)."""
-    assert k.instances("fav::BFloat16", 64) == ("fa2_bwd_dkdv_sm90<fav::BFloat16, 64, 128, false>",
-                                                "fa2_bwd_dq_sm90<fav::BFloat16, 64, 128, 128>")
+    assert k.instances("fav::BFloat16", 128) == ("fa2_bwd_dkdv_sm90<fav::BFloat16, 128, 128, false>",
+                                                 "fa2_bwd_dq_sm90<fav::BFloat16, 128, 128, 64>")
+    assert k.dkdv_instance("T", 64, (128, False, 64)) == "fa2_bwd_dkdv_sm90<T, 64, 128, false>"
+    assert k.dq_instance("T", 64, (128, 128, 1)) == "fa2_bwd_dq_sm90<T, 64, 128, 128>"
     assert k.dkdv_instance("T", 256, (64, True, 64, 1, 64)) == "fa2_bwd_dkdv_sm90<T, 256, 64, true>"
     assert k.dkdv_instance("T", 256, (128, True, 32)) == "fa2_bwd_dkdv_sm90<T, 256, 128, true, 32>"
     assert k.dkdv_instance("T", 256, (128, True, 32, 1, 64)) == "fa2_bwd_dkdv_sm90<T, 256, 128, true, 32, 1, 64>"
     assert k.dkdv_instance("T", 64, (64, False, 64, 3)) == "fa2_bwd_dkdv_sm90<T, 64, 64, false, 64, 3>"
     assert k.dq_instance("T", 64, (64, 64, 4)) == "fa2_bwd_dq_sm90<T, 64, 64, 64, 4>"
     assert k.dq_instance("T", 64, (64, 64, 1)) == "fa2_bwd_dq_sm90<T, 64, 64, 64>"
-    # the smem of the defaults is the first version's formula
+    # without the split, the smem is K, V, two stages of Q and dO, two of LSE and D
     for d in k.DIMS:
-        bn = k.DKDV_TILES[d][0][0]
-        assert k.dkdv_smem(d, k.DKDV_TILES[d][0]) == 1024 + 2 * bn * 2 * d + 4 * 64 * 2 * d + 4 * 64 * 4
+        bn, split, bm = k.dkdv_config(k.DKDV_TILES[d][0])[:3]
+        if not split:
+            assert k.dkdv_smem(d, k.DKDV_TILES[d][0]) == 1024 + 2 * bn * 2 * d + 4 * bm * 2 * d + 4 * bm * 4
     # the split's dV CTAs with a BM of their own hold no V: the larger of the two layouts
     assert k.dkdv_smem(256, (128, True, 32, 1, 64)) == max(1024 + 2 * 128 * 512 + 4 * 32 * 512 + 4 * 32 * 4,
                                                            1024 + 128 * 512 + 4 * 64 * 512 + 4 * 64 * 4)

@@ -2,8 +2,7 @@
 (sm_90a only). Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel); passes 2 (dK, dV per K/V block)
 and 3 (dQ per Q block) are the wgmma kernels. Same contract as ``fa2_bwd.backward``; head dims up to 256.
 
-NOT YET RUN ON A GPU: written and compiled for sm_90a (no spills) on a machine without one; fa2.backward
-dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
+fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
 """
 from __future__ import annotations
 
@@ -21,12 +20,12 @@ DKDV_BM = 64            # queries per step of the dK/dV pass by default (a confi
 # at d = 256 would take 256 registers a thread, so each K/V block gets two CTAs, one per gradient.
 # A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
 # CTAs' BM); left out, they are (64, 1, BM). bench/bwd_sweep.py times such alternatives.
-DKDV_TILES = {64: [(128, False)], 128: [(128, False)], 256: [(64, True)]}
+# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas); d 256: 128-key CTAs of 32 queries a step, the split's
+# dV CTAs 64 (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms at d 64, 6.91 -> 5.38 ms at d 256, both passes).
+DKDV_TILES = {64: [(128, False, 128)], 128: [(128, False)], 256: [(128, True, 32, 1, 64)]}
 # template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
-# 1). Faster on the H200 by bench/bwd_sweep.py (bf16 N 4096, both passes; its outputs equal these tiles'), not yet
-# through tests/test_gpu_backward.py, so not yet the defaults: d 64 kv (128, False, 128) + q (64, 64, 4) 5.18 ms
-# against 6.34; d 256 kv (128, True, 32, 1, 64) + q (128, 32) 5.38 ms against 6.91 (bench/NOTES.md).
-DQ_TILES = {64: [(128, 128)], 128: [(128, 64)], 256: [(64, 64)]}
+# 1). d 64: four 64 x 64 CTAs per SM; d 256: 128 x 32 (same sweep).
+DQ_TILES = {64: [(64, 64, 4)], 128: [(128, 64)], 256: [(128, 32)]}
 DKDV_DEFAULTS = (DKDV_BM, 1, None)  # BM, MINB, BM_DV (None: = BM)
 DQ_DEFAULTS = (1,)                  # MINB
 
