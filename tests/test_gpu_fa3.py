@@ -53,7 +53,10 @@ def test_persistent_grid_matches_float64_and_the_tile_grid_bitwise(request, monk
     for (out, lse), grid in ((per_tile, "one CTA per tile"), (persistent, "persistent")):
         assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"fa3 {grid} {case.id} {dtype}")
     assert np.array_equal(per_tile[0].view(np.uint16), persistent[0].view(np.uint16)), "out differs bitwise"
-    # LSE = (m + log2 l) ln 2 is the epilogues' own arithmetic (staged and register stores compile apart): 2 ulp
+    # LSE = (m + log2 l) ln 2 is the epilogues' own arithmetic (staged and register stores compile apart): a few
+    # ulp of its terms, so of the largest |LSE| (a relative bound fails where m and log2 l nearly cancel)
     assert np.array_equal(np.isneginf(per_tile[1]), np.isneginf(persistent[1]))
     finite = np.isfinite(per_tile[1])
-    assert np.allclose(per_tile[1][finite], persistent[1][finite], rtol=2.5e-7, atol=0), "lse differs"
+    a, b = per_tile[1][finite], persistent[1][finite]
+    ulp = np.finfo(np.float32).eps * max(1.0, float(np.abs(a).max()))
+    assert np.abs(a - b).max() <= 4 * ulp, f"lse differs by {np.abs(a - b).max():.3g} (4 ulp of max |lse|: {4 * ulp:.3g})"
