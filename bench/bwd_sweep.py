@@ -57,9 +57,9 @@ CANDIDATES = {
     ],
     128: [
         ("kv BN64", (64, False), None),             # 234 regs, 2 x 1 WG, 98 KB (default BN128: 1 x 2 WG)
-        ("q 128x128", None, (128, 128)),            # 228 regs, 1 x 2 WG, 193 KB; n128 S, dP (default 128x64)
+        ("q 128x128", None, (128, 128)),            # 228 regs, 1 x 2 WG, 193 KB; n128 S, dP (default 192x64)
         ("q 64x64", None, (64, 64)),                # 165 regs, 2 x 1 WG, 97 KB
-        ("q 192x64", None, (192, 64)),              # 154 regs, 1 x 3 WG, 161 KB
+        ("q 128x64 (old default)", None, (128, 64)),  # 164 regs, 1 x 2 WG, 129 KB (default 192x64: 154, 1 x 3 WG)
     ],
     256: [
         ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too
