@@ -19,7 +19,7 @@ Timing is fa_variants.timing's (CUDA events, pad kernel, inputs rotating through
 Registers, local memory (spills) and CTAs per SM are read off the loaded kernels (dK/dV pass | dQ pass).
 
 Candidate configs: dK/dV (BN keys per CTA, split, BM queries per step[, MINB CTAs/SM of the launch bounds[, BM of
-the split's dV CTAs]]); dQ (BM queries per CTA, BN keys per step[, MINB]). All compile for sm_90a without spills
+the split's dV CTAs[, PIPE: the next step's S^T issued behind this step's dV/dK]]]); dQ (BM queries per CTA, BN keys per step[, MINB]). All compile for sm_90a without spills
 or ptxas's C7512 "wgmma serialized" note (``--list`` checks it again).
 """
 from __future__ import annotations
@@ -50,21 +50,24 @@ CANDIDATES = {
     64: [
         ("kv BM64 (old default)", (128, False, 64), None),  # 1 x 2 WG; S^T, dP^T n64 (default BM128: n128)
         ("kv BN64 BM128", (64, False, 128), None),  # 250 regs, 2 x 1 WG, 83 KB; n128
-        ("kv BN64", (64, False, 64), None),         # 170 regs, 2 x 1 WG, 50 KB: the default's math, CTAs decoupled
         ("q 128x64 x2", None, (128, 64, 2)),        # 124 regs, 2 x 2 WG (default 128x128: 196 regs, 1 x 2 WG)
-        ("q 64x128", None, (64, 128)),              # 196 regs, 2 x 1 WG, n128 S
         ("q 128x128 (old default)", None, (128, 128)),  # 196 regs, 1 x 2 WG (default 64x64 x4: 124 regs)
+        # PIPE: S^T of step s+1 issued behind step s's dV, dK; LSE/D by cp.async; three Q/dO stages
+        ("kv pipe", (128, False, 128, 1, 128, True), None),  # 252 regs, 1 x 2 WG, 132 KB
+        ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # 183 regs, 1 x 2 WG, 82.5 KB; n64, shorter P^T
     ],
     128: [
         ("kv BN64", (64, False), None),             # 234 regs, 2 x 1 WG, 98 KB (default BN128: 1 x 2 WG)
         ("q 128x128", None, (128, 128)),            # 228 regs, 1 x 2 WG, 193 KB; n128 S, dP (default 192x64)
         ("q 64x64", None, (64, 64)),                # 165 regs, 2 x 1 WG, 97 KB
         ("q 128x64 (old default)", None, (128, 64)),  # 164 regs, 1 x 2 WG, 129 KB (default 192x64: 154, 1 x 3 WG)
+        ("kv pipe", (128, False, 64, 1, 64, True), None),  # 240 regs, 1 x 2 WG, 162.5 KB (default: 234, 130 KB)
     ],
     256: [
         ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too
         ("kv BN64 (old default)", (64, True), None),       # 1 x 1 WG (default BN128 BM32/dV64: 187 regs)
         ("q 64x64 (old default)", None, (64, 64)),          # 1 WG (default 128x32: 202 regs, 1 x 2 WG, 193 KB)
+        ("kv pipe BM32", (128, True, 32, 1, 32, True), None),  # 224 regs, 1 x 2 WG, 225.8 KB (dV CTAs BM 32 too)
     ],
 }
 MAX_CANDIDATES = 6

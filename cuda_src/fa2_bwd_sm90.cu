@@ -16,6 +16,12 @@
 // Overlap inside a step only: S^T and dP^T are issued together (two commit groups) so that the tensor cores run
 // dP^T while the threads compute P^T; dV runs while they compute dS^T. Q/dO (dkdv) and K/V (dq) tiles are
 // double-buffered with cp.async, one barrier per step.
+// dkdv PIPE (off by default; FA3's backward order): step s ends by issuing step s+1's S^T behind its own dV and
+// dK wgmmas, then waits on all three, so the tensor cores go from dK_s straight into S^T_{s+1} across the barrier
+// and the load of step s+2; step s+1 then opens with dP^T. Q/dO take three stages (the stage being loaded was last
+// read by step s-1's wgmmas, which every warpgroup has waited on before the barrier), and the queries' LSE and D
+// travel by cp.async with the tiles (the default loads them with blocking LDGs right before S^T). Past the last
+// step the issue reads a zero-filled stage (no branch while dK is in flight).
 // d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the dkdv grid doubles:
 // even CTAs compute dK only (S^T, dP^T, dK), odd ones dV only (S^T, dV), each recomputing S^T (1.25x the work).
 // Tile parameters (kernels/fa2_bwd_sm90.py's tables; the trailing template arguments default to the first
@@ -23,7 +29,7 @@
 // warpgroups), BM = 32, 64 or 128 queries per step (the N of S^T and dP^T), BM_DV the dV CTAs' BM where the d = 256
 // split gives them another (they hold no V, so their Q/dO stages take its place); dq BM = 64, 128 or 192 queries
 // (one to three warpgroups), BN = 32, 64 or 128 keys per step; MINB: the launch bounds' CTAs per SM (a register cap
-// of 64K / (MINB x threads)).
+// of 64K / (MINB x threads)); PIPE (dkdv) as above.
 #include "common/backward.cuh"
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
@@ -31,6 +37,11 @@
 #include "common/wgmma_n.cuh"
 
 namespace fav {
+
+// 4-byte cp.async (the LSE and D of one query; .ca: the only form below 16 bytes); src-size 0 zero-fills.
+__forceinline__ __device__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
 
 // load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
 // wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
@@ -79,25 +90,27 @@ __forceinline__ __device__ void repack_all(u32 (&a)[NT / 2][4], const float (&ac
 }
 
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
-// each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would.
-template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false>
+// each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would. PIPE: step
+// s+1's S^T issued before step s's dV/dK are waited on (the header).
+template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
-    constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8;
+    constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
     using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major B of S^T, dP^T; N-major B of dK, dV
     using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T
     static_assert((BN == 64 || BN == 128 || BN == 192) && (D == 64 || D == 128 || D == 256), "1-3 warpgroups");
     static_assert(BM == 32 || BM == 64 || BM == 128, "wgmma n32 / n64 / n128 blocks");
     static_assert(!(NO_V && DK), "dK needs V (dP^T)");
+    static_assert(!PIPE || BN <= 128, "PIPE's loads are branch-free for <= 256 threads");
 
     extern __shared__ unsigned char smem[];
-    // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, two stages of (Q_i, dO_i), then two stages of
-    // the queries' LSE (log2 units) and D.
+    // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, STAGES of (Q_i, dO_i), then STAGES of the
+    // queries' LSE (log2 units; PIPE: as stored, scaled at use) and D.
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
     const u32 sK = base, sV = sK + TKV::BYTES;
     constexpr int KV_BYTES = (NO_V ? 1 : 2) * TKV::BYTES;
     auto sQ = [&](int stage) { return sK + KV_BYTES + stage * 2 * TQ::BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
-    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + KV_BYTES + 4 * TQ::BYTES);
+    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + KV_BYTES + STAGES * 2 * TQ::BYTES);
 
     const int h_kv = blockIdx.y, b = blockIdx.z, wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -117,52 +130,68 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
                                                                                        h_kv * p.v_h +
                                                                                        (i64)key0 * p.v_n),
                                             p.v_n * 2, seqlen_k - key0, row_bytes);
-    auto load_q = [&](int step, int stage) {  // one cp.async group per step (the first also carries K_j, V_j)
-        const int h = h_kv * p.group + step / n_i, m0 = (i_first + step % n_i) * BM;
+    // One cp.async group per step (the first also carries K_j, V_j). PIPE loads every step number it is given: a
+    // step past the last one is all zero-fill (no reads).
+    auto load_q = [&](int step, int stage) {
+        const bool live = !PIPE || step < steps;
+        const int at_step = live ? step : 0, ni = PIPE ? max(n_i, 1) : n_i;
+        const int h = h_kv * p.group + at_step / ni, m0 = (i_first + at_step % ni) * BM;
+        const int rows = live ? seqlen_q - m0 : 0;
         load_rows_async<BM, 2 * D, THREADS>(sQ(stage), reinterpret_cast<const unsigned char*>(p.q + b * p.q_b +
                                                                                               h * p.q_h +
                                                                                               (i64)m0 * p.q_n),
-                                            p.q_n * 2, seqlen_q - m0, row_bytes);
+                                            p.q_n * 2, rows, row_bytes);
         load_rows_async<BM, 2 * D, THREADS>(sdO(stage), reinterpret_cast<const unsigned char*>(p.dout + b * p.do_b +
                                                                                                h * p.do_h +
                                                                                                (i64)m0 * p.do_n),
-                                            p.do_n * 2, seqlen_q - m0, row_bytes);
-        cp_async_commit();
-        for (int r = threadIdx.x; r < BM; r += THREADS) {  // queries past seqlen_q: LSE +inf, so P = 0 there
+                                            p.do_n * 2, rows, row_bytes);
+        if constexpr (PIPE) {
+            // Queries past seqlen_q get LSE = D = 0: their Q and dO rows are zero, so S^T = 0, P^T = 1, dP^T = 0,
+            // and they add P^T x 0 to dV and 1 x (0 - 0) x 0 to dK.
+            const int r = threadIdx.x;
             const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
-            const bool ok = m0 + r < seqlen_q;
-            stats[(2 * stage) * BM + r] = ok ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
-            stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
+            const bool ok = r < rows;
+            if (r < BM) {  // (predicated: BM <= THREADS)
+                cp_async_4(smem_u32(stats + (2 * stage) * BM + r), ok ? p.lse + at : p.lse, ok);
+                cp_async_4(smem_u32(stats + (2 * stage + 1) * BM + r), ok ? p.delta + at : p.delta, ok);
+            }
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            for (int r = threadIdx.x; r < BM; r += THREADS) {  // queries past seqlen_q: LSE +inf, so P = 0 there
+                const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
+                const bool ok = m0 + r < seqlen_q;
+                stats[(2 * stage) * BM + r] = ok ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
+                stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
+            }
         }
     };
-    if (steps > 0) load_q(0, 0);
+    if (PIPE || steps > 0) load_q(0, 0);
     else cp_async_commit();
 
     float dk[1][DT][4] = {}, dv[1][DT][4] = {};  // this warp's 16 keys x D (rows 16 warp + g, + 8 of the warpgroup)
-    for (int s = 0; s < steps; ++s) {
-        const int stage = s % 2, m0 = (i_first + s % n_i) * BM;
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
-        if (s + 1 < steps) load_q(s + 1, stage ^ 1);
-        const float* lse2 = stats + (2 * stage) * BM;
-        const float* delta = lse2 + BM;
-
-        // S^T = K_wg Q_i^T, then dP^T = V_wg dO_i^T: 64 keys x BM queries each, two commit groups
-        float st[NT][4], dpt[NT][4];
+    // S^T, P^T, dP^T, dS^T: 64 keys x BM queries each. PIPE gives P^T and dS^T registers of their own (else they
+    // overwrite S^T, dP^T): it issues the next S^T into st while this step's dK is in flight, and ptxas serializes
+    // wgmmas (C7515) whose accumulators non-wgmma instructions wrote inside the pipeline.
+    float st[NT][4], dpt[NT][4], own[PIPE ? 2 : 1][NT][4];
+    float(&pt)[NT][4] = PIPE ? own[0] : st;
+    float(&dst)[NT][4] = PIPE ? own[PIPE ? 1 : 0] : dpt;
+    // S^T = K_wg Q_i^T (with_st), dP^T = V_wg dO_i^T (with_dp): one commit group each
+    auto issue_st = [&](int stage, bool with_st, bool with_dp) {
         wgmma_fence();
-        wgmma_ss_abt<T, TKV, TQ, D>(st, sK, wg * 64, sQ(stage));
-        wgmma_commit();
-        if constexpr (DK) {
+        if (with_st) {
+            wgmma_ss_abt<T, TKV, TQ, D>(st, sK, wg * 64, sQ(stage));
+            wgmma_commit();
+        }
+        if (DK && with_dp) {
             wgmma_ss_abt<T, TKV, TQ, D>(dpt, sV, wg * 64, sdO(stage));
             wgmma_commit();
         }
-        wgmma_wait<DK ? 1 : 0>();  // S^T is in (dP^T may still run)
-        hold_registers(st);
-
-        // P^T in place: element (key row, query col) = exp2(S^T scale_log2 - LSE2[query]) where the key is visible,
-        // else exactly 0 (a select: LSE = -inf for a query that saw no key must not make a NaN). A warp whose 16
-        // keys are all visible to the block's first query (hence to all of them) skips the test.
+    };
+    // P^T: element (key row, query col) = exp2(S^T scale_log2 - LSE2[query]) where the key is visible,
+    // else exactly 0 (a select: LSE = -inf for a query that saw no key must not make a NaN). A warp whose 16
+    // keys are all visible to the block's first query (hence to all of them) skips the test.
+    auto p_of_st = [&](const float* lse2, int m0) {
         const int kw = key0 + kr0;
         const bool edge = kw + 16 > seqlen_k || (causal && kw + 15 > m0 + diag);
 #pragma unroll
@@ -170,34 +199,73 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2);
-                const float x = exp2f_approx(fmaf(st[nt][e], p.scale_log2, -lse2[col]));
-                st[nt][e] = !edge || (key < seqlen_k && !(causal && key > m0 + col + diag)) ? x : 0.f;
+                const float l2 = PIPE ? lse2[col] * -LOG2E : -lse2[col];  // (load_q's product, negated)
+                const float x = exp2f_approx(fmaf(st[nt][e], p.scale_log2, l2));
+                pt[nt][e] = !edge || (key < seqlen_k && !(causal && key > m0 + col + diag)) ? x : 0.f;
             }
+    };
+    // dV_j += P^T dO_i: P^T from the registers (reduction index: the queries), dO_i read N-major
+    auto issue_dv = [&](int stage) {
+        u32 a[NT / 2][4];
+        repack_all<T>(a, pt);
+        wgmma_fence();
+        wgmma_rs_rows<T, TQ, D>(dv[0], a, sdO(stage));
+        wgmma_commit();
+    };
+    // dS^T = P^T * (dP^T - D[query]), then dK_j += dS^T Q_i (Q_i read N-major)
+    auto issue_dk = [&](int stage, const float* delta) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
+        u32 ads[NT / 2][4];
+        repack_all<T>(ads, dst);
+        wgmma_fence();
+        wgmma_rs_rows<T, TQ, D>(dk[0], ads, sQ(stage));
+        wgmma_commit();
+    };
 
-        // dV_j += P^T dO_i: P^T from the registers (reduction index: the queries), dO_i read N-major
-        if constexpr (DV) {
-            u32 a[NT / 2][4];
-            repack_all<T>(a, st);
-            wgmma_fence();
-            wgmma_rs_rows<T, TQ, D>(dv[0], a, sdO(stage));
-            wgmma_commit();
+    if constexpr (PIPE) {
+        load_q(1, 1);
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();  // step 0 visible to the tensor cores
+        issue_st(0, true, false);
+        wgmma_wait<0>();
+    }
+    for (int s = 0; s < steps; ++s) {
+        const int stage = s % STAGES, m0 = (i_first + s % n_i) * BM;
+        if constexpr (PIPE) {  // S^T came in with the previous step's last wait
+            hold_registers(st);
+            issue_st(stage, false, true);
+        } else {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
+            if (s + 1 < steps) load_q(s + 1, stage ^ 1);
+            issue_st(stage, true, true);
         }
-
-        // dS^T = P^T * (dP^T - D[query]) in place, then dK_j += dS^T Q_i (Q_i read N-major)
+        const float* lse2 = stats + (2 * stage) * BM;
+        const float* delta = lse2 + BM;
+        wgmma_wait<DK ? 1 : 0>();  // S^T is in (dP^T may still run)
+        hold_registers(st);
+        p_of_st(lse2, m0);
+        if constexpr (DV) issue_dv(stage);
         if constexpr (DK) {
             wgmma_wait<DV ? 1 : 0>();  // dP^T is in (dV may still run)
             hold_registers(dpt);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
-            u32 ads[NT / 2][4];
-            repack_all<T>(ads, dpt);
-            wgmma_fence();
-            wgmma_rs_rows<T, TQ, D>(dk[0], ads, sQ(stage));
-            wgmma_commit();
+            issue_dk(stage, delta);
         }
-        wgmma_wait<0>();  // before the next barrier lets this stage be overwritten
+        if constexpr (PIPE) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();  // step s+1 visible; every warpgroup has waited on step s-1's wgmmas (its stage is free)
+            load_q(s + 2, (s + 2) % STAGES);
+            issue_st((s + 1) % STAGES, true, false);  // behind step s's dV, dK
+        }
+        // Before the next barrier lets this stage be overwritten. (PIPE: also S^T of step s+1; a wgmma in flight
+        // across the loop's back edge would make ptxas serialize them, C7514.)
+        wgmma_wait<0>();
         if constexpr (DK) hold_registers(dk[0]);  // (held, an unused accumulator would stay live)
         if constexpr (DV) hold_registers(dv[0]);
     }
@@ -223,16 +291,16 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
 }  // namespace fav
 
 // SPLIT (d = 256): blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV (with BM_DV queries per step; when that
-// differs from BM the dV part leaves V out of its shared memory).
-template <class T, int D, int BN, bool SPLIT, int BM = 64, int MINB = 1, int BM_DV = BM>
+// differs from BM the dV part leaves V out of its shared memory). PIPE: dkdv_block's.
+template <class T, int D, int BN, bool SPLIT, int BM = 64, int MINB = 1, int BM_DV = BM, bool PIPE = false>
 __global__ void __launch_bounds__(2 * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
     static_assert(SPLIT || BM_DV == BM, "BM_DV is the split's");
     if constexpr (SPLIT) {
-        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, BM, true, false>(p, blockIdx.x / 2);
-        else fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM)>(p, blockIdx.x / 2);
+        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, BM, true, false, false, PIPE>(p, blockIdx.x / 2);
+        else fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>(p, blockIdx.x / 2);
     } else {
-        fav::dkdv_block<T, D, BN, BM, true, true>(p, blockIdx.x);
+        fav::dkdv_block<T, D, BN, BM, true, true, false, PIPE>(p, blockIdx.x);
     }
 }
 

@@ -33,8 +33,9 @@ def test_candidates_well_formed(sweep):
             assert dkdv is not None or dq is not None, label
             kv = k.DKDV_TILES[d][0] if dkdv is None else dkdv
             qc = k.DQ_TILES[d][0] if dq is None else dq
-            bn, split, bm, minb, bm_dv = k.dkdv_config(kv)
-            assert 2 <= len(kv) <= 5 and bn in (64, 128, 192) and bm in (32, 64, 128) and bm_dv in (32, 64, 128)
+            bn, split, bm, minb, bm_dv, pipe = k.dkdv_config(kv)
+            assert pipe in (False, True) and (not pipe or bn <= 128)
+            assert 2 <= len(kv) <= 6 and bn in (64, 128, 192) and bm in (32, 64, 128) and bm_dv in (32, 64, 128)
             assert split == (d == 256) and (split or bm_dv == bm) and minb >= 1
             qbm, qbn, qminb = k.dq_config(qc)
             assert 2 <= len(qc) <= 3 and qbm in (64, 128, 192) and qbn in (32, 64, 128) and qminb >= 1
@@ -62,12 +63,19 @@ def test_default_names_unchanged():
     assert k.dkdv_instance("T", 64, (64, False, 64, 3)) == "fa2_bwd_dkdv_sm90<T, 64, 64, false, 64, 3>"
     assert k.dq_instance("T", 64, (64, 64, 4)) == "fa2_bwd_dq_sm90<T, 64, 64, 64, 4>"
     assert k.dq_instance("T", 64, (64, 64, 1)) == "fa2_bwd_dq_sm90<T, 64, 64, 64>"
+    # PIPE (off by default) is the sixth entry and template argument
+    assert k.dkdv_instance("T", 128, (128, False, 64, 1, 64, False)) == "fa2_bwd_dkdv_sm90<T, 128, 128, false>"
+    assert k.dkdv_instance("T", 128, (128, False, 64, 1, 64, True)) == \
+        "fa2_bwd_dkdv_sm90<T, 128, 128, false, 64, 1, 64, true>"
+    assert k.dkdv_config((128, False)) == (128, False, 64, 1, 64, False)
     # without the split, the smem is K, V, two stages of Q and dO, two of LSE and D
     for d in k.DIMS:
         bn, split, bm = k.dkdv_config(k.DKDV_TILES[d][0])[:3]
         if not split:
             assert k.dkdv_smem(d, k.DKDV_TILES[d][0]) == 1024 + 2 * bn * 2 * d + 4 * bm * 2 * d + 4 * bm * 4
     # the split's dV CTAs with a BM of their own hold no V: the larger of the two layouts
+    # PIPE: three stages of Q, dO, LSE and D
+    assert k.dkdv_smem(128, (128, False, 64, 1, 64, True)) == 1024 + 2 * 128 * 256 + 3 * (2 * 64 * 256 + 2 * 64 * 4)
     assert k.dkdv_smem(256, (128, True, 32, 1, 64)) == max(1024 + 2 * 128 * 512 + 4 * 32 * 512 + 4 * 32 * 4,
                                                            1024 + 128 * 512 + 4 * 64 * 512 + 4 * 64 * 4)
 

@@ -19,7 +19,8 @@ DKDV_BM = 64            # queries per step of the dK/dV pass by default (a confi
 # template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split: dK and dV of 64 keys
 # at d = 256 would take 256 registers a thread, so each K/V block gets two CTAs, one per gradient.
 # A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
-# CTAs' BM); left out, they are (64, 1, BM). bench/bwd_sweep.py times such alternatives.
+# CTAs' BM, PIPE: step s+1's S^T issued behind step s's dV/dK wgmmas, three Q/dO stages); left out, they are
+# (64, 1, BM, False). bench/bwd_sweep.py times such alternatives.
 # d 64: 128 queries a step (S^T and dP^T as n128 wgmmas); d 256: 128-key CTAs of 32 queries a step, the split's
 # dV CTAs 64 (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms at d 64, 6.91 -> 5.38 ms at d 256, both passes).
 DKDV_TILES = {64: [(128, False, 128)], 128: [(128, False)], 256: [(128, True, 32, 1, 64)]}
@@ -27,14 +28,14 @@ DKDV_TILES = {64: [(128, False, 128)], 128: [(128, False)], 256: [(128, True, 32
 # 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (4.38 -> 4.18 ms both passes, outputs as
 # 128 x 64's); d 256: 128 x 32 (same sweeps).
 DQ_TILES = {64: [(64, 64, 4)], 128: [(192, 64)], 256: [(128, 32)]}
-DKDV_DEFAULTS = (DKDV_BM, 1, None)  # BM, MINB, BM_DV (None: = BM)
+DKDV_DEFAULTS = (DKDV_BM, 1, None, False)  # BM, MINB, BM_DV (None: = BM), PIPE
 DQ_DEFAULTS = (1,)                  # MINB
 
 
 def dkdv_config(cfg) -> tuple:
-    """(BN, split, BM, MINB, BM_DV) of a DKDV_TILES entry, the left-out trailing entries filled in."""
-    bn, split, bm, minb, bm_dv = tuple(cfg) + DKDV_DEFAULTS[len(cfg) - 2:]
-    return bn, bool(split), bm, minb, bm if bm_dv is None else bm_dv
+    """(BN, split, BM, MINB, BM_DV, PIPE) of a DKDV_TILES entry, the left-out trailing entries filled in."""
+    bn, split, bm, minb, bm_dv, pipe = tuple(cfg) + DKDV_DEFAULTS[len(cfg) - 2:]
+    return bn, bool(split), bm, minb, bm if bm_dv is None else bm_dv, bool(pipe)
 
 
 def dq_config(cfg) -> tuple:
@@ -43,10 +44,11 @@ def dq_config(cfg) -> tuple:
 
 
 def dkdv_smem(d: int, cfg) -> int:
-    bn, split, bm, _, bm_dv = dkdv_config(cfg)
+    bn, split, bm, _, bm_dv, pipe = dkdv_config(cfg)
+    stages = 3 if pipe else 2
 
-    def part(bm, kv):  # align; K (and V); 2 x (Q, dO); 2 x (LSE, D)
-        return 1024 + kv * bn * 2 * d + 4 * bm * 2 * d + 4 * bm * 4
+    def part(bm, kv):  # align; K (and V); stages x (Q, dO, LSE, D)
+        return 1024 + kv * bn * 2 * d + stages * bm * (2 * 2 * d + 2 * 4)
     # the split's dV CTAs with their own BM hold no V (the kernel's NO_V)
     return max(part(bm, 2), part(bm_dv, 1 if bm_dv != bm else 2))
 
@@ -65,9 +67,9 @@ def _template_args(full: tuple, defaults: tuple) -> tuple:
 
 
 def dkdv_instance(ctype: str, d: int, cfg) -> str:
-    bn, split, bm, minb, bm_dv = dkdv_config(cfg)
-    extra = _template_args((bm, minb, bm_dv), (DKDV_BM, 1, bm))
-    args = [ctype, d, bn, "true" if split else "false", *extra]
+    bn, split, bm, minb, bm_dv, pipe = dkdv_config(cfg)
+    extra = _template_args((bm, minb, bm_dv, pipe), (DKDV_BM, 1, bm, False))
+    args = [ctype, d, bn, *("true" if x is True else "false" if x is False else x for x in (split, *extra))]
     return f"fa2_bwd_dkdv_sm90<{', '.join(map(str, args))}>"
 
 
