@@ -17,35 +17,56 @@
 //                        first; its producer loads the next tile's Q and K/V while the consumers finish this
 //                        one, whose O then goes out straight from registers (DirectOut: shared memory is busy).
 //                        Otherwise one CTA per tile, O staged through shared memory (NormalizedOut).
+//   FP8 (fa3_fp8)        the same pipeline on e4m3 operands, fa2_fp8's quantized layouts and scales: Q and K
+//                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
+//                        scale per channel), QGMMA k32 steps, S times its block pair's scale before the softmax,
+//                        P x 256 repacked to e4m3 in registers, O dequantized on the way out (Fp8DequantOut).
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
 // the step and the barrier arrivals in flight are predicated, not branched.
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
+#include "common/fp8.cuh"
 #include "common/fragments.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "common/wgmma_n.cuh"
 
-template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false>
+namespace fav {
+// Which K/V blocks the queries [m0, m0 + BM) visit: the 16-bit forward takes a sub-range (split-KV), fp8 all.
+template <int BM, int BN>
+__forceinline__ __device__ BlockRange blocks_of(const FwdParams& p, int m0) {
+    return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal, p.kv_block_begin, p.kv_block_end);
+}
+template <int BM, int BN>
+__forceinline__ __device__ BlockRange blocks_of(const Fp8FwdParams& p, int m0) {
+    return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal);
+}
+}  // namespace fav
+
+template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false,
+          bool FP8 = false>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
-        const __grid_constant__ fav::TmaDesc tv, const fav::FwdParams p) {
+        const __grid_constant__ fav::TmaDesc tv, const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p) {
     using namespace fav;
-    constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, SLABS = D / 64, CONSUMERS = 128 * NC;
+    constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, CONSUMERS = 128 * NC;
+    constexpr int EB = FP8 ? 1 : 2;          // bytes per element of Q, K, V
+    constexpr int KK = FP8 ? 32 : 16;        // reduction step of one wgmma (k32 e4m3, k16 fp16/bf16)
     constexpr int REGS = NC == 2 ? 240 : 160;  // the consumers' share once the producer keeps 24
     constexpr int DN = D < 128 ? D : 128;    // output columns per P V wgmma (n64 or n128)
-    using TQ = SwizzledTile<BM, 2 * D>;      // [row][d]: SLABS slabs of 64 columns, one TMA box each
-    using TKV = SwizzledTile<BN, 2 * D>;     // [key][d]: K-major B of Q K^T, N-major B of P V
-    static_assert(BN % 16 == 0 && (D == 64 || D == 128 || D == 256), "16-key steps of P V; 64-column slabs");
+    using TQ = SwizzledTile<BM, EB * D>;     // [row][d], in slabs of 128 (or 64) bytes, one TMA box each
+    using TK = SwizzledTile<BN, EB * D>;     // [key][d]: K-major B of Q K^T (and N-major B of P V: 16-bit V)
+    using TV = typename Pick<FP8, SwizzledTile<D, BN>, TK>::type;  // fp8: V^T [d][key], K-major B of P V
+    static_assert(BN % KK == 0 && (D == 64 || D == 128 || D == 256), "whole k-steps of P V; 64-column slabs");
     static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
 
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
     const u32 sQ = base;
-    auto sK = [&](int s) { return sQ + TQ::BYTES + s * 2 * TKV::BYTES; };
-    auto sV = [&](int s) { return sK(s) + TKV::BYTES; };
+    auto sK = [&](int s) { return sQ + TQ::BYTES + s * (TK::BYTES + TV::BYTES); };
+    auto sV = [&](int s) { return sK(s) + TK::BYTES; };
     const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty; per stage K/V full, K/V empty
     const u32 q_full = bars, q_empty = bars + 8;
     auto k_full = [&](int s) { return bars + 8 * (2 + s); };
@@ -63,8 +84,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     auto tile_at = [&](int t) {
         const int i_block = q_blocks - 1 - t % q_blocks, hb = t / q_blocks;
         const int m0 = i_block * BM;
-        return Work{m0, hb % p.heads, hb / p.heads,
-                    kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal, p.kv_block_begin, p.kv_block_end)};
+        return Work{m0, hb % p.heads, hb / p.heads, blocks_of<BM, BN>(p, m0)};
     };
     const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;
     const bool causal = p.causal;
@@ -96,17 +116,19 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 mbar_wait(q_empty, (q_uses & 1) ^ 1);  // the consumers have issued their last S on the old Q
                 ++q_uses;
                 mbar_expect_tx(q_full, TQ::BYTES);  // rows past seqlen_q and columns past head_dim land as zeros
-                for (int c = 0; c < SLABS; ++c) tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, 64 * c, w.m0, w.h, w.b);
+                for (int c = 0; c < TQ::SLABS; ++c)
+                    tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, c * TQ::W / EB, w.m0, w.h, w.b);
                 for (int j = w.blocks.end - 1; j >= w.blocks.begin; --j, ++it) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(k_empty(s), phase ^ 1);  // the consumers are done with block it - STAGES's K
-                    mbar_expect_tx(k_full(s), TKV::BYTES);
-                    for (int c = 0; c < SLABS; ++c)
-                        tma_load_4d(sK(s) + c * TKV::SLAB, tk, k_full(s), 64 * c, j * BN, h_kv, w.b);
+                    mbar_expect_tx(k_full(s), TK::BYTES);
+                    for (int c = 0; c < TK::SLABS; ++c)
+                        tma_load_4d(sK(s) + c * TK::SLAB, tk, k_full(s), c * TK::W / EB, j * BN, h_kv, w.b);
                     mbar_wait(v_empty(s), phase ^ 1);
-                    mbar_expect_tx(v_full(s), TKV::BYTES);
-                    for (int c = 0; c < SLABS; ++c)
-                        tma_load_4d(sV(s) + c * TKV::SLAB, tv, v_full(s), 64 * c, j * BN, h_kv, w.b);
+                    mbar_expect_tx(v_full(s), TV::BYTES);
+                    for (int c = 0; c < TV::SLABS; ++c)  // V [key][d] boxes; fp8: V^T [d][key] boxes of keys
+                        if constexpr (FP8) tma_load_4d(sV(s) + c * TV::SLAB, tv, v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
+                        else tma_load_4d(sV(s) + c * TV::SLAB, tv, v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
                 }
             }
         }
@@ -135,29 +157,53 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             float o[1][DT][4] = {};
             float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
             float alpha[1][2];   // OVERLAP: the rescale factor O still owes to the last block's softmax
-            u32 pa[BN / 16][4];  // P~ of the block whose P V is next, as 16-bit A fragments
+            u32 pa[BN / KK][4];  // P~ of the block whose P V is next, as A fragments (16-bit, or e4m3 x 256)
 
+            // A k-step is 32 bytes of the reduction: 16 fp16/bf16 or 32 e4m3 values.
             auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk)
-                    wgmma_16_ss<T>(s[0], TQ::desc(sQ, c * 64, kk * 32), TKV::desc(sK(stage), 0, kk * 32), kk > 0);
+                for (int kk = 0; kk < D / KK; ++kk) {
+                    const u64 a = TQ::desc(sQ, c * 64, kk * 32), b = TK::desc(sK(stage), 0, kk * 32);
+                    if constexpr (FP8) wgmma_e4m3_ss(s[0], a, b, kk > 0);
+                    else wgmma_16_ss<T>(s[0], a, b, kk > 0);
+                }
                 wgmma_commit();
             };
             auto issue_pv = [&](int stage) {
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk)
+                for (int kk = 0; kk < BN / KK; ++kk)
 #pragma unroll
-                    for (int nn = 0; nn < D / DN; ++nn)
-                        wgmma_16_rs<T>(reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]), pa[kk],
-                                       TKV::desc_mn(sV(stage), kk * 16, nn * DN * 2), 1);
+                    for (int nn = 0; nn < D / DN; ++nn) {
+                        auto& acc = reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]);
+                        if constexpr (FP8) wgmma_e4m3_rs(acc, pa[kk], TV::desc(sV(stage), nn * DN, kk * 32), 1);
+                        else wgmma_16_rs<T>(acc, pa[kk], TV::desc_mn(sV(stage), kk * 16, nn * DN * 2), 1);
+                    }
                 wgmma_commit();
             };
             auto pack_p = [&](const float (&s)[1][NT][4]) {
 #pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk) repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+                for (int kk = 0; kk < BN / KK; ++kk)
+                    if constexpr (FP8)
+                        repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3]);
+                    else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
             };
+            // fp8: S_j in log2 units is S_j times the scales of Q's tile and of K's block j (the softmax then
+            // runs with scale 1, m in log2 units); 16-bit: the softmax applies scale_log2 itself.
+            const int h_kv = w.h / p.group;
+            float q_scale = 1.f;
+            if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks + m0 / BM];
+            auto to_log2 = [&](float (&s)[1][NT][4], int j) {
+                if constexpr (FP8) {
+                    const float f = q_scale * p.sk[((i64)w.b * (p.heads / p.group) + h_kv) * ((seqlen_k + BN - 1) / BN) + j];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[0][nt][e] *= f;
+                }
+            };
+            const float softmax_log2 = FP8 ? 1.f : p.scale_log2;  // fp8: to_log2 has applied the scale
             auto stage_of = [&](int u) { return (it + u) % STAGES; };  // the tile's u-th block in the ring
             auto phase_of = [&](int u) { return ((it + u) / STAGES) & 1; };
 
@@ -181,8 +227,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 hold_registers(s[0]);
                 mbar_arrive_if(k_empty(stage_of(u)), leader);
                 mbar_arrive_if(q_empty, leader && u == n - 1);
+                to_log2(s, j);
                 if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
-                online_softmax_rescale(s, m, l, p.scale_log2, alpha);
+                online_softmax_rescale(s, m, l, softmax_log2, alpha);
                 if constexpr (PREV) {
                     wgmma_wait<0>();
                     hold_registers(o[0]);
@@ -223,8 +270,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 it += n;
             }
 
-            const WarpRows<1, DT> rows{o, m, l, p.scale_log2, w.b, w.h, m0 + row0};
-            if constexpr (PERSISTENT) {
+            const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, w.b, w.h, m0 + row0};
+            if constexpr (FP8) {
+                Fp8DequantOut<T, (int)P_SCALE>::store(rows, p, p.sv + ((i64)w.b * (p.heads / p.group) + h_kv) * D);
+            } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {
                 named_sync(4, CONSUMERS);  // every consumer is done with Q and the ring: O is staged over them

@@ -4,6 +4,7 @@
     qz = fav.fp8.quantize(q, k, v)                  # fp16/bf16 CuPy (or DLPack) arrays, flash-attn layout
     out = fav.fp8.attention(qz, causal=True)        # e4m3 tensor cores; out in q's dtype
     out = fav.attention(q, k, v, variant="fa2_fp8") # the same, quantizing on the fly
+    qz = fav.fp8.quantize(q, k, v, variant="fa3_fp8")   # for FA3's Hopper pipeline (sm_90a): its scale blocks
 
     kv = fav.fp8.quantize_kv(k, v)                  # a KV cache: quantize K and V once ...
     out = fav.fp8.attention(kv, q=q_new)            # ... and attend with each new fp16/bf16 q
@@ -13,8 +14,10 @@
 Q and K get one float32 scale per block of rows (the kernel's Q and K tiles), V one per channel, and V is
 stored transposed with its keys permuted for the PV product (cuda_src/fp8_quantize.cu). The NumPy model of
 the same arithmetic is ``fa_variants.reference.fp8``; ``python -m fa_variants.fp8_study`` is the FA3 paper's
-accuracy experiment. Needs compute capability 8.9: sm_89 runs e4m3 mma.sync (cuda_src/fa2_fp8_fwd.cu), Hopper
-runs e4m3 wgmma (cuda_src/fa2_fp8_fwd_sm90.cu), since ptxas only emulates e4m3 mma.sync there (bench/NOTES.md).
+accuracy experiment. fa2_fp8 needs compute capability 8.9: sm_89 runs e4m3 mma.sync (cuda_src/fa2_fp8_fwd.cu),
+Hopper runs e4m3 wgmma (cuda_src/fa2_fp8_fwd_sm90.cu), since ptxas only emulates e4m3 mma.sync there
+(bench/NOTES.md). fa3_fp8 (cuda_src/fa3_fwd.cu's FP8 instances) is Hopper only. Tensors quantized for one variant
+carry its scale blocks and are read by that variant's kernel (``attention`` follows ``qz.variant``).
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ import functools
 
 from . import arrays
 from .reference.fp8 import hadamard_rotation
-from .kernels import fa2_fp8 as _launcher
+from .kernels import fa2_fp8, fa3_fp8
 from .registry import get
 
-NAME = "fa2_fp8"
+#: The fp8 variants and their launcher modules (quantize, quantize_q, quantize_kv, plan, run_quantized).
+LAUNCHERS = {"fa2_fp8": fa2_fp8, "fa3_fp8": fa3_fp8}
+NAME = "fa2_fp8"  # the default variant
 
 
 @dataclasses.dataclass
@@ -34,15 +39,22 @@ class Quantized:
     """e4m3 Q (optional), K, V^T and their scales, as fa2_fp8's kernel reads them (CuPy arrays on one device)."""
     parts: dict    # q, sq (absent after quantize_kv), k, sk, vt, sv, seqlen_k, head_dim, tiles, dtypes
     wrap: object   # hands results back as the caller's array type
+    variant: str = NAME  # the fp8 variant whose kernel reads them (its scale blocks)
     plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # call signature -> plan
 
 
-def _kernels():
-    """fa2_fp8's launcher module, once the GPU is known to run it."""
-    ok, why = get(NAME).available()
+def _check_variant(variant):
+    if not isinstance(variant, str) or variant not in LAUNCHERS:
+        raise ValueError(f"variant must be one of {sorted(LAUNCHERS)}, got {variant!r}")
+    return variant
+
+
+def _kernels(variant: str = NAME):
+    """The variant's launcher module, once the GPU is known to run it."""
+    ok, why = get(variant).available()
     if not ok:
-        raise RuntimeError(f"{NAME} cannot run on this GPU: {why}")
-    return _launcher
+        raise RuntimeError(f"{variant} cannot run on this GPU: {why}")
+    return LAUNCHERS[variant]
 
 
 def _import_gpu(q, k, v):
@@ -81,25 +93,27 @@ def _rotated(x, seed):
     return (x.astype(cupy.float32) @ R).astype(x.dtype)
 
 
-def quantize(q, k, v, *, rotate: bool = False, seed: int = 0) -> Quantized:
+def quantize(q, k, v, *, rotate: bool = False, seed: int = 0, variant: str = NAME) -> Quantized:
     """Quantize fp16/bf16 q, k, v (GPU arrays, flash-attn layout) for ``attention``; checked like ``fav.attention``.
     ``rotate``: incoherent processing, q and k multiplied by one random orthogonal (Hadamard, ``seed``-ed signs)
-    matrix before quantization."""
+    matrix before quantization. ``variant``: the fp8 kernel that will read them ("fa2_fp8" or "fa3_fp8")."""
     rot = _check_rotation(rotate, seed)
+    _check_variant(variant)
     inp = _import_gpu(q, k, v)
-    parts = _kernels().quantize(_rotated(inp.q, rot), _rotated(inp.k, rot), inp.v)
-    return Quantized({**parts, "rotation": rot}, inp.wrap)
+    parts = _kernels(variant).quantize(_rotated(inp.q, rot), _rotated(inp.k, rot), inp.v)
+    return Quantized({**parts, "rotation": rot}, inp.wrap, variant)
 
 
-def quantize_kv(k, v, *, rotate: bool = False, seed: int = 0) -> Quantized:
+def quantize_kv(k, v, *, rotate: bool = False, seed: int = 0, variant: str = NAME) -> Quantized:
     """Quantize K and V only (a KV cache); ``attention(kv, q=...)`` quantizes each q on the fly (rotated like K)."""
     rot = _check_rotation(rotate, seed)
+    _check_variant(variant)
     inp = _import_gpu(k, k, v)  # k stands in for q: the checks of q against k are then trivially met
-    parts = _kernels().quantize_kv(_rotated(inp.k, rot), inp.v)
-    return Quantized({**parts, "rotation": rot}, inp.wrap)
+    parts = _kernels(variant).quantize_kv(_rotated(inp.k, rot), inp.v)
+    return Quantized({**parts, "rotation": rot}, inp.wrap, variant)
 
 
-def _with_q(parts: dict, q):
+def _with_q(parts: dict, q, variant: str):
     """K/V-only ``parts`` plus a freshly quantized ``q``, checked against them; and q's wrap."""
     inp = _import_gpu(q, q, q)
     qa = inp.q
@@ -111,7 +125,7 @@ def _with_q(parts: dict, q):
     if qa.dtype != parts["kv_dtype"]:
         raise TypeError(f"q's dtype {arrays.dtype_name(qa.dtype)} differs from the quantized K/V's "
                         f"({arrays.dtype_name(parts['kv_dtype'])})")
-    return {**parts, **_kernels().quantize_q(_rotated(qa, parts["rotation"]))}, inp.wrap
+    return {**parts, **_kernels(variant).quantize_q(_rotated(qa, parts["rotation"]))}, inp.wrap
 
 
 def attention(qz: Quantized, *, q=None, causal: bool = False, softmax_scale: float | None = None,
@@ -124,6 +138,7 @@ def attention(qz: Quantized, *, q=None, causal: bool = False, softmax_scale: flo
     if ("q" in qz.parts) == (q is not None):
         raise ValueError("pass q exactly when qz holds only K and V (fa_variants.fp8.quantize_kv); "
                          "qz from fa_variants.fp8.quantize already holds q")
+    launcher = LAUNCHERS[qz.variant]
     if q is None:  # pre-quantized: the launch plan of this call signature, made and checked once per qz
         try:
             key = (type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
@@ -133,16 +148,16 @@ def attention(qz: Quantized, *, q=None, causal: bool = False, softmax_scale: flo
             key = plan = None
         if plan is None:
             scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=qz.parts["head_dim"])
-            plan = _launcher.plan(qz.parts, causal=bool(causal), softmax_scale=scale, return_lse=bool(return_lse))
+            plan = launcher.plan(qz.parts, causal=bool(causal), softmax_scale=scale, return_lse=bool(return_lse))
             if key is not None:
                 qz.plans[key] = plan
-        out, lse = _launcher.run_quantized(plan, qz.parts)
+        out, lse = launcher.run_quantized(plan, qz.parts)
         return (qz.wrap(out), qz.wrap(lse)) if return_lse else qz.wrap(out)
     arrays.check_scalars(causal, softmax_scale, return_lse)
-    parts, wrap = _with_q(qz.parts, q)
+    parts, wrap = _with_q(qz.parts, q, qz.variant)
     scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=parts["head_dim"])
-    out, lse = _launcher.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
-                                             return_lse=bool(return_lse))
+    out, lse = launcher.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
+                                            return_lse=bool(return_lse))
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)
 
 

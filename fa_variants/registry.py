@@ -17,6 +17,7 @@ from .kernels import Launcher
 from .kernels import fa1 as k_fa1
 from .kernels import fa2 as k_fa2
 from .kernels import fa2_fp8 as k_fa2_fp8
+from .kernels import fa3_fp8 as k_fa3_fp8
 from .kernels import fa3 as k_fa3
 from .kernels import naive as k_naive
 from .reference import fa1 as ref_fa1
@@ -159,6 +160,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=90, max_cc=90, launcher=k_fa3.LAUNCHER,
         reference=ref_fa3.forward, loops=ref_fa3.LOOPS, io_model=ref_fa3.accesses, tensor_bytes={"LSE": 4},
         archs=("sm_90a",), pipeline=ref_fa3.PIPELINE,
+    ),
+    Variant(
+        name="fa3_fp8",
+        summary="fa3's pipeline on e4m3 QGMMA: fa2_fp8's block scales and V^T, P x256 to e4m3 in registers",
+        dtypes=HALF_DTYPES, head_dims=range(16, 257, 16), min_cc=90, max_cc=90, launcher=k_fa3_fp8.LAUNCHER,
+        reference=ref_fa3.forward_fp8, loops=ref_fa3.LOOPS, io_model=ref_fa3.accesses_fp8, archs=("sm_90a",),
+        tensor_bytes={"LSE": 4, "Q": 1, "K": 1, "V": 1}, operand_dtype="float8_e4m3fn", pipeline=ref_fa3.PIPELINE,
     ),
 )}
 

@@ -1,7 +1,9 @@
-"""fa2_fp8 on the GPU: against float64 (the format's error), against its own NumPy model (no bug beyond it), and
-the quantizer's contract (round trip, no saturation, NaN propagation, V^T layout). Skips without sm_89+."""
+"""The fp8 variants on the GPU (fa2_fp8 on both of its kernels, fa3_fp8 on Hopper): against float64 (the format's
+error), against each one's own NumPy model (no bug beyond it), and the quantizer's contract (round trip, no
+saturation, NaN propagation, V^T layout). Skips where a variant cannot run."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -11,6 +13,7 @@ import pytest
 import fa_variants as fav
 from fa_variants import registry
 from fa_variants.kernels import fa2_fp8 as fp8_launcher
+from fa_variants.reference import fa3 as fa3_model
 from fa_variants.reference import fp8 as model
 
 from conftest import (FP8_MODEL_LSE_ATOL, FP8_MODEL_TO_FLOAT64, FP8_MODEL_TOL, LSE_ATOL_FP8, TOL, Case, new_seed, random_qkv_host, reference64, rel_err,
@@ -39,12 +42,29 @@ def _needs_sm89():
         pytest.skip(f"fa2_fp8 cannot run here: {why}")
 
 
-@pytest.fixture(params=["default", "mma_sync"])
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernel:
+    variant: str    # the registry entry (and fav.fp8's variant=)
+    model: object   # its NumPy model: same quantization, same block order
+    tol_key: str    # its FP8_MODEL_TOL entry
+
+    def tiles(self, head_dim):
+        return registry.get(self.variant).launcher.tiles(head_dim)
+
+
+@pytest.fixture(params=["fa2_fp8", "fa2_fp8-mma_sync", "fa3_fp8"])
 def fp8_kernel(request, monkeypatch):
-    """Each test runs on the device's own kernel (wgmma on sm_90) and on the mma.sync kernel."""
-    if request.param == "mma_sync":
+    """Each test runs on fa2_fp8 with the device's own kernel (wgmma on sm_90) and with the mma.sync kernel, and on
+    fa3_fp8 (FA3's pipeline, sm_90 only)."""
+    name = request.param.split("-")[0]
+    ok, why = registry.get(name).available()
+    if not ok:
+        pytest.skip(f"{name} cannot run here: {why}")
+    if request.param.endswith("mma_sync"):
         monkeypatch.setenv("FA_VARIANTS_FP8_KERNEL", "mma_sync")
-    return request.param
+    if name == "fa3_fp8":
+        return Fp8Kernel(name, fa3_model.forward_fp8, "wgmma")
+    return Fp8Kernel(name, model.forward, "wgmma" if fp8_launcher.uses_wgmma() else "mma_sync")
 
 
 def _data(request, case, dtype, scale=1.0):
@@ -62,16 +82,16 @@ def test_against_float64_and_own_model(request, poisoned, case, dtype, fp8_kerne
     ref_out, ref_lse = reference64(*host, case.causal)
     q, k, v = to_device(host)
     with poisoned(case):
-        out, lse = fav.attention(q, k, v, variant="fa2_fp8", causal=case.causal, return_lse=True)
+        out, lse = fav.attention(q, k, v, variant=fp8_kernel.variant, causal=case.causal, return_lse=True)
     o = to_host(out).astype(np.float64)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert np.isfinite(o).all(), "output holds NaN/inf: elements left unwritten or a bad scale"
     err = rel_err(o, ref_out)
     assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
-    bm, bn = VARIANT.launcher.tiles(case.head_dim)
-    res = model.forward(*host, causal=case.causal, block_q=bm, block_k=bn)
+    bm, bn = fp8_kernel.tiles(case.head_dim)
+    res = fp8_kernel.model(*host, causal=case.causal, block_q=bm, block_k=bn)
     to_model = rel_err(o, res.out)
-    tol = FP8_MODEL_TOL["wgmma" if fp8_launcher.uses_wgmma() else "mma_sync"]
+    tol = FP8_MODEL_TOL[fp8_kernel.tol_key]
     assert to_model <= tol, f"relative difference {to_model:.3e} from the NumPy model > {tol}"
     assert to_model <= FP8_MODEL_TO_FLOAT64 * err or err < 1e-6, \
         f"the kernel should match its model far more tightly ({to_model:.3e}) than float64 ({err:.3e})"
@@ -87,11 +107,11 @@ def test_against_float64_and_own_model(request, poisoned, case, dtype, fp8_kerne
 def test_prequantized_kv_cache_and_on_the_fly_agree_bitwise(request, fp8_kernel):
     case = Case(2, 300, 700, 8, 2, 128, True)
     q, k, v = to_device(_data(request, case, "bfloat16"))
-    qz = fav.fp8.quantize(q, k, v)
+    qz = fav.fp8.quantize(q, k, v, variant=fp8_kernel.variant)
     a = fav.fp8.attention(qz, causal=True)
     b = fav.fp8.attention(qz, causal=True)
-    c = fav.attention(q, k, v, variant="fa2_fp8", causal=True)
-    kv = fav.fp8.quantize_kv(k, v)                       # a KV cache, then a query quantized on the fly
+    c = fav.attention(q, k, v, variant=fp8_kernel.variant, causal=True)
+    kv = fav.fp8.quantize_kv(k, v, variant=fp8_kernel.variant)  # a KV cache, then a query quantized on the fly
     d = fav.fp8.attention(kv, q=q, causal=True)
     bits = lambda x: to_host(x).view(np.uint16)  # noqa: E731
     assert np.array_equal(bits(a), bits(b)), "two calls on the same quantized tensors differ"
@@ -107,7 +127,7 @@ def test_rotation_matches_the_model_on_rotated_inputs(request, fp8_kernel):
     host = _data(request, case, "bfloat16")
     q, k, v = to_device(host)
     seed = 7
-    qz = fav.fp8.quantize(q, k, v, rotate=True, seed=seed)
+    qz = fav.fp8.quantize(q, k, v, rotate=True, seed=seed, variant=fp8_kernel.variant)
     out, lse = fav.fp8.attention(qz, causal=True, return_lse=True)
     o = to_host(out).astype(np.float64)
     ref_out, ref_lse = reference64(*host, True)
@@ -115,16 +135,16 @@ def test_rotation_matches_the_model_on_rotated_inputs(request, fp8_kernel):
     assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
     R = model.hadamard_rotation(case.head_dim, seed)
     rot = lambda x: (x.astype(np.float64) @ R).astype(x.dtype)  # noqa: E731 - what the GPU computes, rounded
-    bm, bn = VARIANT.launcher.tiles(case.head_dim)
-    res = model.forward(rot(host[0]), rot(host[1]), host[2], causal=True, block_q=bm, block_k=bn)
+    bm, bn = fp8_kernel.tiles(case.head_dim)
+    res = fp8_kernel.model(rot(host[0]), rot(host[1]), host[2], causal=True, block_q=bm, block_k=bn)
     to_model = rel_err(o, res.out)
-    tol = FP8_MODEL_TOL["wgmma" if fp8_launcher.uses_wgmma() else "mma_sync"]
+    tol = FP8_MODEL_TOL[fp8_kernel.tol_key]
     assert to_model <= tol and to_model <= FP8_MODEL_TO_FLOAT64 * err, (to_model, err)
     assert np.abs(to_host(lse) - ref_lse).max() <= LSE_ATOL_FP8
-    kv = fav.fp8.quantize_kv(k, v, rotate=True, seed=seed)
+    kv = fav.fp8.quantize_kv(k, v, rotate=True, seed=seed, variant=fp8_kernel.variant)
     again = fav.fp8.attention(kv, q=q, causal=True)
     assert np.array_equal(to_host(again).view(np.uint16), to_host(out).view(np.uint16)), "KV-cache path differs"
-    plain = to_host(fav.fp8.attention(fav.fp8.quantize(q, k, v), causal=True))
+    plain = to_host(fav.fp8.attention(fav.fp8.quantize(q, k, v, variant=fp8_kernel.variant), causal=True))
     assert not np.array_equal(plain, to_host(out)), "rotate=True changed nothing"
 
 
@@ -175,10 +195,26 @@ def test_nan_and_inf_poison_only_the_rows_they_touch(request, fp8_kernel):
     q, k, v = (np.array(a) for a in _data(request, case, "float16"))
     q[0, 5, 0, 3] = np.nan           # query row 5 of head 0
     k[0, 100, 1, 7] = np.inf         # key 100 of head 1: causal rows >= 100 see it
-    out = to_host(fav.attention(*to_device((q, k, v)), variant="fa2_fp8", causal=True)).astype(np.float64)
+    out = to_host(fav.attention(*to_device((q, k, v)), variant=fp8_kernel.variant, causal=True)).astype(np.float64)
     bad = ~np.isfinite(out).all(axis=3)                                      # (b, n, h)
     expect = np.zeros_like(bad)
     expect[0, 5, 0] = True
     expect[0, 100:, 1] = True
     assert np.array_equal(bad, expect), "NaN/Inf must give NaN exactly in the rows that touch them"
     assert math.isnan(out[0, 5, 0, 0])
+
+
+def test_tensors_quantized_for_one_variant_are_refused_by_the_other(request):
+    """fa3_fp8's Q scale blocks (its BM) differ from fa2_fp8's at d = 64: a clear error, not a wrong answer."""
+    ok, why = registry.get("fa3_fp8").available()
+    if not ok:
+        pytest.skip(f"fa3_fp8 cannot run here: {why}")
+    case = Case(1, 300, 300, 2, 2, 64, False)
+    q, k, v = to_device(_data(request, case, "bfloat16"))
+    qz = fav.fp8.quantize(q, k, v, variant="fa3_fp8")
+    assert qz.variant == "fa3_fp8"
+    wrong = fav.fp8.Quantized(qz.parts, qz.wrap, "fa2_fp8")
+    with pytest.raises(ValueError, match="quantize"):
+        fav.fp8.attention(wrong)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        fav.fp8.quantize(q, k, v, variant="fa3")

@@ -235,6 +235,11 @@ def test_default_tiles_are_the_kernels():
     assert first == fa3.DEFAULT_TILES
     for d in (1, 64, 65, 128, 129, 256):
         assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]
+    fp8_kernels = pytest.importorskip("fa_variants.kernels.fa3_fp8")
+    assert {d: tuple(t[0])[:3] for d, t in fp8_kernels.TILES.items()} == fa3.FP8_TILES
+    for d in (16, 64, 80, 128, 144, 256):
+        assert fa3.default_blocks(d, tiles=fa3.FP8_TILES) == fp8_kernels.tiles(d)
+    assert fa3.accesses_fp8(1000, 1000, 128) == fa3.accesses(1000, 1000, 128, *fa3.FP8_TILES[128][:2])
 
 
 # ---------------------------------------------------------------------------------------------- HBM traffic
@@ -295,7 +300,7 @@ def test_fp8_close_to_float64(rng, causal, n_q, n_k, heads, heads_kv):
     q, k, v = inputs(rng, 1, n_q, n_k, heads, heads_kv, 64)
     res = run(fa3.forward_fp8, q, k, v, causal)
     ref_out, ref_lse = reference64(q, k, v, causal)
-    assert res.blocks == fa3.DEFAULT_TILES[64][:2]
+    assert res.blocks == fa3.FP8_TILES[64][:2]
     assert 1e-4 < rel_err(res.out, ref_out) < TOL["float8_e4m3fn"], "quantizes, within the fp8 tolerance"
     assert np.array_equal(np.isneginf(res.lse), np.isneginf(ref_lse))
     empty = np.isneginf(ref_lse).transpose(0, 2, 1)
@@ -331,7 +336,7 @@ def test_fp8_descending_is_fa2_fp8_on_reversed_keys(rng, accumulate_bits):
 
 def test_fp8_default_blocks_follow_head_dim(rng):
     q, k, v = inputs(rng, 1, 20, 20, 1, 1, 160)
-    assert fa3.forward_fp8(q, k, v).blocks == fa3.DEFAULT_TILES[256][:2]
+    assert fa3.forward_fp8(q, k, v).blocks == fa3.FP8_TILES[256][:2]
     with pytest.raises(ValueError, match="scaling"):
         fa3.forward_fp8(q, k, v, scaling="channel")
     with pytest.raises(ValueError, match="p_scale"):

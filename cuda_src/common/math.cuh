@@ -14,6 +14,16 @@ struct flag {
     static constexpr bool value = V;
 };
 
+// Pick<C, A, B>::type is A when C holds, else B (std::conditional, which needs <type_traits>).
+template <bool C, class A, class B>
+struct Pick {
+    using type = A;
+};
+template <class A, class B>
+struct Pick<false, A, B> {
+    using type = B;
+};
+
 __forceinline__ __device__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 // Base-2 exponential on the special-function unit; ex2(-inf) = +0, which masking relies on.

@@ -32,7 +32,7 @@ struct FwdParams {
     int causal;            // bottom-right aligned
 };
 
-// fa2_fp8's forward: e4m3 operands in the quantizer's layouts (fp8_quantize.cu) and their scales.
+// The fp8 forwards (fa2_fp8, fa3_fp8): e4m3 operands in the quantizer's layouts (fp8_quantize.cu) and their scales.
 struct Fp8FwdParams {
     const unsigned char* q;   // (batch, heads, seqlen_q, D) e4m3, columns >= head_dim zero
     const unsigned char* k;   // (batch, heads_kv, seqlen_k, D)
@@ -43,7 +43,7 @@ struct Fp8FwdParams {
     u16* o;                   // (batch, seqlen_q, heads, head_dim) contiguous rows of o_n elements
     float* lse;
     i64 o_b, o_n, o_h;
-    int seqlen_q, seqlen_k, seqlen_k_pad;
+    int batch, seqlen_q, seqlen_k, seqlen_k_pad;
     int heads, group;
     int head_dim;
     float scale_log2;

@@ -25,6 +25,7 @@ template <int ROWS, int KB>
 struct SwizzledTile {
     static constexpr int W = KB < 128 ? KB : 128;
     static constexpr int SLAB = ROWS * W;
+    static constexpr int SLABS = KB / W;
     static constexpr int BYTES = ROWS * KB;
     static constexpr u64 MODE = W == 128 ? 1 : 2;  // descriptor swizzle field: 1 = 128 B, 2 = 64 B
     static_assert(W == 128 || W == 64, "rows of 64, 128 or 256 bytes");

@@ -165,30 +165,31 @@ def _padded(x):
     return x if x.shape[3] == D else pad_last_dim(x, D)
 
 
-def quantize_q(q) -> dict:
-    """Q's part of the quantized operands (``quantize_kv`` makes K's and V's), with this device's tiles."""
+def quantize_q(q, cfg=None) -> dict:
+    """Q's part of the quantized operands (``quantize_kv`` makes K's and V's), for the tiles ``cfg`` (BM, BN, ...)
+    of the kernel that will read them: this device's fa2_fp8 kernel's by default (fa3_fp8 passes its own)."""
     from .. import arrays
     d = q.shape[3]
-    cfg = config(d)
+    cfg = config(d) if cfg is None else cfg
     qq, sq = quantize_rows(_padded(q), cfg[0], CTYPE[arrays.dtype_name(q.dtype)], fp8_template_dim(d))
     return dict(q=qq, sq=sq, out_dtype=q.dtype, head_dim=d)
 
 
-def quantize_kv(k, v) -> dict:
+def quantize_kv(k, v, cfg=None) -> dict:
     """K's and V's parts: quantize them once and reuse them with many queries (a KV cache)."""
     from .. import arrays
     d = k.shape[3]
     D = fp8_template_dim(d)
-    cfg = config(d)
+    cfg = config(d) if cfg is None else cfg
     ctype = CTYPE[arrays.dtype_name(k.dtype)]
     kq, sk = quantize_rows(_padded(k), cfg[1], ctype, D)
     vt, sv = quantize_v(_padded(v), cfg[1], ctype, D)
     return dict(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=k.dtype, head_dim=d)
 
 
-def quantize(q, k, v) -> dict:
+def quantize(q, k, v, cfg=None) -> dict:
     """All of Q, K, V: the dict fa_variants.fp8.Quantized wraps."""
-    return {**quantize_q(q), **quantize_kv(k, v)}
+    return {**quantize_q(q, cfg), **quantize_kv(k, v, cfg)}
 
 
 _PLANS: dict = {}  # (shapes, flags, device, kernel) -> FwdPlan: quantizing on the fly makes a qz per call
@@ -224,7 +225,7 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
     check_grid(h, "heads")
     check_grid(b, "batch")
     template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
-                            seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
+                            batch=b, seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
                             scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
     return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=32 * cfg[2], smem=smem,
                    template=template, fmt=FP8_FWD.pointers_format, out_shape=(b, nq, h, d),

@@ -19,6 +19,7 @@ from .. import jit
 from . import KernelLauncher
 from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, forward_via_plan, fwd_params, template_dim
 from .launch import _cupy, _driver_launch, _torch, function_of
+from .params import FWD
 from .tma import MapTemplate
 
 SOURCE = "fa3_fwd.cu"
@@ -53,21 +54,25 @@ def threads(cfg) -> int:
     return 128 * (1 + cfg[0] // 64)
 
 
-def smem_bytes(d: int, cfg) -> int:
+def smem_bytes(d: int, cfg, itemsize: int = 2) -> int:
+    """Alignment, Q, the K/V ring (fp8: K and V^T, one byte an element) and the mbarriers (Q full/empty, K/V
+    full/empty per stage)."""
     bm, bn, stages = cfg[:3]
-    return 1024 + bm * 2 * d + stages * 2 * bn * 2 * d + 8 * (1 + 4 * stages)  # Q, the K/V ring, the mbarriers
+    return 1024 + bm * itemsize * d + stages * 2 * bn * itemsize * d + 8 * (2 + 4 * stages)
 
 
 def tiles(head_dim, limit=None):
     return config(template_dim(head_dim, DIMS))[:2]
 
 
-def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None) -> str:
+def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None,
+             fp8: bool = False) -> str:
     cfg = config(d) if cfg is None else tuple(cfg) + (0,) * (5 - len(cfg))
     bm, bn, stages, pp, persistent = cfg
     pingpong = bool(pp) if pingpong is None else pingpong
+    fp8_arg = ", true" if fp8 else ""  # the 16-bit instances keep their names (and cache keys)
     return (f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}, "
-            f"{bm // 64}, {str(bool(persistent)).lower()}>")
+            f"{bm // 64}, {str(bool(persistent)).lower()}{fp8_arg}>")
 
 
 def grid(nq: int, heads: int, batch: int, cfg) -> tuple:
@@ -95,22 +100,24 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
 
 @dataclasses.dataclass(frozen=True)
 class Fa3Plan:
-    """One fa3 forward for one call signature: fa2's FwdPlan plus the three tensor maps."""
+    """One fa3 (or fa3_fp8) forward for one call signature: fa2's FwdPlan plus the three tensor maps."""
     func: int
     grid: tuple
     block: int
     smem: int
-    template: bytes         # FwdParams with zero pointers
-    maps: tuple             # MapTemplate of q, k, v
+    template: bytes         # FwdParams (fa3_fp8: Fp8FwdParams) with zero pointers
+    fmt: str                # struct format of the parameter struct's leading pointers
+    maps: tuple             # MapTemplate of q, k, v (fa3_fp8: of e4m3 q, k, v^T)
     out_shape: tuple
     dtype: np.dtype
     lse_shape: tuple | None
     device: int
 
-    def _launch(self, stream, q, k, v, out, lse):
+    def launch(self, stream, map_ptrs, ptrs):
+        """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers."""
         params = ctypes.create_string_buffer(self.template, len(self.template))
-        struct.pack_into("<5Q", params, 0, q, k, v, out, lse)
-        bufs = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, (q, k, v))] + [params]
+        struct.pack_into(self.fmt, params, 0, *ptrs)
+        bufs = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)] + [params]
         argv = (ctypes.c_void_p * 4)(*(ctypes.addressof(b) for b in bufs))
         _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
                          ctypes.addressof(argv), 0)
@@ -119,16 +126,16 @@ class Fa3Plan:
         empty, stream = _cupy()
         out = empty(self.out_shape, self.dtype)
         lse = None if self.lse_shape is None else empty(self.lse_shape, np.float32)
-        self._launch(stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
-                     0 if lse is None else lse.data.ptr)
+        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
+        self.launch(stream().ptr, ptrs, ptrs + (out.data.ptr, 0 if lse is None else lse.data.ptr, 0, 0, 0))
         return out, lse
 
     def run_torch(self, q, k, v):
         torch, stream_of = _torch()
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        self._launch(stream_of(self.device), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                     0 if lse is None else lse.data_ptr())
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        self.launch(stream_of(self.device), ptrs, ptrs + (out.data_ptr(), 0 if lse is None else lse.data_ptr(), 0, 0, 0))
         return out, lse
 
 
@@ -151,7 +158,7 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     return Fa3Plan(func=function_of(kern, smem), grid=grid(nq, h, b, cfg), block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=(nq * h * d, h * d, d)),
-                   maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
+                   fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
                    lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id)
 
 

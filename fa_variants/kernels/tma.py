@@ -2,10 +2,10 @@
 
 Through ctypes on libcuda itself rather than NVIDIA's ``cuda-bindings``: the driver is what CuPy already loads, so
 this adds no dependency and no import cost. A map describes one (batch, seqlen, heads, head_dim) tensor as a 4-d
-tensor of 16-bit elements, innermost first: (head_dim, seqlen, heads, batch), byte strides of the three outer dims
-(any order, as the kernels take strides), a box of 64 columns x ``rows`` rows (one 128-byte swizzled slab of
-common/wgmma.cuh's SwizzledTile), 128-byte swizzle, zero fill past the extents (the seqlen tails and the columns
-past head_dim of a padded template).
+tensor of 16-bit (or, for fa3_fp8, one-byte e4m3) elements, innermost first: (head_dim, seqlen, heads, batch), byte
+strides of the three outer dims (any order, as the kernels take strides), a box of ``box_bytes`` (128, or 64 for
+rows of 64 e4m3 values) x ``rows`` rows (one swizzled slab of common/wgmma.cuh's SwizzledTile), swizzled as wide as
+the box, zero fill past the extents (the seqlen tails and the columns past head_dim of a padded template).
 
 A map embeds the tensor's address. So that a warm call does not pay for three driver calls, ``MapTemplate`` encodes
 once and patches the address into the bytes on each call: where the address lives in the opaque 128 bytes is
@@ -19,7 +19,7 @@ import struct
 
 _DTYPE = {2: 6}          # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 (the bits are copied, so bf16 uses it too); 1: UINT8
 _DTYPE_1B = 0            # CU_TENSOR_MAP_DATA_TYPE_UINT8, for e4m3
-_SWIZZLE_128B = 3
+_SWIZZLE = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B, by the box's inner bytes
 _L2_256B = 3
 _OOB_ZERO = 0
 _INTERLEAVE_NONE = 0
@@ -41,7 +41,8 @@ def _encode_fn():
     return _ENCODE
 
 
-def check(ptr: int, shape, strides_bytes, itemsize: int, rows: int, name: str = "tensor") -> None:
+def check(ptr: int, shape, strides_bytes, itemsize: int, rows: int, name: str = "tensor",
+          box_bytes: int = BOX_BYTES) -> None:
     """The driver's preconditions, as clear errors: 16-byte aligned address and outer strides, extents < 2^32,
     a box of at most 256 rows. ``shape`` (batch, seqlen, heads, head_dim); ``strides_bytes`` of those dims."""
     if ptr % 16:
@@ -54,24 +55,26 @@ def check(ptr: int, shape, strides_bytes, itemsize: int, rows: int, name: str = 
         raise ValueError(f"{name}: TMA takes extents below 2^32, got {tuple(shape)}")
     if not 0 < rows <= 256:
         raise ValueError(f"{name}: a TMA box has 1..256 rows, got {rows}")
+    if box_bytes not in _SWIZZLE:
+        raise ValueError(f"{name}: boxes of {sorted(_SWIZZLE)} bytes a row are swizzled, got {box_bytes}")
 
 
-def encode(ptr: int, shape, strides_bytes, itemsize: int, rows: int) -> bytes:
+def encode(ptr: int, shape, strides_bytes, itemsize: int, rows: int, box_bytes: int = BOX_BYTES) -> bytes:
     """The 128-byte CUtensorMap of a (batch, seqlen, heads, head_dim) tensor at ``ptr``: boxes of
-    (BOX_BYTES / itemsize) columns x ``rows`` rows, 128-byte swizzle, zero fill."""
+    (box_bytes / itemsize) columns x ``rows`` rows, box_bytes-wide swizzle, zero fill."""
     b, n, h, d = shape
     sb, sn, sh = strides_bytes[:3]
     out = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 4)(d, n, h, b)
     strides = (ctypes.c_uint64 * 3)(sn, sh, sb)
-    box = (ctypes.c_uint32 * 4)(BOX_BYTES // itemsize, rows, 1, 1)
+    box = (ctypes.c_uint32 * 4)(box_bytes // itemsize, rows, 1, 1)
     unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     dtype = _DTYPE.get(itemsize, _DTYPE_1B)
     rc = _encode_fn()(ctypes.addressof(out), dtype, 4, ctypes.c_void_p(ptr), dims, strides, box, unit,
-                      _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO)
+                      _INTERLEAVE_NONE, _SWIZZLE[box_bytes], _L2_256B, _OOB_ZERO)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (shape {tuple(shape)}, byte strides "
-                           f"{tuple(strides_bytes)}, box {BOX_BYTES // itemsize}x{rows})")
+                           f"{tuple(strides_bytes)}, box {box_bytes // itemsize}x{rows})")
     return bytes(out)
 
 
@@ -92,9 +95,10 @@ def address_field(a: bytes, b: bytes, addr_a: int, addr_b: int) -> int | None:
 class MapTemplate:
     """One tensor's map for a call signature; ``at(ptr)`` gives the map bytes for the tensor at ``ptr``."""
 
-    def __init__(self, ptr: int, shape, strides_bytes, itemsize: int, rows: int, name: str = "tensor"):
-        check(ptr, shape, strides_bytes, itemsize, rows, name)
-        self.args = (tuple(shape), tuple(strides_bytes), itemsize, rows)
+    def __init__(self, ptr: int, shape, strides_bytes, itemsize: int, rows: int, name: str = "tensor",
+                 box_bytes: int = BOX_BYTES):
+        check(ptr, shape, strides_bytes, itemsize, rows, name, box_bytes)
+        self.args = (tuple(shape), tuple(strides_bytes), itemsize, rows, box_bytes)
         first = encode(ptr, *self.args)
         other = ptr + 1024 if ptr + 1024 < 1 << 63 else ptr - 1024
         self.offset = address_field(first, encode(other, *self.args), ptr, other)

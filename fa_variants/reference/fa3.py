@@ -50,6 +50,9 @@ CONSUMER_ROWS = 64
 #: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
 #: O accumulator of a consumer thread's rows leaves room only for an 80-key S tile.
 DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 176, 2), 256: (128, 80, 2)}
+#: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
+#: halved shared memory leaves d = 256 room for 128 keys.
+FP8_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 128, 2)}
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
@@ -67,10 +70,10 @@ def template_dim(head_dim: int) -> int:
     return next((t for t in DEFAULT_TILES if head_dim <= t), max(DEFAULT_TILES))
 
 
-def default_blocks(head_dim: int, block_q=None, block_k=None) -> tuple[int, int]:
-    """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``DEFAULT_TILES``):
-    128 x 128 up to d = 128, 128 x 64 above."""
-    b_r, b_c, _ = DEFAULT_TILES[template_dim(head_dim)]
+def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None) -> tuple[int, int]:
+    """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``tiles``: fa3's
+    ``DEFAULT_TILES`` or fa3_fp8's ``FP8_TILES``)."""
+    b_r, b_c, _ = (DEFAULT_TILES if tiles is None else tiles)[template_dim(head_dim)]
     block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
     return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
 
@@ -99,7 +102,7 @@ def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: b
             for cols in reversed(visited)]
 
 
-def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False) -> dict:
+def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False, tiles=None) -> dict:
     """FA3's HBM element accesses per head, exact (causal included), with ``default_blocks`` for None: the keys
     of ``iomodel.fa2_accesses`` (which it calls), less the Q rows of the CTAs that see no key and so load nothing.
 
@@ -107,12 +110,17 @@ def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=Fa
     e = floor((N_q - N_k) / B_r) blocks, all full, so Q = (N_q - e B_r) d. Otherwise fa2's Q = N_q d.
     """
     from .. import iomodel   # here, not at the top: iomodel imports reference.common, the registry both
-    B_r, B_c = default_blocks(head_dim, block_q, block_k)
+    B_r, B_c = default_blocks(head_dim, block_q, block_k, tiles)
     counts = iomodel.fa2_accesses(seqlen_q, seqlen_k, head_dim, B_r, B_c, causal)
     empty_rows = (max(0, seqlen_q - seqlen_k) // B_r) * B_r if causal else 0
     counts["Q"] -= empty_rows * head_dim
     counts["total"] -= empty_rows * head_dim
     return counts
+
+
+def accesses_fp8(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False) -> dict:
+    """``accesses`` with fa3_fp8's tiles (``FP8_TILES``) for None."""
+    return accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal, FP8_TILES)
 
 
 def _consume(visits, scores, product, operand, shape):
@@ -227,7 +235,7 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
     p_scale = _fp8._check_p_scale(p_scale)
     q64, k64, v64, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
                                     block_k=block_k)
-    B_r, B_c = default_blocks(q64.shape[3], block_q, block_k)  # from the original head dim, as the kernel pads
+    B_r, B_c = default_blocks(q64.shape[3], block_q, block_k, FP8_TILES)  # the original head dim, as the kernel pads
     Q, K, V, sq, sk, sv = _fp8.quantized_operands(q64, k64, v64, scaling, B_r, B_c, rotate, seed)
     N_q, N_k = Q.shape[2], K.shape[2]
 

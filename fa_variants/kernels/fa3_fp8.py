@@ -1,0 +1,145 @@
+"""Launcher of fa3_fp8: cuda_src/fa3_fwd.cu's FP8 instances (FA3's pipeline on e4m3 QGMMA, sm_90a only) on the
+operands fa2_fp8's quantizers make (fp8_quantize.cu), with this kernel's Q and K scale blocks.
+
+What differs from fa3's launcher is what the three tensor maps describe: e4m3 Q (batch, heads, seqlen_q, D) and
+K (batch, heads_kv, seqlen_k, D) in rows of D bytes, and V^T (batch, heads_kv, D, seqlen_k_pad) in rows of keys;
+and the parameter struct, fa2_fp8's Fp8FwdParams (the scales, V^T's padding). Quantized tensors carry the tiles
+they were made for; ``plan`` refuses others (their scale blocks would not be this kernel's).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import jit
+from . import KernelLauncher
+from . import fa2_fp8, fa3
+from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, scale_log2
+from .launch import function_of
+from .params import FP8_FWD
+from .tma import MapTemplate
+
+SOURCE = fa3.SOURCE
+ARCHS = fa3.ARCHS
+DIMS = fa2_fp8.FP8_TEMPLATE_DIMS
+# template head_dim -> [(BM = 64 per consumer warpgroup, BN keys per block, stages, ping-pong, persistent)], the
+# first used. BM is Q's scale block and BN K's (fa2_fp8's quantizers take them). e4m3 halves the shared memory and
+# the P fragments of fa3's tiles; S (BN / 2 fp32 registers a thread) and O (D / 2) stay.
+TILES = {64: [(192, 128, 2, 1, 0)], 128: [(128, 128, 2, 1, 0)], 256: [(128, 128, 2, 1, 0)]}
+
+
+def config(head_dim: int, limit=None) -> tuple:
+    """(BM, BN, stages, ping-pong, persistent) at the template dim head_dim pads to."""
+    return tuple(TILES[fa2_fp8.fp8_template_dim(head_dim)][0])
+
+
+def tiles(head_dim: int, limit=None):
+    return config(head_dim)[:2]
+
+
+def instance(ctype: str, d: int, cfg) -> str:
+    return fa3.instance(ctype, d, cfg=cfg, fp8=True)
+
+
+def specializations():
+    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d in DIMS for cfg in TILES[d])
+
+
+def quant_specializations():
+    return tuple(dict.fromkeys(e for c in CTYPE.values() for d in DIMS for cfg in TILES[d]
+                               for e in fa2_fp8.quant_instances(c, d, cfg)))
+
+
+def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
+    """The e4m3 copies of Q, K and V^T (padded) and their scales, when quantizing on the fly."""
+    heads_kv = heads if heads_kv is None else heads_kv
+    bm, bn = tiles(head_dim)
+    D = fa2_fp8.fp8_template_dim(head_dim)
+    nk_pad = cdiv(seqlen_k, bn) * bn
+    return (batch * D * (heads * seqlen_q + heads_kv * (seqlen_k + nk_pad))
+            + 4 * batch * (heads * cdiv(seqlen_q, bm) + heads_kv * (cdiv(seqlen_k, bn) + 2 * D)))
+
+
+def quantize_q(q) -> dict:
+    return fa2_fp8.quantize_q(q, config(q.shape[3]))
+
+
+def quantize_kv(k, v) -> dict:
+    return fa2_fp8.quantize_kv(k, v, config(k.shape[3]))
+
+
+def quantize(q, k, v) -> dict:
+    return {**quantize_q(q), **quantize_kv(k, v)}
+
+
+def _maps(qz: dict, cfg) -> tuple:
+    """Tensor maps of e4m3 Q, K and V^T as the (batch, rows, heads, row bytes) tensors tma.py describes."""
+    bm, bn = cfg[:2]
+    q, k, vt = qz["q"], qz["k"], qz["vt"]
+    (b, h, nq, D), (hkv, nk), npad = q.shape, k.shape[1:3], vt.shape[3]
+    row = min(D, 128)
+    return (MapTemplate(q.data.ptr, (b, nq, h, D), (h * nq * D, D, nq * D), 1, bm, "q", row),
+            MapTemplate(k.data.ptr, (b, nk, hkv, D), (hkv * nk * D, D, nk * D), 1, bn, "k", row),
+            MapTemplate(vt.data.ptr, (b, D, hkv, npad), (hkv * D * npad, npad, D * npad), 1, D, "v^T", min(bn, 128)))
+
+
+_PLANS: dict = {}  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)
+
+
+def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> fa3.Fa3Plan:
+    """The launch of fa3_fp8 on operands from ``quantize`` (made for this kernel's tiles: checked)."""
+    import cupy
+    key = (qz["q"].shape, qz["k"].shape, qz["vt"].shape, qz["seqlen_k"], qz["head_dim"], np.dtype(qz["out_dtype"]),
+           tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice())
+    p = _PLANS.get(key)
+    if p is None:
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        p = _PLANS[key] = _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return p
+
+
+def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> fa3.Fa3Plan:
+    import cupy
+    b, h, nq, D = qz["q"].shape
+    d, hkv = qz["head_dim"], qz["k"].shape[1]
+    nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
+    cfg = config(d)
+    if tuple(qz["tiles"]) != cfg:
+        raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, fa3_fp8 uses {cfg}; quantize with "
+                         "fa_variants.fp8.quantize(..., variant='fa3_fp8')")
+    if cdiv(nq, cfg[0]) * h * b >= 2**31:
+        raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
+    smem = fa3.smem_bytes(D, cfg, itemsize=1)
+    kern = jit.kernel(SOURCE, instance(CTYPE[np.dtype(qz["out_dtype"]).name], D, cfg))
+    template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
+                            batch=b, seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv,
+                            head_dim=d, scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+    return fa3.Fa3Plan(func=function_of(kern, smem), grid=fa3.grid(nq, h, b, cfg), block=fa3.threads(cfg),
+                       smem=smem, template=template, fmt=FP8_FWD.pointers_format, maps=_maps(qz, cfg),
+                       out_shape=(b, nq, h, d), dtype=np.dtype(qz["out_dtype"]),
+                       lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id)
+
+
+def run_quantized(p: fa3.Fa3Plan, qz: dict):
+    """(out, lse or None) of plan ``p`` on the operands of ``qz``, on the current stream."""
+    import cupy
+    out = cupy.empty(p.out_shape, p.dtype)
+    lse = None if p.lse_shape is None else cupy.empty(p.lse_shape, cupy.float32)
+    maps = tuple(qz[n].data.ptr for n in ("q", "k", "vt"))
+    p.launch(cupy.cuda.get_current_stream().ptr, maps,
+             maps + tuple(qz[n].data.ptr for n in ("sq", "sk", "sv")) + (out.data.ptr, 0 if lse is None else lse.data.ptr))
+    return out, lse
+
+
+def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool):
+    return run_quantized(plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse), qz)
+
+
+def forward(q, k, v, *, causal, softmax_scale, return_lse):
+    return attention_quantized(quantize(q, k, v), causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), fa2_fp8.QUANT_SOURCE: quant_specializations(),
+                                           PAD_SOURCE: PAD_INSTANCES},
+                          forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
+                          source_archs={SOURCE: ARCHS}, plan_fn=None)
