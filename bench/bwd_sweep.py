@@ -53,7 +53,7 @@ CANDIDATES = {
         ("q 128x64 x2", None, (128, 64, 2)),        # 124 regs, 2 x 2 WG (default 128x128: 196 regs, 1 x 2 WG)
         ("q 128x128 (old default)", None, (128, 128)),  # 196 regs, 1 x 2 WG (default 64x64 x4: 124 regs)
         # PIPE: S^T of step s+1 issued behind step s's dV, dK; LSE/D by cp.async; three Q/dO stages
-        ("kv pipe", (128, False, 128, 1, 128, True), None),  # 252 regs, 1 x 2 WG, 132 KB
+        ("kv BM128 (old default)", (128, False, 128), None),  # 250 regs: the default without PIPE
         ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # 183 regs, 1 x 2 WG, 82.5 KB; n64, shorter P^T
     ],
     128: [
@@ -61,7 +61,7 @@ CANDIDATES = {
         ("q 128x128", None, (128, 128)),            # 228 regs, 1 x 2 WG, 193 KB; n128 S, dP (default 192x64)
         ("q 64x64", None, (64, 64)),                # 165 regs, 2 x 1 WG, 97 KB
         ("q 128x64 (old default)", None, (128, 64)),  # 164 regs, 1 x 2 WG, 129 KB (default 192x64: 154, 1 x 3 WG)
-        ("kv pipe", (128, False, 64, 1, 64, True), None),  # 240 regs, 1 x 2 WG, 162.5 KB (default: 234, 130 KB)
+        ("kv (old default)", (128, False), None),  # 234 regs, 130 KB: the default without PIPE (240, 162.5 KB)
     ],
     256: [
         ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too

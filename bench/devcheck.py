@@ -43,6 +43,10 @@ SETS = {
     "fp8": [Shape(4, 16, 4096, 128, "bfloat16", False), Shape(2, 16, 8192, 128, "bfloat16", False),
             Shape(1, 16, 16384, 128, "bfloat16", False), Shape(4, 8, 4096, 256, "bfloat16", False),
             Shape(1, 8, 16384, 256, "bfloat16", False)],
+    "fp8_tiles": [Shape(4, 32, 4096, 64, "bfloat16", False), Shape(1, 32, 16384, 64, "bfloat16", False),
+                  Shape(4, 16, 4096, 128, "bfloat16", False), Shape(2, 16, 8192, 128, "bfloat16", False),
+                  Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True),
+                  Shape(4, 8, 4096, 256, "bfloat16", False), Shape(1, 8, 16384, 256, "bfloat16", False)],
     "small-grid": [Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True)],
 }
 
@@ -170,37 +174,50 @@ def torch_peers(torch, shape, scale, sets, timed) -> dict:
     return res
 
 
-def fp8_sweep(shapes, repeats):
-    """fa2_fp8 against this library's fa2 (bf16) and torch SDPA, in one run: pre-quantized operands (a KV cache,
-    the issue's headline), quantization included, and the mma.sync kernel (emulated e4m3 on sm_90) for contrast."""
+def fp8_sweep(shapes, repeats, mma_sync=True, names=("fa2", "fa3", "fa2_fp8", "fa3_fp8")):
+    """The fp8 variants against this library's bf16 ones and torch SDPA, in one run: pre-quantized operands (a KV
+    cache, the issue's headline) and quantization included; fa2_fp8's mma.sync kernel (emulated e4m3 on sm_90) for
+    contrast unless ``mma_sync`` is False. Ratios: against fa2, and against the best 16-bit number of the row
+    (fa3 and torch's backends included)."""
     import os
     import cupy
     import fa_variants as fav
     torch, _ = torch_status()
+    runs = [n for n in names if registry.get(n).available()[0]]
+    half = [n for n in runs if registry.get(n).operand_dtype is None]
+    fp8 = [(n, "") for n in runs if registry.get(n).operand_dtype is not None]
+    if mma_sync:
+        fp8.insert(1, ("fa2_fp8", "mma_sync"))
     rows = []
     for i, shape in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {shape.id}", file=sys.stderr, flush=True)
         sets = gpu_input_sets(shape)
         scale = 1 / math.sqrt(shape.head_dim)
         t = lambda fn, s=sets: median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=s))  # noqa: E731
-        res = {"fa2": t(lambda q, k, v: attention(q, k, v, variant="fa2", causal=shape.causal, softmax_scale=scale))}
-        for kernel in ("", "mma_sync"):
+        res = {n: t(lambda q, k, v, n=n: attention(q, k, v, variant=n, causal=shape.causal, softmax_scale=scale))
+               for n in half}
+        for name, kernel in fp8:
             os.environ["FA_VARIANTS_FP8_KERNEL"] = kernel
-            tag = "fp8" + ("-mma.sync" if kernel else "")
-            qsets = [(fav.fp8.quantize(*s),) for s in sets]
+            tag = name + ("-mma.sync" if kernel else "")
+            qsets = [(fav.fp8.quantize(*s, variant=name),) for s in sets]
             res[tag + " prequant"] = t(lambda qz: fav.fp8.attention(qz, causal=shape.causal, softmax_scale=scale),
                                        qsets)
             del qsets
-            res[tag + " +quant"] = t(lambda q, k, v: attention(q, k, v, variant="fa2_fp8", causal=shape.causal,
-                                                               softmax_scale=scale))
-        os.environ.pop("FA_VARIANTS_FP8_KERNEL")
+            res[tag + " +quant"] = t(lambda q, k, v, n=name: attention(q, k, v, variant=n, causal=shape.causal,
+                                                                       softmax_scale=scale))
+        os.environ.pop("FA_VARIANTS_FP8_KERNEL", None)
         res.update(torch_peers(torch, shape, scale, sets, t))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
         tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+        best16 = max(v for k, v in tf.items() if "fp8" not in k)
+        best = fp8[-1][0]  # the last fp8 variant (fa3_fp8 where it runs)
+        base = half[0] if half else "torch-cudnn"
         rows.append([shape.id] + [f"{v:.1f}" for v in tf.values()]
-                    + [f"{tf['fp8 prequant'] / tf['fa2']:.2f}", f"{tf['fp8 +quant'] / tf['fa2']:.2f}"])
-        heads = ["shape"] + [f"{k} TF/s" for k in tf] + ["prequant/fa2", "+quant/fa2"]
+                    + [f"{tf[best + ' prequant'] / tf[base]:.2f}", f"{tf[best + ' +quant'] / best16:.2f}",
+                       f"{tf[best + ' prequant'] / best16:.2f}"])
+        heads = (["shape"] + [f"{k} TF/s" for k in tf]
+                 + [f"{best} prequant/{base}", f"{best} +quant/best16", f"{best} prequant/best16"])
     print(tabulate(rows, headers=heads))
 
 
@@ -214,6 +231,9 @@ def main():
     ap.add_argument("--quant", action="store_true", help="fp8 quantization bandwidth")
     ap.add_argument("--quant-rows", action="store_true", help="quantize_rows CTA-size sweep")
     ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
+    ap.add_argument("--fp8-matrix", default="", metavar="SET",
+                    help="the fp8 variants among --variants (e.g. fa2,fa3,fa2_fp8,fa3_fp8) beside the 16-bit ones and "
+                         "torch on a shape set (fa3_bf16: issue 9's bf16 matrix), pre-quantized and +quantization")
     ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'; "
                     "another table of the launcher: 'fa2_fp8.SM90_TILES:128=128,128,8'")
     a = ap.parse_args()
@@ -235,6 +255,8 @@ def main():
         quant_rows_sweep(a.repeats)
     if a.fp8:
         fp8_sweep(SETS["fp8"], a.repeats)
+    if a.fp8_matrix:
+        fp8_sweep(SETS[a.fp8_matrix], a.repeats, mma_sync=False, names=names)
     for s in filter(None, a.time.split(",")):
         time_sweep(SETS[s], names, a.repeats)
     sys.exit(1 if bad else 0)

@@ -52,8 +52,9 @@ def test_candidates_well_formed(sweep):
 
 def test_default_names_unchanged():
     """The trailing template arguments are left out at their defaults: the first version's names (and cache keys)."""
-    assert k.instances("fav::BFloat16", 128) == ("fa2_bwd_dkdv_sm90<fav::BFloat16, 128, 128, false>",
+    assert k.instances("fav::BFloat16", 128) == ("fa2_bwd_dkdv_sm90<fav::BFloat16, 128, 128, false, 64, 1, 64, true>",
                                                  "fa2_bwd_dq_sm90<fav::BFloat16, 128, 192, 64>")
+    assert k.dkdv_instance("T", 128, (128, False)) == "fa2_bwd_dkdv_sm90<T, 128, 128, false>"
     assert k.dq_instance("T", 128, (128, 64)) == "fa2_bwd_dq_sm90<T, 128, 128, 64>"
     assert k.dkdv_instance("T", 64, (128, False, 64)) == "fa2_bwd_dkdv_sm90<T, 64, 128, false>"
     assert k.dq_instance("T", 64, (128, 128, 1)) == "fa2_bwd_dq_sm90<T, 64, 128, 128>"
@@ -68,11 +69,12 @@ def test_default_names_unchanged():
     assert k.dkdv_instance("T", 128, (128, False, 64, 1, 64, True)) == \
         "fa2_bwd_dkdv_sm90<T, 128, 128, false, 64, 1, 64, true>"
     assert k.dkdv_config((128, False)) == (128, False, 64, 1, 64, False)
-    # without the split, the smem is K, V, two stages of Q and dO, two of LSE and D
+    # without the split, the smem is K, V, and per stage (two, three with PIPE) Q, dO, LSE and D
     for d in k.DIMS:
-        bn, split, bm = k.dkdv_config(k.DKDV_TILES[d][0])[:3]
+        bn, split, bm, _, _, pipe = k.dkdv_config(k.DKDV_TILES[d][0])
+        stages = 3 if pipe else 2
         if not split:
-            assert k.dkdv_smem(d, k.DKDV_TILES[d][0]) == 1024 + 2 * bn * 2 * d + 4 * bm * 2 * d + 4 * bm * 4
+            assert k.dkdv_smem(d, k.DKDV_TILES[d][0]) == 1024 + 2 * bn * 2 * d + stages * bm * (2 * 2 * d + 2 * 4)
     # the split's dV CTAs with a BM of their own hold no V: the larger of the two layouts
     # PIPE: three stages of Q, dO, LSE and D
     assert k.dkdv_smem(128, (128, False, 64, 1, 64, True)) == 1024 + 2 * 128 * 256 + 3 * (2 * 64 * 256 + 2 * 64 * 4)

@@ -23,7 +23,10 @@ DKDV_BM = 64            # queries per step of the dK/dV pass by default (a confi
 # (64, 1, BM, False). bench/bwd_sweep.py times such alternatives.
 # d 64: 128 queries a step (S^T and dP^T as n128 wgmmas); d 256: 128-key CTAs of 32 queries a step, the split's
 # dV CTAs 64 (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms at d 64, 6.91 -> 5.38 ms at d 256, both passes).
-DKDV_TILES = {64: [(128, False, 128)], 128: [(128, False)], 256: [(128, True, 32, 1, 64)]}
+# PIPE at d 64 and 128 (bench/bwd_sweep.py on the H200, bf16 N 4096, both passes): 5.23 -> 5.07 ms and
+# 4.18 -> 4.03 ms; at d 256 the pipelined split (its dV CTAs then BM 32) is not faster.
+DKDV_TILES = {64: [(128, False, 128, 1, 128, True)], 128: [(128, False, 64, 1, 64, True)],
+              256: [(128, True, 32, 1, 64)]}
 # template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
 # 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (4.38 -> 4.18 ms both passes, outputs as
 # 128 x 64's); d 256: 128 x 32 (same sweeps).
