@@ -4,7 +4,8 @@ on the same inputs, over the FlashAttention-2 paper's sweep.
 Matrix: dtype bf16 and fp16; head dim 64 and 128; N in 1K, 2K, 4K, 8K, 16K with B * N = 16K tokens and
 H * d = 2048; causal and not. FA1's small-grid case (B = 1, H = 16, N = 16K, d = 128: only 16 CTAs for FA1's
 one-CTA-per-head grid) is the matrix's N = 16K, d = 128 row. Plus d = 256 in bf16 for N = 4K, 8K, 16K. Besides
-the registry's variants, ``fa2_fp8_prequant`` times fa2_fp8 on operands quantized before the timed call.
+the registry's variants, ``fa2_fp8_prequant`` (``fa3_fp8_prequant``) times fa2_fp8 (fa3_fp8) on operands quantized
+before the timed call.
 
 Each round is one call bracketed by CUDA events (``timing.EventTimer.once``) after a pad kernel that hides the
 host's launch overhead; calls rotate among input sets larger than L2 together. pytest-benchmark's timer is
@@ -82,14 +83,14 @@ def _shapes() -> list[Shape]:
 
 
 SHAPES = _shapes()
-# fa2_fp8 on bf16/fp16 inputs quantizes on the fly; PREQUANT is the same kernel on tensors quantized beforehand
-# (fav.fp8.quantize, outside the timed call), as a KV cache would hold them.
-PREQUANT = "fa2_fp8_prequant"
+# The fp8 variants on bf16/fp16 inputs quantize on the fly; "<variant>_prequant" is the same kernel on tensors
+# quantized beforehand (fav.fp8.quantize, outside the timed call), as a KV cache would hold them.
+PREQUANTS = {f"{v.name}_prequant": v.name for v in registry.variants() if v.operand_dtype is not None}
 # On Hopper fa2 runs its wgmma kernel; MMA_SYNC is fa2's mma.sync kernel (the one sm_80-89 run) on the same
 # inputs: the instruction's share of fa2's speed, and FA1 against FA2 on one instruction.
 MMA_SYNC = "fa2_mma_sync"
 # The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
-VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [MMA_SYNC, PREQUANT]
+VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [MMA_SYNC, *PREQUANTS]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 
 # The backward: torch peers first (ratios), then ours with a backward model, then fa2's kernel timed directly.
@@ -155,10 +156,10 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
         sets = gpu_inputs(shp)
         fn = fa2_kernels.plan(*sets[0], causal=shp.causal, softmax_scale=scale, return_lse=False,
                               kernel="mma_sync").run_cupy   # one plan: every input set has the same signature
-    elif variant == PREQUANT:
+    elif variant in PREQUANTS:
         import fa_variants as fav
-        _ours("fa2_fp8", shp, scale)  # skips where fa2_fp8 cannot run
-        sets = [(fav.fp8.quantize(*s),) for s in gpu_inputs(shp)]
+        _ours(PREQUANTS[variant], shp, scale)  # skips where the variant cannot run
+        sets = [(fav.fp8.quantize(*s, variant=PREQUANTS[variant]),) for s in gpu_inputs(shp)]
 
         def fn(qz):
             return fav.fp8.attention(qz, causal=shp.causal, softmax_scale=scale)

@@ -29,6 +29,7 @@ struct SwizzledTile {
     static constexpr int BYTES = ROWS * KB;
     static constexpr u64 MODE = W == 128 ? 1 : 2;  // descriptor swizzle field: 1 = 128 B, 2 = 64 B
     static_assert(W == 128 || W == 64, "rows of 64, 128 or 256 bytes");
+    static_assert(KB % W == 0, "whole slabs: a row is 64 bytes or a multiple of 128");
     static_assert(SLAB % 1024 == 0, "each slab must keep the 1024-byte alignment of the swizzle pattern");
 
     // Byte offset of the 16-byte chunk holding bytes [byte, byte + 16) of row `row`.
