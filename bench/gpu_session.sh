@@ -6,6 +6,7 @@
 #   STEPS="launch_cost headdims bench plot" bash bench/gpu_session.sh    only the named steps
 #   STEPS="fp8_speed fp8_study fp8_accum ncu_quant" bash bench/gpu_session.sh
 #   STEPS="gputests fa3_matrix ablation bwd_sweep" bash bench/gpu_session.sh        the fa3 and backward work
+#   STEPS="fp8_matrix" bash bench/gpu_session.sh                                    fa3_fp8 beside the rest
 # Steps run in the order below (most needed first); a step that would start with less than 30 s of the budget
 # left is skipped and listed as such, so the session always ends with every file it wrote. Each step's time and
 # exit status are in the summary. Files (the device returns at most 8):
@@ -43,11 +44,13 @@ step() {
 
 step gputests checks.log 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 for tool in memcheck racecheck; do
-  step $tool checks.log 120 compute-sanitizer --tool $tool python3 bench/profile_one.py fa1,fa2,fa2_fp8,fa3 $S --calls 1
+  step $tool checks.log 120 compute-sanitizer --tool $tool python3 bench/profile_one.py fa1,fa2,fa2_fp8,fa3,fa3_fp8 $S --calls 1
 done
 # fa3 (issue 9): the 60-shape matrix beside fa2 and both torch backends, and the FA3 paper's ablation
 step fa3_matrix perf.log 120 python3 bench/devcheck.py --time fa3 --variants fa2,fa3 --repeats 10
 step ablation perf.log 90 python3 bench/ablation.py --seqlen 4096 8192
+# the fp8 variants (fa2_fp8, fa3_fp8) pre-quantized and quantizing, beside fa2, fa3 and torch on the bf16 matrix
+step fp8_matrix perf.log 150 python3 bench/devcheck.py --fp8-matrix fa3_bf16 --variants fa2,fa3,fa2_fp8,fa3_fp8 --repeats 10
 # the backward (issue 8): tile candidates of the wgmma backward against torch's flash and cuDNN backwards
 step bwd_sweep perf.log 150 python3 bench/bwd_sweep.py --json "$log/bwd_sweep.json"
 step memory_quant checks.log 60 python3 bench/devcheck.py --memory --quant --variants fa2
@@ -75,6 +78,7 @@ show fp8_speed | grep -v '^\[' | tail -8
 show memory_quant | grep -A6 "quantize ms"
 show launch_cost | grep -E '^(\||per-call)'
 show fa3_matrix | tail -62
+show fp8_matrix | tail -32
 show ablation
 show bwd_sweep | grep -E '^(best|wall)'
 show plot
