@@ -1,0 +1,88 @@
+"""The Hopper kernels' machine code holds the instructions their design is about, and no spills: checked on the
+sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` extra installs it).
+
+    wgmma        HGMMA (fp16/bf16) or QGMMA (e4m3) in every wgmma kernel; never HMMA's emulation of e4m3
+    fa3          UTMALDG (TMA loads), USETMAXREG (the producer's registers to the consumers), no LDGSTS (cp.async)
+    spills       no LDL / STL in any of them: a spilled accumulator would serialize the wgmmas
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fa_variants import jit, registry
+from fa_variants.kernels import fa3_fp8
+
+# source -> the instructions every function in it must hold, and those none may hold
+WGMMA_SOURCES = {
+    "fa2_fwd_sm90.cu": ({"HGMMA"}, {"LDL", "STL"}),
+    "fa2_fp8_fwd_sm90.cu": ({"QGMMA"}, {"HGMMA", "LDL", "STL"}),
+    "fa2_bwd_sm90.cu": ({"HGMMA"}, {"LDL", "STL"}),
+    "fa3_fwd.cu": ({"UTMALDG", "USETMAXREG"}, {"LDGSTS", "LDL", "STL"}),
+}
+# fa3_fwd.cu serves both 16-bit fa3 and fa3_fp8: the FP8 flag picks the MMA (must hold, must not hold)
+FA3_MMA = {False: ("HGMMA", "QGMMA"), True: ("QGMMA", "HGMMA")}
+
+
+@functools.lru_cache(maxsize=1)
+def cuobjdump() -> str | None:
+    """cuobjdump on PATH, or the one the nvidia-cuda-cuobjdump wheel puts in site-packages/nvidia/cu*/bin."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for exe in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(exe)
+    return None
+
+
+def sass_by_function(cubin: Path) -> dict[str, list[str]]:
+    """{mangled name: opcodes} of every function in a cubin (cuobjdump calls nvdisasm, found beside it)."""
+    exe = cuobjdump()
+    env = dict(os.environ, PATH=f"{Path(exe).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    text = subprocess.run([exe, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
+    out = {}
+    for block in text.split("Function : ")[1:]:
+        name, _, body = block.partition("\n")
+        ops = []
+        for line in body.splitlines():
+            m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+            if m:
+                ops.append(m.group(1))
+        out[name.strip()] = ops
+    return out
+
+
+def units():
+    """(variant, source, name expressions) of every wgmma source a registry entry compiles for sm_90a."""
+    seen = set()
+    for v in registry.variants():
+        for src, exprs in v.launcher.compile_units("sm_90a").items():
+            if src in WGMMA_SOURCES and (src, exprs) not in seen:
+                seen.add((src, exprs))
+                yield pytest.param(src, exprs, id=f"{v.name}-{src}")
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@pytest.mark.parametrize("src,exprs", list(units()))
+def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
+    path, lowered = jit.cached_cubin(src, exprs, "sm_90a")
+    sass = sass_by_function(path)
+    need, forbid = WGMMA_SOURCES[src]
+    for expr in exprs:
+        ops = set(sass[lowered[expr]])
+        must, must_not = set(need), set(forbid)
+        if src == "fa3_fwd.cu":
+            hold, avoid = FA3_MMA[expr in fa3_fp8.specializations()]
+            must.add(hold)
+            must_not.add(avoid)
+        assert must <= ops, f"{expr}: no {sorted(must - ops)} in its SASS"
+        assert not must_not & ops, f"{expr}: {sorted(must_not & ops)} in its SASS"
