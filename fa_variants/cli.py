@@ -302,9 +302,9 @@ def _modeled_hbm(entry: Variant, shape: timing.Shape, blocks) -> float | None:
 def cmd_compare(args: argparse.Namespace) -> int:
     if getattr(args, "backward", False):
         return _compare_backward(args)
-    if args.dtype == "fp8":  # the FP8 comparison: fa2_fp8 on bf16 inputs (quantized on the fly) beside bf16 fa2
-        args.dtype = "bfloat16"
-        args.variants = args.variants or "fa2,fa2_fp8"
+    if args.dtype == "fp8":  # the FP8 comparison: the fp8 variants on bf16 inputs (quantized on the fly) beside
+        args.dtype = "bfloat16"  # the bf16 ones (fa3 and fa3_fp8 listed as unavailable off Hopper)
+        args.variants = args.variants or "fa2,fa3,fa2_fp8,fa3_fp8"
     chosen = _parse_variants(args.variants)
     why_no_gpu = "forced by --numpy" if args.numpy else gpu.reason()
     if why_no_gpu:
@@ -999,7 +999,7 @@ def _add_shape_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--seqlen-k", type=_positive, help="key length (default: = seqlen); causal is bottom-right aligned")
     c.add_argument("--head-dim", type=_positive, help=f"default {d['head_dim']}")
     c.add_argument("--dtype", choices=["float16", "bfloat16", "fp8"], default="bfloat16",
-                   help="fp8: fa2_fp8 (bf16 inputs quantized to e4m3 on the fly) beside fa2 in bf16")
+                   help="fp8: fa2_fp8 and fa3_fp8 (bf16 inputs quantized to e4m3 on the fly) beside fa2 and fa3 in bf16")
     c.add_argument("--causal", action="store_true")
     c.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
     c.add_argument("--no-torch", action="store_true", help="skip the torch SDPA rows")

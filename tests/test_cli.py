@@ -147,11 +147,11 @@ def test_readme_names_every_variant_and_the_two_commands():
     assert 'pip install -e ".[cuda12,test]" && pytest' in readme
 
 
-def test_compare_fp8_without_gpu_runs_both_models(no_gpu, capsys):
+def test_compare_fp8_without_gpu_runs_the_fp8_models(no_gpu, capsys):
     rc = cli.main(["compare", "--dtype", "fp8"])
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
     names = {ln.split("|")[1].strip() for ln in table}
-    assert {"fa2", "fa2_fp8"} <= names and "naive" not in names, names
+    assert {"fa2", "fa3", "fa2_fp8", "fa3_fp8"} <= names and "naive" not in names, names
     assert rc == 0
 
 
