@@ -49,7 +49,8 @@ template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int N
           bool FP8 = false>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
-        const __grid_constant__ fav::TmaDesc tv, const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p) {
+        const __grid_constant__ fav::TmaDesc tv,
+        const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p) {
     using namespace fav;
     constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, CONSUMERS = 128 * NC;
     constexpr int EB = FP8 ? 1 : 2;          // bytes per element of Q, K, V
@@ -126,9 +127,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                         tma_load_4d(sK(s) + c * TK::SLAB, tk, k_full(s), c * TK::W / EB, j * BN, h_kv, w.b);
                     mbar_wait(v_empty(s), phase ^ 1);
                     mbar_expect_tx(v_full(s), TV::BYTES);
-                    for (int c = 0; c < TV::SLABS; ++c)  // V [key][d] boxes; fp8: V^T [d][key] boxes of keys
-                        if constexpr (FP8) tma_load_4d(sV(s) + c * TV::SLAB, tv, v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
-                        else tma_load_4d(sV(s) + c * TV::SLAB, tv, v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
+                    for (int c = 0; c < TV::SLABS; ++c) {  // V [key][d] boxes; fp8: V^T [d][key] boxes of keys
+                        const u32 dst = sV(s) + c * TV::SLAB;
+                        if constexpr (FP8) tma_load_4d(dst, tv, v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
+                        else tma_load_4d(dst, tv, v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
+                    }
                 }
             }
         }
@@ -196,7 +199,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks + m0 / BM];
             auto to_log2 = [&](float (&s)[1][NT][4], int j) {
                 if constexpr (FP8) {
-                    const float f = q_scale * p.sk[((i64)w.b * (p.heads / p.group) + h_kv) * ((seqlen_k + BN - 1) / BN) + j];
+                    const i64 bhk = (i64)w.b * (p.heads / p.group) + h_kv;
+                    const float f = q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll

@@ -71,7 +71,8 @@ def units():
                 yield pytest.param(src, exprs, id=f"{v.name}-{src}")
 
 
-@pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@pytest.mark.skipif(cuobjdump() is None,
+                    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 @pytest.mark.parametrize("src,exprs", list(units()))
 def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
     path, lowered = jit.cached_cubin(src, exprs, "sm_90a")

@@ -126,8 +126,8 @@ def run_quantized(p: fa3.Fa3Plan, qz: dict):
     out = cupy.empty(p.out_shape, p.dtype)
     lse = None if p.lse_shape is None else cupy.empty(p.lse_shape, cupy.float32)
     maps = tuple(qz[n].data.ptr for n in ("q", "k", "vt"))
-    p.launch(cupy.cuda.get_current_stream().ptr, maps,
-             maps + tuple(qz[n].data.ptr for n in ("sq", "sk", "sv")) + (out.data.ptr, 0 if lse is None else lse.data.ptr))
+    scales = tuple(qz[n].data.ptr for n in ("sq", "sk", "sv"))
+    p.launch(cupy.cuda.get_current_stream().ptr, maps, maps + scales + (out.data.ptr, 0 if lse is None else lse.data.ptr))
     return out, lse
 
 
