@@ -326,7 +326,15 @@ PIPELINE = "\n".join([
     "tiles (kernels/fa3.py TILES; arithmetic on the tile sizes, not a measurement):",
     *_tile_lines(),
     "",
-    "measured (placeholders until the H200 runs):",
+    "fa3_fp8: the same kernel with its FP8 template flag (kernels/fa3_fp8.py): Q and K in e4m3 rows of d bytes,",
+    "  V^T (d rows of B_c keys, fa2_fp8's quantizer layout: e4m3 wgmma wants both operands K-major), the wgmmas",
+    "  32 values a step (QGMMA), S_j times its Q tile's and K_j's scales before the mask, P_j x 256 packed to",
+    "  e4m3 in registers, O / l times V's channel scales on the way out. Its tiles (FP8_TILES):",
+    *[f"  d={t:<3d}  B_r x B_c = {b_r} x {b_c}, n_st = {st}: smem Q {b_r * t / 1024:g} KiB + {st} x (K+V^T) "
+      f"{2 * b_c * t / 1024:g} KiB" for t, (b_r, b_c, st) in FP8_TILES.items()],
+    "",
+    "measured (the numbers live in bench/RESULTS.md; README's FA2 -> FA3 section summarizes them):",
     "  fa3 vs fa2 TFLOP/s at d = 64, 128, 256, causal and not:  measured in bench/RESULTS.md",
     "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): measured in bench/RESULTS.md",
+    "  fa3_fp8 pre-quantized and quantizing, beside fa2_fp8 and the 16-bit ones: measured in bench/RESULTS.md",
 ])
