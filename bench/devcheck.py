@@ -15,7 +15,7 @@ import sys
 
 from tabulate import tabulate
 
-from fa_variants import attention, registry
+from fa_variants import attention, registry, timing
 from fa_variants.reference.dense import all_pairs, attention64, rel_error
 from fa_variants.timing import (Shape, cast_half, gpu_input_sets, median, time_cuda, torch_sdpa_fn, torch_sdpa_unsupported,
                                 torch_status, as_torch_bhnd)
@@ -159,14 +159,17 @@ def quant_rows_sweep(repeats):
     print(tabulate(rows, headers=["threads", "16-byte vectors / thread", "us", "GB/s (read + written)"]))
 
 
+PEERS = ["torch-flash", "torch-cudnn"]  # --flex adds timing.FLEX (FlexAttention, compiled per shape)
+
+
 def torch_peers(torch, shape, scale, sets, timed) -> dict:
-    """{peer: median ms} of torch SDPA's flash and cuDNN backends on ``sets``, timed by ``timed(fn, sets)``;
-    empty without torch or for a shape SDPA does not take."""
+    """{peer: median ms} of torch SDPA's flash and cuDNN backends (and FlexAttention with --flex) on ``sets``,
+    timed by ``timed(fn, sets)``; empty without torch or for a shape SDPA does not take."""
     if torch is None or torch_sdpa_unsupported(shape):
         return {}
     tsets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in sets]
     res = {}
-    for peer in ("torch-flash", "torch-cudnn"):
+    for peer in PEERS:
         try:
             res[peer] = timed(torch_sdpa_fn(torch, peer, shape, scale), tsets)
         except Exception as e:  # noqa: BLE001
@@ -231,12 +234,15 @@ def main():
     ap.add_argument("--quant", action="store_true", help="fp8 quantization bandwidth")
     ap.add_argument("--quant-rows", action="store_true", help="quantize_rows CTA-size sweep")
     ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
+    ap.add_argument("--flex", action="store_true", help="FlexAttention (torch.compile) beside torch SDPA's backends")
     ap.add_argument("--fp8-matrix", default="", metavar="SET",
                     help="the fp8 variants among --variants (e.g. fa2,fa3,fa2_fp8,fa3_fp8) beside the 16-bit ones and "
                          "torch on a shape set (fa3_bf16: issue 9's bf16 matrix), pre-quantized and +quantization")
     ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'; "
                     "another table of the launcher: 'fa2_fp8.SM90_TILES:128=128,128,8'")
     a = ap.parse_args()
+    if a.flex:
+        PEERS.append(timing.FLEX)
     for spec in filter(None, a.tiles.split(";")):
         name, rest = spec.split(":")
         name, _, table = name.partition(".")

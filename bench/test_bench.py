@@ -90,14 +90,16 @@ PREQUANTS = {f"{v.name}_prequant": v.name for v in registry.variants() if v.oper
 # inputs: the instruction's share of fa2's speed, and FA1 against FA2 on one instruction.
 MMA_SYNC = "fa2_mma_sync"
 # The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
-VARIANTS = list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants()] + [MMA_SYNC, *PREQUANTS]
+# FAV_BENCH_FLEX=1 adds FlexAttention (torch.compile, compiled per shape: minutes over the whole bench) as a peer.
+PEERS = list(timing.TORCH_BACKENDS) + ([timing.FLEX] if os.environ.get("FAV_BENCH_FLEX", "0") not in ("", "0") else [])
+VARIANTS = PEERS + [v.name for v in registry.variants()] + [MMA_SYNC, *PREQUANTS]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 
 # The backward: torch peers first (ratios), then ours with a backward model, then fa2's kernel timed directly.
 BWD_KERNEL = "fa2_bwd_kernel"        # UNVALIDATED: kernels.fa2_bwd.backward, bypassing the API (opt-in)
 BWD_KERNEL_MAX_DIM = 128
 BWD_DIRECTIONS = ("bwd", "fwdbwd")
-BWD_VARIANTS = (list(timing.TORCH_BACKENDS) + [v.name for v in registry.variants() if v.reference_backward]
+BWD_VARIANTS = (PEERS + [v.name for v in registry.variants() if v.reference_backward]
                 + [BWD_KERNEL])
 BWD_CASES = [(s.id, d, v) for s in SHAPES for d in BWD_DIRECTIONS for v in BWD_VARIANTS]
 
@@ -147,7 +149,7 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
     shp = Shape.parse(shape)
     scale = 1.0 / math.sqrt(shp.head_dim)
     hbm = None
-    if variant in timing.TORCH_BACKENDS:
+    if variant in PEERS:
         torch, fn = _torch(variant, shp, scale)
         sets = [tuple(timing.as_torch_bhnd(torch, a) for a in s) for s in gpu_inputs(shp)]
     elif variant == MMA_SYNC:
@@ -212,7 +214,7 @@ def _measure(benchmark, bench_record, shp: Shape, variant: str, fn, sets, *, dir
     info.update(extra or {})
     benchmark.extra_info.update(info)
     ratios = bench_record(shp, variant, med_ms, db_ms, direction=direction)
-    if variant not in timing.TORCH_BACKENDS:
+    if variant not in PEERS:
         benchmark.extra_info.update(ratios)
 
 
@@ -290,7 +292,7 @@ def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, sh
         ok, why = entry.available()
         if not ok:
             skip(f"fa2 not available here: {why}")
-    elif variant not in timing.TORCH_BACKENDS:
+    elif variant not in PEERS:
         entry = registry.get(variant)
         ok, why = entry.available()
         if not ok:
@@ -302,7 +304,7 @@ def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, sh
     douts = gpu_douts(shp, len(qkv))
     torch_mod = None
     try:
-        if variant in timing.TORCH_BACKENDS:
+        if variant in PEERS:
             torch_mod = timing.torch_status()[0]
             fn, sets = _torch_backward(variant, shp, scale, qkv, douts, direction, skip)
             extra = dict(torch_backward="torch.autograd.grad(out, (q, k, v), dout"

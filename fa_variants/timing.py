@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 import statistics
@@ -398,8 +399,33 @@ def nbytes_rounded(*arrays) -> int:
 
 # ------------------------------------------------------------------------------------------------ torch peers
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
-# Not a peer in the tables: torch's unfused SDPA (autograd keeps the softmax P), for bench/recompute.py.
-OTHER_TORCH_BACKENDS = {"torch-math": "MATH"}
+# Not peers in the tables (yet): torch's unfused SDPA (autograd keeps the softmax P), for bench/recompute.py; and
+# FlexAttention (torch.nn.attention.flex_attention under torch.compile: a Triton kernel on the GPU), by name or
+# `bench/devcheck.py --flex`, until its per-shape compile time on the H200 is known (it has not run there).
+FLEX = "torch-flex"
+OTHER_TORCH_BACKENDS = {"torch-math": "MATH", FLEX: None}
+TORCH_PEERS = (*TORCH_BACKENDS, FLEX)  # what the tables show as torch's, not ours (ratios: TORCH_BACKENDS only)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex(torch):
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def torch_flex_fn(torch, shape: Shape, softmax_scale: float, device: str = "cuda"):
+    """A callable (q, k, v) -> out on torch (B, H, N, d) tensors: FlexAttention with this library's conventions,
+    causal aligned bottom-right (key j visible to query i iff j <= i + N_k - N_q: a block mask, so fully masked
+    blocks are skipped) and GQA by ``enable_gqa``. Compiled by torch.compile on first call (per shape)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    block_mask = None
+    if shape.causal:
+        diag = shape.nk - shape.seqlen_q
+        block_mask = create_block_mask(lambda b, h, i, j: j <= i + diag, B=None, H=None, Q_LEN=shape.seqlen_q,
+                                       KV_LEN=shape.nk, device=device)
+    kwargs = dict(block_mask=block_mask, scale=float(softmax_scale), enable_gqa=shape.hkv != shape.heads)
+    flex = _compiled_flex(torch)
+    return lambda q, k, v: flex(q, k, v, **kwargs)
 
 
 def torch_status() -> tuple[object, str]:
@@ -436,17 +462,25 @@ def as_torch_bhnd(torch, x):
 
 
 def torch_sdpa_fn(torch, peer: str, shape: Shape, softmax_scale: float):
-    """A callable (q, k, v) -> out (torch, (B, H, N, d)) running SDPA with one backend forced, on the
-    current CuPy stream. ``peer`` is a key of TORCH_BACKENDS (or OTHER_TORCH_BACKENDS)."""
+    """A callable (q, k, v) -> out (torch, (B, H, N, d)) running SDPA with one backend forced (``FLEX``:
+    FlexAttention), on the current CuPy stream. ``peer`` is a key of TORCH_BACKENDS (or OTHER_TORCH_BACKENDS)."""
     import cupy
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    ptr = cupy.cuda.get_current_stream().ptr
+    if peer == FLEX:
+        flex = torch_flex_fn(torch, shape, softmax_scale, device=f"cuda:{cupy.cuda.Device().id}")
+
+        def flex_on_stream(q, k, v):
+            with on_cupy_stream(torch, ptr):
+                return flex(q, k, v)
+
+        return flex_on_stream
     backend = getattr(SDPBackend, {**TORCH_BACKENDS, **OTHER_TORCH_BACKENDS}[peer])
     F = torch.nn.functional
     kwargs = dict(is_causal=bool(shape.causal), scale=float(softmax_scale))
     if shape.hkv != shape.heads:
         kwargs["enable_gqa"] = True
-    ptr = cupy.cuda.get_current_stream().ptr
 
     def fn(q, k, v):
         with on_cupy_stream(torch, ptr), sdpa_kernel(backend):
@@ -634,8 +668,8 @@ def _direction_tables(results, direction: str, focus) -> list:
     by = {(r.shape.id, r.variant): r for r in results}
     shapes = list(dict.fromkeys(r.shape for r in results))
     seen = list(dict.fromkeys(r.variant for r in results))
-    ours = [n for n in seen if n not in TORCH_BACKENDS]
-    names = ours + [n for n in TORCH_BACKENDS if n in seen]     # ours first, whatever order the cases ran in
+    ours = [n for n in seen if n not in TORCH_PEERS]
+    names = ours + [n for n in TORCH_PEERS if n in seen]        # ours first, whatever order the cases ran in
     has_flash = "torch-flash" in names
     headers = (["shape"] + [f"{n}{t} TFLOP/s" for n in names]
                + ([f"{n}{t} / flash{t}" for n in ours] if has_flash else []))

@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fa_variants import timing
@@ -518,3 +519,24 @@ def test_bench_directions_switch_deselects_the_others():
     assert got == bwd and f"({len(fwd) + len(fb)} deselected)" in only.stdout
     bad = _collect("fwd,sideways")
     assert bad.returncode != 0 and "unknown direction 'sideways'" in bad.stdout + bad.stderr
+
+
+def test_flex_peer_is_bottom_right_causal_with_gqa():
+    """FlexAttention as a peer computes what our kernels do: causal aligned bottom-right (seqlen_q != seqlen_k,
+    both ways) and GQA; checked on the CPU against float64 (torch.compile of flex_attention runs there too)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from fa_variants.reference.dense import attention64
+    rng = np.random.default_rng(7)
+    for nq, nk, causal in ((37, 53, True), (53, 37, True), (40, 40, False)):
+        shape = timing.Shape(batch=1, heads=4, seqlen_q=nq, head_dim=32, dtype="float32", causal=causal,
+                             heads_kv=2, seqlen_k=nk)
+        q, k, v = (rng.standard_normal((1, n, h, 32)).astype(np.float32) for n, h in ((nq, 4), (nk, 2), (nk, 2)))
+        fn = timing.torch_flex_fn(torch, shape, 0.2, device="cpu")
+        bhnd = [torch.from_numpy(a).transpose(1, 2).contiguous() for a in (q, k, v)]
+        out = fn(*bhnd).transpose(1, 2).numpy().astype(np.float64)
+        ref, _ = attention64(q, k, v, causal=causal, scale=0.2)          # (B * H, N_q, d)
+        ref = ref.reshape(1, 4, nq, 32).transpose(0, 2, 1, 3)
+        visible = (np.arange(nq) + nk - nq >= 0) if causal else np.ones(nq, bool)
+        err = np.linalg.norm(out[:, visible] - ref[:, visible]) / np.linalg.norm(ref[:, visible])
+        assert err < 1e-5, (nq, nk, causal, err)
