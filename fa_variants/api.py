@@ -202,8 +202,8 @@ def _remember(key, plan, q) -> bool:
 def clear_plans() -> None:
     """Forget every cached launch plan (after changing FA_VARIANTS_SMEM_LIMIT, FA_VARIANTS_FP8_KERNEL or FA_VARIANTS_FA3_PERSISTENT, which
     change the tiles a plan was made with)."""
-    from .kernels import common, fa2_fp8
+    from .kernels import common
     with _lock:
         _PLANS.clear()
-        common._FWD_PLANS.clear()
-        fa2_fp8._PLANS.clear()
+        for cache in common.PLAN_CACHES:  # forward_via_plan's and the fp8 launchers'
+            cache.clear()

@@ -56,8 +56,29 @@ def pad_last_dim(a, width: int):
     return out
 
 
+#: The launchers' plan caches (call signature -> plan), made by ``plan_cache``: fav.clear_plans() empties them all.
+PLAN_CACHES: list[dict] = []
+PLAN_CACHE_MAX = 1024   # signatures a cache keeps before it starts over
+
+
+def plan_cache() -> dict:
+    cache: dict = {}
+    PLAN_CACHES.append(cache)
+    return cache
+
+
+def cached_plan(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` on a miss (the cache starts over past PLAN_CACHE_MAX entries)."""
+    plan = cache.get(key)
+    if plan is None:
+        if len(cache) > PLAN_CACHE_MAX:
+            cache.clear()
+        plan = cache[key] = make()
+    return plan
+
+
 _PAD_PLANS: dict = {}   # (shape, strides, dtype, width, device) -> (CUfunction, grid, threads, PadParams bytes)
-_FWD_PLANS: dict = {}   # forward_via_plan's plans of padded or copied inputs, per signature
+_FWD_PLANS = plan_cache()  # forward_via_plan's plans of padded or copied inputs, per signature
 
 
 def _pad_plan(a, width: int):
@@ -108,11 +129,8 @@ def forward_via_plan(make_plan, q, k, v, *, causal, softmax_scale, return_lse):
     import cupy
     key = (make_plan, *(x for a in (q, k, v) for x in (a.shape, a.strides)), q.dtype, causal, softmax_scale,
            return_lse, cupy.cuda.runtime.getDevice())
-    plan = _FWD_PLANS.get(key)
-    if plan is None:
-        if len(_FWD_PLANS) > 1024:
-            _FWD_PLANS.clear()
-        plan = _FWD_PLANS[key] = make_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    plan = cached_plan(_FWD_PLANS, key, lambda: make_plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                          return_lse=return_lse))
     out, lse = plan.run_cupy(q, k, v)
     return (out[..., :d] if d % 8 else out), lse
 

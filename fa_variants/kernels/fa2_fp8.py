@@ -12,8 +12,8 @@ import numpy as np
 
 from .. import gpu, jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, ensure_vector_aligned, pad_last_dim,
-                     pick_tiles, scale_log2, template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, ensure_vector_aligned,
+                     pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim)
 from .launch import FwdPlan, function_of, launch
 from .params import FP8_FWD
 
@@ -113,10 +113,11 @@ SOURCES = {
 }
 
 
-def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
-    """The e4m3 copies of Q, K and V^T (padded) and their scales, when quantizing on the fly."""
+def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None, tiles_of=None):
+    """The e4m3 copies of Q, K and V^T (padded) and their scales, when quantizing on the fly for the kernel whose
+    (BM, BN) ``tiles_of(head_dim)`` gives (default: this device's fa2_fp8 kernel's)."""
     heads_kv = heads if heads_kv is None else heads_kv
-    bm, bn = tiles(head_dim)
+    bm, bn = (tiles_of or tiles)(head_dim)
     D = fp8_template_dim(head_dim)  # quantized rows are the template dim wide
     nk_pad = cdiv(seqlen_k, bn) * bn
     return (batch * D * (heads * seqlen_q + heads_kv * (seqlen_k + nk_pad))
@@ -192,20 +193,22 @@ def quantize(q, k, v, cfg=None) -> dict:
     return {**quantize_q(q, cfg), **quantize_kv(k, v, cfg)}
 
 
-_PLANS: dict = {}  # (shapes, flags, device, kernel) -> FwdPlan: quantizing on the fly makes a qz per call
+_PLANS = plan_cache()  # (shapes, flags, device, kernel) -> FwdPlan: quantizing on the fly makes a qz per call
+
+
+def plan_key(qz: dict, causal: bool, softmax_scale: float, return_lse: bool) -> tuple:
+    """What a plan on the operands of ``qz`` depends on: their shapes and tiles, the flags, the device."""
+    import cupy
+    return (qz["q"].shape, qz["k"].shape, qz["vt"].shape, qz["seqlen_k"], qz["head_dim"], np.dtype(qz["out_dtype"]),
+            tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice())
 
 
 def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:
     """The launch of FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be this device's: checked).
     Its pointers are q, k, vt, sq, sk, sv, out, lse (params.FP8_FWD)."""
-    import cupy
-    key = (qz["q"].shape, qz["k"].shape, qz["vt"].shape, qz["seqlen_k"], qz["head_dim"], np.dtype(qz["out_dtype"]),
-           tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice(), uses_wgmma())
-    if key not in _PLANS:
-        if len(_PLANS) > 1024:
-            _PLANS.clear()
-        _PLANS[key] = _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
-    return _PLANS[key]
+    key = plan_key(qz, causal, softmax_scale, return_lse) + (uses_wgmma(),)
+    return cached_plan(_PLANS, key, lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale,
+                                                  return_lse=return_lse))
 
 
 def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:

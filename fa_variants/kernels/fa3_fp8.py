@@ -13,7 +13,7 @@ import numpy as np
 from .. import jit
 from . import KernelLauncher
 from . import fa2_fp8, fa3
-from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, scale_log2
+from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, plan_cache, scale_log2
 from .launch import function_of
 from .params import FP8_FWD
 from .tma import MapTemplate
@@ -51,12 +51,7 @@ def quant_specializations():
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
     """The e4m3 copies of Q, K and V^T (padded) and their scales, when quantizing on the fly."""
-    heads_kv = heads if heads_kv is None else heads_kv
-    bm, bn = tiles(head_dim)
-    D = fa2_fp8.fp8_template_dim(head_dim)
-    nk_pad = cdiv(seqlen_k, bn) * bn
-    return (batch * D * (heads * seqlen_q + heads_kv * (seqlen_k + nk_pad))
-            + 4 * batch * (heads * cdiv(seqlen_q, bm) + heads_kv * (cdiv(seqlen_k, bn) + 2 * D)))
+    return fa2_fp8.extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize, heads_kv, tiles_of=tiles)
 
 
 def quantize_q(q) -> dict:
@@ -82,20 +77,13 @@ def _maps(qz: dict, cfg) -> tuple:
             MapTemplate(vt.data.ptr, (b, D, hkv, npad), (hkv * D * npad, npad, D * npad), 1, D, "v^T", min(bn, 128)))
 
 
-_PLANS: dict = {}  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)
+_PLANS = plan_cache()  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)
 
 
 def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> fa3.Fa3Plan:
     """The launch of fa3_fp8 on operands from ``quantize`` (made for this kernel's tiles: checked)."""
-    import cupy
-    key = (qz["q"].shape, qz["k"].shape, qz["vt"].shape, qz["seqlen_k"], qz["head_dim"], np.dtype(qz["out_dtype"]),
-           tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice())
-    p = _PLANS.get(key)
-    if p is None:
-        if len(_PLANS) > 1024:
-            _PLANS.clear()
-        p = _PLANS[key] = _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
-    return p
+    return cached_plan(_PLANS, fa2_fp8.plan_key(qz, causal, softmax_scale, return_lse),
+                       lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse))
 
 
 def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> fa3.Fa3Plan:
