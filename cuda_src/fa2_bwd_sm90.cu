@@ -38,11 +38,6 @@
 
 namespace fav {
 
-// 4-byte cp.async (the LSE and D of one query; .ca: the only form below 16 bytes); src-size 0 zero-fills.
-__forceinline__ __device__ void cp_async_4(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-
 // load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
 // wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
 // A CTA of three warpgroups (384 threads) copies with its first 256 threads (whole passes of 64-row tiles).

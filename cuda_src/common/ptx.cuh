@@ -18,6 +18,11 @@ __forceinline__ __device__ u32 smem_u32(const void* p) {
 __forceinline__ __device__ void cp_async_16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// 4-byte cp.async (one float: fa2_bwd_sm90's per-query LSE and D; .ca: the only form below 16 bytes); src-size 0
+// zero-fills.
+__forceinline__ __device__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
 __forceinline__ __device__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>  // wait until at most N committed groups are still in flight
 __forceinline__ __device__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
