@@ -12,6 +12,7 @@ import argparse
 import importlib
 import math
 import sys
+import time
 
 from tabulate import tabulate
 
@@ -96,13 +97,13 @@ def time_sweep(shapes, names, repeats):
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
         tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
-        row = [shape.id] + [f"{tf[k]:.1f}" if k in tf else "" for k in names + ["torch-flash", "torch-cudnn"]]
+        row = [shape.id] + [f"{tf[k]:.1f}" if k in tf else "" for k in names + PEERS]
         for k in names:
             row.append(f"{tf[k] / tf['torch-flash']:.2f}" if k in tf and "torch-flash" in tf else "")
         for k in names:
             row.append(f"{tf[k] / tf['torch-cudnn']:.2f}" if k in tf and "torch-cudnn" in tf else "")
         rows.append(row)
-    heads = ["shape"] + [f"{k} TF/s" for k in names + ["torch-flash", "torch-cudnn"]] + \
+    heads = ["shape"] + [f"{k} TF/s" for k in names + PEERS] + \
         [f"{k}/flash" for k in names] + [f"{k}/cudnn" for k in names]
     print(tabulate(rows, headers=heads))
 
@@ -171,7 +172,10 @@ def torch_peers(torch, shape, scale, sets, timed) -> dict:
     res = {}
     for peer in PEERS:
         try:
+            t0 = time.perf_counter()
             res[peer] = timed(torch_sdpa_fn(torch, peer, shape, scale), tsets)
+            if peer == timing.FLEX:  # its compile is per shape: say what it costs
+                print(f"  {peer}: {time.perf_counter() - t0:.1f} s with its compile", file=sys.stderr)
         except Exception as e:  # noqa: BLE001
             print(f"  {peer}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
     return res
