@@ -13,9 +13,12 @@
 //   overlap              block j runs while the P V product of block j-1 is still on the tensor cores. O takes
 //                        block j-1's rescale factor between the two issues (while S_j is on the tensor cores),
 //                        just before P_{j-1} V_{j-1} is added: one block later than FA2 rescales, same arithmetic.
-//   persistent grid      (PERSISTENT) one CTA per SM walks the (Q block, head, batch) tiles, heaviest Q blocks
-//                        first; its producer loads the next tile's Q and K/V while the consumers finish this
-//                        one, whose O then goes out straight from registers (DirectOut: shared memory is busy).
+//   persistent grid      (PERSISTENT) one CTA per SM; its producer takes tiles from a global counter (tiles_next:
+//                        first its blockIdx.x, then gridDim.x + atomicAdd), so an SM that finishes early takes the
+//                        next tile in the heavy-first order (longest processing time first, what the hardware
+//                        does for one CTA per tile), and hands each to the consumers through a two-slot ring in
+//                        shared memory. It loads the next tile's Q and K/V while the consumers finish this one,
+//                        whose O then goes out straight from registers (DirectOut: shared memory is busy).
 //                        Otherwise one CTA per tile, O staged through shared memory (NormalizedOut).
 //   FP8 (fa3_fp8)        the same pipeline on e4m3 operands, fa2_fp8's quantized layouts and scales: Q and K
 //                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
@@ -50,7 +53,8 @@ template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int N
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
         const __grid_constant__ fav::TmaDesc tv,
-        const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p) {
+        const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p,
+        int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
     using namespace fav;
     constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, CONSUMERS = 128 * NC;
     constexpr int EB = FP8 ? 1 : 2;          // bytes per element of Q, K, V
@@ -68,22 +72,27 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     const u32 sQ = base;
     auto sK = [&](int s) { return sQ + TQ::BYTES + s * (TK::BYTES + TV::BYTES); };
     auto sV = [&](int s) { return sK(s) + TK::BYTES; };
-    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty; per stage K/V full, K/V empty
-    const u32 q_full = bars, q_empty = bars + 8;
+    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty; per stage K/V full, K/V empty;
+    const u32 q_full = bars, q_empty = bars + 8;  // PERSISTENT: tile full, tile empty per slot, then the slots
     auto k_full = [&](int s) { return bars + 8 * (2 + s); };
     auto v_full = [&](int s) { return bars + 8 * (2 + STAGES + s); };
     auto k_empty = [&](int s) { return bars + 8 * (2 + 2 * STAGES + s); };
     auto v_empty = [&](int s) { return bars + 8 * (2 + 3 * STAGES + s); };
+    auto tile_full = [&](int k) { return bars + 8 * (2 + 4 * STAGES + k % 2); };
+    auto tile_empty = [&](int k) { return bars + 8 * (4 + 4 * STAGES + k % 2); };
+    auto tile_slot = [&](int k) { return bars + 8 * (6 + 4 * STAGES) + 4 * (k % 2); };
 
     // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
     // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
-    // cost 12 % at d 128 N 4K: a wave then reads 132 heads' K/V). Tile t is the CTA's own with one CTA per tile,
-    // every gridDim.x-th from blockIdx.x with PERSISTENT.
-    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
-    const int tiles = q_blocks * p.heads * p.batch;
+    // cost 12 % at d 128 N 4K: a wave then reads 132 heads' K/V). Tile blockIdx.x is the CTA's first (its only one
+    // without PERSISTENT); the k-th tile of a CTA is its tile_slot(k), written by the producer.
+    // Recomputed where used (from the constant bank), not held: a value live into the producer's 24 registers
+    // is spilled.
+    auto q_blocks = [&] { return (p.seqlen_q + BM - 1) / BM; };
+    auto tiles = [&] { return q_blocks() * p.heads * p.batch; };
     struct Work { int m0, h, b; BlockRange blocks; };
     auto tile_at = [&](int t) {
-        const int i_block = q_blocks - 1 - t % q_blocks, hb = t / q_blocks;
+        const int qb = q_blocks(), i_block = qb - 1 - t % qb, hb = t / qb;
         const int m0 = i_block * BM;
         return Work{m0, hb % p.heads, hb / p.heads, blocks_of<BM, BN>(p, m0)};
     };
@@ -100,6 +109,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             mbar_init(k_empty(s), 4 * NC);  // one arrival per consumer warp
             mbar_init(v_empty(s), 4 * NC);
         }
+        if (PERSISTENT)
+            for (int k = 0; k < 2; ++k) {
+                mbar_init(tile_full(k), 1);        // the producer, once it has written the slot
+                mbar_init(tile_empty(k), 4 * NC);  // one arrival per consumer warp, once it has read it
+            }
         fence_mbar_init();
     }
     __syncthreads();
@@ -110,15 +124,22 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             tma_prefetch_desc(tk);
             tma_prefetch_desc(tv);
             int it = 0, q_uses = 0;  // K/V blocks and Q tiles loaded so far: ring stage and phase
-            for (int t = blockIdx.x; t < tiles; t += PERSISTENT ? gridDim.x : tiles) {
+            for (int k = 0, t = blockIdx.x;; ++k) {
+                if constexpr (PERSISTENT) {  // hand tile t (tiles or more: the end) to the consumers
+                    mbar_wait(tile_empty(k), ((k / 2) & 1) ^ 1);
+                    st_shared(tile_slot(k), t);
+                    mbar_arrive_if(tile_full(k), true);
+                }
+                if (t >= tiles()) break;
                 const Work w = tile_at(t);
-                const int n = w.blocks.count(), h_kv = w.h / p.group;
-                if (n == 0) continue;  // no key for these rows: nothing to load, the consumers write zeros
-                mbar_wait(q_empty, (q_uses & 1) ^ 1);  // the consumers have issued their last S on the old Q
-                ++q_uses;
-                mbar_expect_tx(q_full, TQ::BYTES);  // rows past seqlen_q and columns past head_dim land as zeros
-                for (int c = 0; c < TQ::SLABS; ++c)
-                    tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, c * TQ::W / EB, w.m0, w.h, w.b);
+                const int h_kv = w.h / p.group;
+                if (w.blocks.count() > 0) {  // else no key for these rows: nothing to load, the consumers write 0
+                    mbar_wait(q_empty, (q_uses & 1) ^ 1);  // the consumers have issued their last S on the old Q
+                    ++q_uses;
+                    mbar_expect_tx(q_full, TQ::BYTES);  // rows past seqlen_q, columns past head_dim land as zeros
+                    for (int c = 0; c < TQ::SLABS; ++c)
+                        tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, c * TQ::W / EB, w.m0, w.h, w.b);
+                }
                 for (int j = w.blocks.end - 1; j >= w.blocks.begin; --j, ++it) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(k_empty(s), phase ^ 1);  // the consumers are done with block it - STAGES's K
@@ -132,6 +153,20 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                         if constexpr (FP8) tma_load_4d(dst, tv, v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
                         else tma_load_4d(dst, tv, v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
                     }
+                }
+                if (!PERSISTENT) break;
+                // The next tile, taken once this one's loads are issued (two blocks before the consumers need it);
+                // the shuffle tells ptxas it is warp-uniform, so the tile arithmetic stays in uniform registers
+                // (the atomic's own result is not, and 24 registers then spill).
+                t = gridDim.x + __shfl_sync(1u, atomicAdd(tiles_next, 1), 0);
+            }
+            // Every CTA takes exactly one tile past the end, last; the last CTA to do so zeroes the counter pair
+            // for the next launch on this stream (tiles_next[1] counts the CTAs that are done with [0]).
+            if constexpr (PERSISTENT) {
+                __threadfence();
+                if (atomicAdd(tiles_next + 1, 1) == (int)gridDim.x - 1) {
+                    atomicExch(tiles_next, 0);
+                    atomicExch(tiles_next + 1, 0);
                 }
             }
         }
@@ -150,7 +185,14 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         if (PINGPONG && c == NC - 1) named_arrive(1, 256);
 
         int it = 0, q_uses = 0;  // as the producer counts them
-        for (int t = blockIdx.x; t < tiles; t += PERSISTENT ? gridDim.x : tiles) {
+        for (int k = 0;; ++k) {
+            int t = blockIdx.x;
+            if constexpr (PERSISTENT) {
+                mbar_wait(tile_full(k), (k / 2) & 1);
+                t = ld_shared(tile_slot(k));
+                mbar_arrive_if(tile_empty(k), leader);
+            }
+            if (t >= tiles()) break;
             const Work w = tile_at(t);
             const int n = w.blocks.count(), m0 = w.m0;
             // Blocks j >= j_mask hold a key that some row of this tile must not see (past seqlen_k or, causal,
@@ -196,7 +238,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // runs with scale 1, m in log2 units); 16-bit: the softmax applies scale_log2 itself.
             const int h_kv = w.h / p.group;
             float q_scale = 1.f;
-            if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks + m0 / BM];
+            if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
             auto to_log2 = [&](float (&s)[1][NT][4], int j) {
                 if constexpr (FP8) {
                     const i64 bhk = (i64)w.b * (p.heads / p.group) + h_kv;
@@ -284,6 +326,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 NormalizedOut<T, D>::store(rows, p, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) +
                                                         row0 * Tile<16, D>::STRIDE);
             }
+            if (!PERSISTENT) break;
         }
         if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
     }

@@ -60,3 +60,38 @@ def test_persistent_grid_matches_float64_and_the_tile_grid_bitwise(request, monk
     a, b = per_tile[1][finite], persistent[1][finite]
     ulp = np.finfo(np.float32).eps * max(1.0, float(np.abs(a).max()))
     assert np.abs(a - b).max() <= 4 * ulp, f"lse differs by {np.abs(a - b).max():.3g} (4 ulp of max |lse|: {4 * ulp:.3g})"
+
+
+def test_persistent_tile_counter_resets_across_launches_and_streams(monkeypatch, poisoned):
+    """The persistent grid takes tiles from a counter pair per stream that its last CTA zeroes: launches of
+    different grids (12 and 132 CTAs) back to back, on two streams at once, each give the output of a launch on
+    its own, bitwise (a counter left unreset or shared would skip tiles, which stay NaN in the poisoned output)."""
+    import cupy
+    ok, why = fav.get("fa3").available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setenv("FA_VARIANTS_FA3_PERSISTENT", "1")
+    fav.clear_plans()
+    rng = np.random.default_rng(new_seed())
+    cases = [Case(1, 300, 300, 4, 4, 128, False), CASES[1]]   # 3 x 4 = 12 tiles; 352 tiles on 132 CTAs
+    inputs = [to_device(random_qkv_host(rng, c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.heads_kv, c.head_dim,
+                                        "bfloat16")) for c in cases]
+
+    def call(i):
+        with poisoned(cases[i]):
+            return fav.attention(*inputs[i], variant="fa3", causal=cases[i].causal)
+
+    alone = [to_host(call(i)) for i in range(2)]
+    for i in range(2):
+        assert not np.isnan(alone[i].astype(np.float32)).any(), f"{cases[i].id}: tiles left unwritten"
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    runs = []
+    for _ in range(6):
+        for s, stream in enumerate(streams):
+            for i in (s, 1 - s):
+                with stream:
+                    runs.append((i, call(i)))
+    cupy.cuda.Device().synchronize()
+    for n, (i, out) in enumerate(runs):
+        assert np.array_equal(to_host(out).view(np.uint16), alone[i].view(np.uint16)), \
+            f"launch {n} ({cases[i].id}) differs from the same launch alone"

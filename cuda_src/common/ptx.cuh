@@ -11,6 +11,15 @@ __forceinline__ __device__ u32 smem_u32(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
+// One 32-bit word at a 32-bit shared-memory address (fa3's tile slots sit beside its mbarriers, addressed so).
+__forceinline__ __device__ void st_shared(u32 addr, int x) {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(x) : "memory");
+}
+__forceinline__ __device__ int ld_shared(u32 addr) {
+    int x;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(addr) : "memory");
+    return x;
+}
 
 // ---- cp.async: 16-byte global -> shared copies that bypass the register file and L1 ----------------------
 // With valid == false nothing is read and the 16 bytes are zero-filled: ragged tile edges load zeros, so the

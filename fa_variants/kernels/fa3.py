@@ -55,10 +55,10 @@ def threads(cfg) -> int:
 
 
 def smem_bytes(d: int, cfg, itemsize: int = 2) -> int:
-    """Alignment, Q, the K/V ring (fp8: K and V^T, one byte an element) and the mbarriers (Q full/empty, K/V
-    full/empty per stage)."""
+    """Alignment, Q, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers (Q full/empty, K/V
+    full/empty per stage, tile full/empty per slot) and the persistent grid's two tile slots."""
     bm, bn, stages = cfg[:3]
-    return 1024 + bm * itemsize * d + stages * 2 * bn * itemsize * d + 8 * (2 + 4 * stages)
+    return 1024 + bm * itemsize * d + stages * 2 * bn * itemsize * d + 8 * (6 + 4 * stages) + 8
 
 
 def tiles(head_dim, limit=None):
@@ -88,6 +88,23 @@ def sm_count() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
+_COUNTERS: dict = {}  # (device, stream) -> int32[2] on that device: the persistent grid's tile counter pair
+
+
+def tile_counter(device: int, stream: int) -> int:
+    """The address of the persistent grid's tile counter pair for launches on ``stream``: zeroed once here,
+    zeroed again by the last CTA of every launch. One pair per stream, because launches on one stream run one
+    after another, while two kernels sharing a pair at once would take each other's tiles."""
+    key = (device, stream)
+    if key not in _COUNTERS:
+        import cupy
+        with cupy.cuda.Device(device):
+            pair = cupy.zeros(2, cupy.int32)
+            cupy.cuda.Device(device).synchronize()  # the zeros land before any stream's kernel reads them
+        _COUNTERS[key] = pair
+    return _COUNTERS[key].data.ptr
+
+
 def specializations():
     main = tuple(instance(c, d, cfg=config(d)[:4] + (pers,)) for c in CTYPE.values() for d in DIMS for pers in (0, 1))
     ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
@@ -112,13 +129,15 @@ class Fa3Plan:
     dtype: np.dtype
     lse_shape: tuple | None
     device: int
+    persistent: bool = False  # the kernel's fifth parameter is then this stream's tile counter pair
 
     def launch(self, stream, map_ptrs, ptrs):
         """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers."""
         params = ctypes.create_string_buffer(self.template, len(self.template))
         struct.pack_into(self.fmt, params, 0, *ptrs)
+        counter = ctypes.c_uint64(tile_counter(self.device, stream) if self.persistent else 0)
         bufs = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)] + [params]
-        argv = (ctypes.c_void_p * 4)(*(ctypes.addressof(b) for b in bufs))
+        argv = (ctypes.c_void_p * 5)(*(ctypes.addressof(b) for b in bufs), ctypes.addressof(counter))
         _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
                          ctypes.addressof(argv), 0)
 
@@ -159,7 +178,8 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=(nq * h * d, h * d, d)),
                    fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
-                   lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id)
+                   lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
+                   persistent=bool(cfg[4]))
 
 
 def forward(q, k, v, *, causal, softmax_scale, return_lse):

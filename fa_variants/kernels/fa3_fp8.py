@@ -105,7 +105,8 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
     return fa3.Fa3Plan(func=function_of(kern, smem), grid=fa3.grid(nq, h, b, cfg), block=fa3.threads(cfg),
                        smem=smem, template=template, fmt=FP8_FWD.pointers_format, maps=_maps(qz, cfg),
                        out_shape=(b, nq, h, d), dtype=np.dtype(qz["out_dtype"]),
-                       lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id)
+                       lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
+                       persistent=len(cfg) > 4 and bool(cfg[4]))
 
 
 def run_quantized(p: fa3.Fa3Plan, qz: dict):
