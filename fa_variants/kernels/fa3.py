@@ -33,20 +33,28 @@ ARCHS = ("sm_90a",)
 # block's GEMMs are short next to its softmax. Chosen by the sweeps in bench/NOTES.md (wgmma_n.cuh: n80, n176).
 TILES = {64: [(192, 128, 2, 1, 0)], 128: [(128, 176, 2, 1, 0)], 256: [(128, 80, 2, 1, 0)]}
 DIMS = tuple(TILES)
+# The persistent grid (one CTA per SM taking tiles from a counter) against one CTA per tile, by template dim: it
+# wins up to this seqlen_k (short tiles: the next tile's loads hide under this one's end instead of a new CTA's
+# start; d 64 N 1K +12 %, N 2K +7 %) and loses beyond it (1-5 %: its consumers' P V wait is scheduled earlier by
+# ptxas). Measured in bench/RESULTS.md, fourth session; a tile table entry's own flag (a sweep's) overrides it.
+PERSISTENT_UP_TO = {64: 8192, 128: 2048, 256: 0}
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
 ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
 
 
-def config(d: int):
-    """The tile table's first entry at template dim d; FA_VARIANTS_FA3_PERSISTENT=0 or 1 overrides its persistent
-    flag (call fav.clear_plans() after changing it)."""
+def config(d: int, seqlen_k: int | None = None):
+    """The tile table's first entry at template dim d, its persistent flag set for ``seqlen_k`` by
+    PERSISTENT_UP_TO unless the entry sets it; FA_VARIANTS_FA3_PERSISTENT=0 or 1 overrides both (call
+    fav.clear_plans() after changing it)."""
     cfg = tuple(TILES[d][0]) + (0,) * (5 - len(TILES[d][0]))
     flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
     if flag:
         if flag not in ("0", "1"):
             raise ValueError(f"FA_VARIANTS_FA3_PERSISTENT must be 0 or 1, got {flag!r}")
-        cfg = cfg[:4] + (int(flag),)
+        return cfg[:4] + (int(flag),)
+    if seqlen_k is not None and not cfg[4]:
+        cfg = cfg[:4] + (int(seqlen_k <= PERSISTENT_UP_TO[d]),)
     return cfg
 
 
@@ -167,7 +175,7 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     D = template_dim(d, DIMS)
     if (pingpong is not None or not overlap) and D != ABLATION_DIM:
         raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
-    cfg = config(D)
+    cfg = config(D, k.shape[1])
     smem = smem_bytes(D, cfg)
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
