@@ -48,6 +48,8 @@ SETS = {
                   Shape(4, 16, 4096, 128, "bfloat16", False), Shape(2, 16, 8192, 128, "bfloat16", False),
                   Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True),
                   Shape(4, 8, 4096, 256, "bfloat16", False), Shape(1, 8, 16384, 256, "bfloat16", False)],
+    "short": [Shape(16384 // n, 2048 // d, n, d, "bfloat16", c) for d in (64, 128, 256) for n in (2048, 4096)
+              for c in (False, True)],
     "small-grid": [Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True)],
 }
 
@@ -239,6 +241,7 @@ def main():
     ap.add_argument("--quant-rows", action="store_true", help="quantize_rows CTA-size sweep")
     ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
     ap.add_argument("--flex", action="store_true", help="FlexAttention (torch.compile) beside torch SDPA's backends")
+    ap.add_argument("--no-peers", action="store_true", help="time this library's variants only (tile sweeps)")
     ap.add_argument("--fp8-matrix", default="", metavar="SET",
                     help="the fp8 variants among --variants (e.g. fa2,fa3,fa2_fp8,fa3_fp8) beside the 16-bit ones and "
                          "torch on a shape set (fa3_bf16: issue 9's bf16 matrix), pre-quantized and +quantization")
@@ -247,6 +250,8 @@ def main():
     a = ap.parse_args()
     if a.flex:
         PEERS.append(timing.FLEX)
+    if a.no_peers:
+        PEERS.clear()
     for spec in filter(None, a.tiles.split(";")):
         name, rest = spec.split(":")
         name, _, table = name.partition(".")

@@ -38,16 +38,21 @@ DIMS = tuple(TILES)
 # start; d 64 N 1K +12 %, N 2K +7 %) and loses beyond it (1-5 %: its consumers' P V wait is scheduled earlier by
 # ptxas). Measured in bench/RESULTS.md, fourth session; a tile table entry's own flag (a sweep's) overrides it.
 PERSISTENT_UP_TO = {64: 8192, 128: 2048, 256: 0}
+# Causal rows' own tiles where they differ (FA3's choice too): at d 128, 128-key blocks waste less of the diagonal
+# block than 176 and measured +4 % at N 2K, +2 % at N 4K (bench/RESULTS.md, fourth session). A sweep of causal
+# shapes overrides this table ('fa3.CAUSAL_TILES:128=...'), not TILES.
+CAUSAL_TILES = {128: [(128, 128, 2, 1, 0)]}
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
 ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
 
 
-def config(d: int, seqlen_k: int | None = None):
-    """The tile table's first entry at template dim d, its persistent flag set for ``seqlen_k`` by
-    PERSISTENT_UP_TO unless the entry sets it; FA_VARIANTS_FA3_PERSISTENT=0 or 1 overrides both (call
-    fav.clear_plans() after changing it)."""
-    cfg = tuple(TILES[d][0]) + (0,) * (5 - len(TILES[d][0]))
+def config(d: int, seqlen_k: int | None = None, causal: bool = False):
+    """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls), its persistent flag set
+    for ``seqlen_k`` by PERSISTENT_UP_TO unless the entry sets it; FA_VARIANTS_FA3_PERSISTENT=0 or 1 overrides
+    both (call fav.clear_plans() after changing it)."""
+    entry = (CAUSAL_TILES if causal and d in CAUSAL_TILES else TILES)[d][0]
+    cfg = tuple(entry) + (0,) * (5 - len(entry))
     flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
     if flag:
         if flag not in ("0", "1"):
@@ -114,7 +119,8 @@ def tile_counter(device: int, stream: int) -> int:
 
 
 def specializations():
-    main = tuple(instance(c, d, cfg=config(d)[:4] + (pers,)) for c in CTYPE.values() for d in DIMS for pers in (0, 1))
+    main = tuple(dict.fromkeys(instance(c, d, cfg=config(d, causal=causal)[:4] + (pers,)) for c in CTYPE.values()
+                               for d in DIMS for causal in (False, True) for pers in (0, 1)))
     ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
     return main + tuple(e for e in dict.fromkeys(ablation) if e not in main)
 
@@ -175,7 +181,7 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     D = template_dim(d, DIMS)
     if (pingpong is not None or not overlap) and D != ABLATION_DIM:
         raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
-    cfg = config(D, k.shape[1])
+    cfg = config(D, k.shape[1], causal)
     smem = smem_bytes(D, cfg)
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
