@@ -409,7 +409,17 @@ TORCH_PEERS = (*TORCH_BACKENDS, FLEX)  # what the tables show as torch's, not ou
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex(torch):
+    """flex_attention under torch.compile, one specialization per shape. Dynamo's recompile limit (8 by default)
+    would otherwise send the ninth shape of a sweep to eager flex_attention, silently 50x slower (seen on the
+    H200: 4-30 TF/s): raise it, and make hitting it an error rather than a fallback."""
     from torch.nn.attention.flex_attention import flex_attention
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 4096))
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=False)
 
 
