@@ -79,11 +79,10 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
         load_tile_async<BM, D, THREADS>(sdO(stage), p.dout + b * p.do_b + h * p.do_h + (i64)m0 * p.do_n, p.do_n,
                                         seqlen_q - m0, p.head_dim);
         cp_async_commit();
-        for (int r = threadIdx.x; r < BM; r += THREADS) {  // rows past seqlen_q: LSE +inf, so P = 0 there
-            const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
-            const bool ok = m0 + r < seqlen_q;
-            stats[(2 * stage) * BM + r] = ok ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
-            stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
+        for (int r = threadIdx.x; r < BM; r += THREADS) {
+            const RowStats st = row_stats(p, b, h, m0 + r);
+            stats[(2 * stage) * BM + r] = st.lse2;
+            stats[(2 * stage + 1) * BM + r] = st.delta;
         }
     };
     if (steps > 0) load_q(0, 0);
@@ -158,10 +157,8 @@ fa2_bwd_dq(const fav::BwdParams p) {
     float lse2[2], delta[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = m0 + row0 + g + 8 * r;
-        const i64 at = ((i64)b * p.heads + h) * seqlen_q + row;
-        lse2[r] = row < seqlen_q ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
-        delta[r] = row < seqlen_q ? p.delta[at] : 0.f;
+        const RowStats st = row_stats(p, b, h, m0 + row0 + g + 8 * r);
+        lse2[r] = st.lse2, delta[r] = st.delta;
     }
 
     float dq[1][DCT][4] = {};

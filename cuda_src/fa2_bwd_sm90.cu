@@ -153,11 +153,10 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
             cp_async_commit();
         } else {
             cp_async_commit();
-            for (int r = threadIdx.x; r < BM; r += THREADS) {  // queries past seqlen_q: LSE +inf, so P = 0 there
-                const i64 at = ((i64)b * p.heads + h) * seqlen_q + m0 + r;
-                const bool ok = m0 + r < seqlen_q;
-                stats[(2 * stage) * BM + r] = ok ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
-                stats[(2 * stage + 1) * BM + r] = ok ? p.delta[at] : 0.f;
+            for (int r = threadIdx.x; r < BM; r += THREADS) {
+                const RowStats st = row_stats(p, b, h, m0 + r);
+                stats[(2 * stage) * BM + r] = st.lse2;
+                stats[(2 * stage + 1) * BM + r] = st.delta;
             }
         }
     };
@@ -342,14 +341,12 @@ fa2_bwd_dq_sm90(const fav::BwdParams p) {
     if (blocks.count() > 0) load_kv(blocks.begin, 0);
     else cp_async_commit();
 
-    // This thread's two rows (g and g + 8 of the warp's 16): LSE in log2 units and D; +inf past seqlen_q (P = 0)
+    // This thread's two rows (g and g + 8 of the warp's 16): LSE in log2 units and D
     float lse2[2], delta[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = m0 + row0 + g + 8 * r;
-        const i64 at = ((i64)b * p.heads + h) * seqlen_q + row;
-        lse2[r] = row < seqlen_q ? p.lse[at] * LOG2E : __int_as_float(0x7f800000);
-        delta[r] = row < seqlen_q ? p.delta[at] : 0.f;
+        const RowStats st = row_stats(p, b, h, m0 + row0 + g + 8 * r);
+        lse2[r] = st.lse2, delta[r] = st.delta;
     }
 
     float dq[1][DT][4] = {};

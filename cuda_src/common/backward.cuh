@@ -5,10 +5,22 @@
 // dS^T), for dQ = dS K.
 #pragma once
 #include "fragments.cuh"
+#include "params.cuh"
 
 namespace fav {
 
 constexpr float LOG2E = 1.4426950408889634f;
+
+// Query row `row` of head (b, h): its LSE in log2 units (P = exp2(S * scale_log2 - lse2)) and D = rowsum(dO * O).
+// A row past seqlen_q gets lse2 = +inf, so that its P is 0, and D = 0; its loads are not made.
+struct RowStats {
+    float lse2, delta;
+};
+__forceinline__ __device__ RowStats row_stats(const BwdParams& p, int b, int h, int row) {
+    if (row >= p.seqlen_q) return {__int_as_float(0x7f800000), 0.f};
+    const i64 at = ((i64)b * p.heads + h) * p.seqlen_q + row;
+    return {p.lse[at] * LOG2E, p.delta[at]};
+}
 
 // P = exp2(s * scale_log2 - lse_log2) where the key is visible (key < seqlen_k; causal: key <= query + diag), else
 // exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN).
