@@ -68,30 +68,24 @@ __forceinline__ __device__ void store_acc_rows(const float (&acc)[MT][DT][4], co
     store_rows_warp<MT * 16, D>(dst, ld, stage, valid_rows, valid_cols);
 }
 
-// O / l in T through the warp's own rows of a shared tile (stride Tile<*, D>::STRIDE) for 16-byte stores,
-// columns >= head_dim not stored; LSE by the quad's first thread. (store_acc_rows above is the same staging for
-// per-row factors; this copy is the one the forward ran on the H200 with, to be merged once both have run.)
+// O / l in T through the warp's own rows of a shared tile (stride Tile<*, D>::STRIDE) for 16-byte stores:
+// store_acc_rows with the rows' 1 / l as factors; columns >= head_dim not stored; LSE by the quad's first thread.
 template <class T, int D>
 struct NormalizedOut {
     template <int MT, int DT>
     __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16* stage) {
-        constexpr int STRIDE = Tile<16, D>::STRIDE;
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        float inv[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
                 const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
-                const int row = mt * 16 + g + 8 * h2;
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-                    *reinterpret_cast<u32*>(stage + row * STRIDE + dt * 8 + 2 * t) =
-                        T::pack(r.o[mt][dt][2 * h2] * e.inv, r.o[mt][dt][2 * h2 + 1] * e.inv);
-                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + row, e.lse);
+                inv[mt][h2] = e.inv;
+                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + mt * 16 + g + 8 * h2, e.lse);
             }
-        __syncwarp();
-        store_rows_warp<MT * 16, D>(p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n, stage,
-                                    p.seqlen_q - r.row0, p.head_dim);
+        store_acc_rows<T, D>(r.o, inv, stage, p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n,
+                             p.seqlen_q - r.row0, p.head_dim);
     }
 };
 
