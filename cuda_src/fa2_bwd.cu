@@ -153,13 +153,8 @@ fa2_bwd_dq(const fav::BwdParams p) {
     if (blocks.count() > 0) load_kv(blocks.begin, 0);
     else cp_async_commit();
 
-    // This thread's two rows (g and g + 8 of the warp's 16): LSE in log2 units and D
-    float lse2[2], delta[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const RowStats st = row_stats(p, b, h, m0 + row0 + g + 8 * r);
-        lse2[r] = st.lse2, delta[r] = st.delta;
-    }
+    float lse2[2], delta[2];  // this thread's two rows: LSE in log2 units and D
+    fragment_row_stats(p, b, h, m0 + row0, lse2, delta);
 
     float dq[1][DCT][4] = {};
     for (int j = blocks.begin; j < blocks.end; ++j) {

@@ -21,6 +21,15 @@ __forceinline__ __device__ RowStats row_stats(const BwdParams& p, int b, int h, 
     const i64 at = ((i64)b * p.heads + h) * p.seqlen_q + row;
     return {p.lse[at] * LOG2E, p.delta[at]};
 }
+// The two rows a thread holds in an mma C fragment: g and g + 8 (g = lane / 4) of the warp's 16 from row0.
+__forceinline__ __device__ void fragment_row_stats(const BwdParams& p, int b, int h, int row0, float (&lse2)[2],
+                                                   float (&delta)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const RowStats st = row_stats(p, b, h, row0 + (threadIdx.x % 32) / 4 + 8 * r);
+        lse2[r] = st.lse2, delta[r] = st.delta;
+    }
+}
 
 // P = exp2(s * scale_log2 - lse_log2) where the key is visible (key < seqlen_k; causal: key <= query + diag), else
 // exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN).
