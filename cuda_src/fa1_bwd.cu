@@ -94,7 +94,7 @@ fa1_bwd(const fav::BwdParams p) {
                                         seqlen_q - m0, d);
         load_tile_async<BM, D, THREADS>(sO(stage), p.o + b * p.o_b + h * p.o_h + (i64)m0 * p.o_n, p.o_n, seqlen_q - m0, d);
         cp_async_commit();
-        for (int r = threadIdx.x; r < BM; r += THREADS) lse2s[stage * BM + r] = row_stats(p, b, h, m0 + r).lse2;
+        for (int r = threadIdx.x; r < BM; r += THREADS) lse2s[stage * BM + r] = row_lse2(p, b, h, m0 + r);
     };
     if (steps > 0) load_q(0, 0);
     else cp_async_commit();

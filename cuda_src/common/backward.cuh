@@ -13,13 +13,14 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 // Query row `row` of head (b, h): its LSE in log2 units (P = exp2(S * scale_log2 - lse2)) and D = rowsum(dO * O).
 // A row past seqlen_q gets lse2 = +inf, so that its P is 0, and D = 0; its loads are not made.
+__forceinline__ __device__ float row_lse2(const BwdParams& p, int b, int h, int row) {
+    return row < p.seqlen_q ? p.lse[((i64)b * p.heads + h) * p.seqlen_q + row] * LOG2E : __int_as_float(0x7f800000);
+}
 struct RowStats {
     float lse2, delta;
 };
 __forceinline__ __device__ RowStats row_stats(const BwdParams& p, int b, int h, int row) {
-    if (row >= p.seqlen_q) return {__int_as_float(0x7f800000), 0.f};
-    const i64 at = ((i64)b * p.heads + h) * p.seqlen_q + row;
-    return {p.lse[at] * LOG2E, p.delta[at]};
+    return {row_lse2(p, b, h, row), row < p.seqlen_q ? p.delta[((i64)b * p.heads + h) * p.seqlen_q + row] : 0.f};
 }
 // The two rows a thread holds in an mma C fragment: g and g + 8 (g = lane / 4) of the warp's 16 from row0.
 __forceinline__ __device__ void fragment_row_stats(const BwdParams& p, int b, int h, int row0, float (&lse2)[2],
