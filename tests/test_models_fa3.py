@@ -76,7 +76,9 @@ def test_gqa_mqa(rng, heads, heads_kv, causal):
 def test_kernel_tiles_by_head_dim(rng, d, blocks):
     q, k, v = inputs(rng, 1, 150, 140, 1, 1, d)
     assert fa3.default_blocks(d) == blocks
-    assert check(q, k, v, True).blocks == blocks
+    assert check(q, k, v, False).blocks == blocks
+    causal_blocks = fa3.CAUSAL_TILES.get(fa3.template_dim(d), blocks)[:2]   # (128, 128) at d 128
+    assert check(q, k, v, True).blocks == causal_blocks
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
@@ -233,6 +235,9 @@ def test_default_tiles_are_the_kernels():
     kernels = pytest.importorskip("fa_variants.kernels.fa3")
     first = {d: tuple(t[0] if isinstance(t, list) else t)[:3] for d, t in kernels.TILES.items()}
     assert first == fa3.DEFAULT_TILES
+    assert {d: tuple(t[0])[:3] for d, t in kernels.CAUSAL_TILES.items()} == fa3.CAUSAL_TILES
+    assert fa3.default_blocks(128, causal=True) == kernels.config(128, causal=True)[:2]
+    assert fa3.default_blocks(64, causal=True) == fa3.default_blocks(64)
     for d in (1, 64, 65, 128, 129, 256):
         assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]
     fp8_kernels = pytest.importorskip("fa_variants.kernels.fa3_fp8")

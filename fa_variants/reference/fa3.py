@@ -50,6 +50,8 @@ CONSUMER_ROWS = 64
 #: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
 #: O accumulator of a consumer thread's rows leaves room only for an 80-key S tile.
 DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 176, 2), 256: (128, 80, 2)}
+#: Causal calls' tiles where they differ (kernels/fa3.py ``CAUSAL_TILES``): 128-key blocks at d = 128.
+CAUSAL_TILES = {128: (128, 128, 2)}
 #: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
 #: halved shared memory leaves d = 256 room for 128 keys.
 FP8_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 128, 2)}
@@ -70,10 +72,13 @@ def template_dim(head_dim: int) -> int:
     return next((t for t in DEFAULT_TILES if head_dim <= t), max(DEFAULT_TILES))
 
 
-def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None) -> tuple[int, int]:
+def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None, causal=False) -> tuple[int, int]:
     """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``tiles``: fa3's
-    ``DEFAULT_TILES`` or fa3_fp8's ``FP8_TILES``)."""
-    b_r, b_c, _ = (DEFAULT_TILES if tiles is None else tiles)[template_dim(head_dim)]
+    ``DEFAULT_TILES``, with ``CAUSAL_TILES`` for causal calls, or fa3_fp8's ``FP8_TILES``)."""
+    t = template_dim(head_dim)
+    if tiles is None:
+        tiles = CAUSAL_TILES if causal and t in CAUSAL_TILES else DEFAULT_TILES
+    b_r, b_c, _ = tiles[t]
     block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
     return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
 
@@ -110,7 +115,7 @@ def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=Fa
     e = floor((N_q - N_k) / B_r) blocks, all full, so Q = (N_q - e B_r) d. Otherwise fa2's Q = N_q d.
     """
     from .. import iomodel   # here, not at the top: iomodel imports reference.common, the registry both
-    B_r, B_c = default_blocks(head_dim, block_q, block_k, tiles)
+    B_r, B_c = default_blocks(head_dim, block_q, block_k, tiles, causal)
     counts = iomodel.fa2_accesses(seqlen_q, seqlen_k, head_dim, B_r, B_c, causal)
     empty_rows = (max(0, seqlen_q - seqlen_k) // B_r) * B_r if causal else 0
     counts["Q"] -= empty_rows * head_dim
@@ -205,7 +210,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
     N_q, d, N_k = Q.shape[2], Q.shape[3], K.shape[2]
-    B_r, B_c = default_blocks(d, block_q, block_k)
+    B_r, B_c = default_blocks(d, block_q, block_k, causal=causal)
     O, LSE, hbm = _pipeline(
         Q, K, V, B_r, B_c, causal,
         scores=lambda i, rows, j, cols, masked: block_scores(Q[:, :, rows], K[:, :, cols], scale, rows, cols,
@@ -325,6 +330,15 @@ PIPELINE = "\n".join([
     "",
     "tiles (kernels/fa3.py TILES; arithmetic on the tile sizes, not a measurement):",
     *_tile_lines(),
+    *[f"  causal d={t}: B_r x B_c = {b_r} x {b_c} (CAUSAL_TILES: less of the diagonal block is masked work)"
+      for t, (b_r, b_c, _) in CAUSAL_TILES.items()],
+    "",
+    "grid: one CTA per tile (Q block, head, batch), last Q blocks first; or, where tiles are short (kernels/fa3.py",
+    "  PERSISTENT_UP_TO: seqlen_k up to 8K at d = 64, 2K at d = 128), one CTA per SM whose producer takes the",
+    "  next tile from a global counter (atomicAdd; the last CTA zeroes it for the next launch) and hands it to",
+    "  the consumers through two shared-memory slots with full/empty mbarriers. It loads the next tile's Q and",
+    "  K/V while the consumers finish this one, whose O then leaves straight from registers: no CTA start and",
+    "  no Q wait between tiles, and an SM that finishes early takes the next tile (heaviest first).",
     "",
     "fa3_fp8: the same kernel with its FP8 template flag (kernels/fa3_fp8.py): Q and K in e4m3 rows of d bytes,",
     "  V^T (d rows of B_c keys, fa2_fp8's quantizer layout: e4m3 wgmma wants both operands K-major), the wgmmas",
