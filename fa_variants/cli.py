@@ -445,7 +445,7 @@ def _compare_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
         "extra_bytes() where no measurement was possible",
     ]
     if ratio_cols:
-        notes.append("x torch-...: speed relative to that torch SDPA backend on the same inputs (> 1 is faster)")
+        notes.append("x torch-...: speed relative to that torch peer on the same inputs (> 1 is faster; torch-flex: FlexAttention)")
     if not peers:
         notes.append(f"torch SDPA rows not run: {torch_why}")
     notes += skipped
@@ -465,7 +465,8 @@ def _run_rows(chosen, shape, args, what: str, run_torch, run_ours, skippable=())
     if torch is not None and timing.torch_sdpa_unsupported(shape):
         torch_why = timing.torch_sdpa_unsupported(shape)
         torch = None
-    peers = list(timing.TORCH_BACKENDS) if torch is not None else []
+    peers = list(timing.TORCH_BACKENDS) + ([timing.FLEX] if getattr(args, "flex", False) else [])
+    peers = peers if torch is not None else []
     todo = list(chosen) + peers
     for i, item in enumerate(todo, 1):
         label = item if isinstance(item, str) else item.name
@@ -747,7 +748,7 @@ def _compare_backward_gpu(args: argparse.Namespace, chosen: list[Variant], notes
         "(reference.dense.reference_backward)" + _kv_subset_note(kv_pairs, shape),
         "extra mem: peak of the memory pool during one backward call beyond dq, dk and dv (CuPy pool for ours, "
         "torch's caching allocator for SDPA)",
-        "x torch-...: speed relative to that torch SDPA backend's backward on the same inputs (> 1 is faster)"
+        "x torch-...: speed relative to that torch peer's backward on the same inputs (> 1 is faster; torch-flex: FlexAttention)"
         if ratio_cols else None,
         f"torch SDPA rows not run: {torch_why}" if not peers else "torch SDPA: flash = FLASH_ATTENTION, "
         "cudnn = CUDNN_ATTENTION (sdpa_kernel forcing one backend for the forward; the backward follows it)",
@@ -1018,6 +1019,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=_positive, default=30, help="timed calls (median reported), default 30")
     c.add_argument("--warmup", type=_non_negative, default=5, help="untimed calls first, default 5")
     c.add_argument("--numpy", action="store_true", help="run the NumPy models even when there is a GPU")
+    c.add_argument("--flex", action="store_true",
+                   help="FlexAttention (torch.compile of flex_attention, about 15 s the first time) beside torch "
+                   "SDPA's backends")
     c.add_argument("--full-size", action="store_true",
                    help="NumPy models: run the requested shape even when it is large (slow), instead of a "
                    "CPU-sized version of it")

@@ -399,9 +399,10 @@ def nbytes_rounded(*arrays) -> int:
 
 # ------------------------------------------------------------------------------------------------ torch peers
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
-# Not peers in the tables (yet): torch's unfused SDPA (autograd keeps the softmax P), for bench/recompute.py; and
-# FlexAttention (torch.nn.attention.flex_attention under torch.compile: a Triton kernel on the GPU), by name or
-# `bench/devcheck.py --flex`, until its per-shape compile time on the H200 is known (it has not run there).
+# The other torch peers: its unfused SDPA (autograd keeps the softmax P), for bench/recompute.py; and FlexAttention
+# (torch.nn.attention.flex_attention under torch.compile: a Triton kernel on the GPU; about 2 s of compile a shape
+# and direction on the H200, 13 s the first), on by default in `pytest bench`, with --flex in `compare` and
+# `bench/devcheck.py`.
 FLEX = "torch-flex"
 OTHER_TORCH_BACKENDS = {"torch-math": "MATH", FLEX: None}
 TORCH_PEERS = (*TORCH_BACKENDS, FLEX)  # what the tables show as torch's, not ours (ratios: TORCH_BACKENDS only)

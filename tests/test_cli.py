@@ -618,3 +618,25 @@ def test_kv_pairs_and_gradient_errors():
     assert e[2] == pytest.approx(want)
     assert "2 of the 4 (batch, kv head) pairs" in cli._kv_subset_note(few, s)
     assert cli._kv_subset_note(cli._kv_pairs(s, 1e12), s) == ""
+
+
+def test_compare_takes_flex(no_gpu, capsys):
+    rc, out, _ = run_cli(["compare", "--variants", "fa2", "--seqlen", "64", "--heads", "2", "--flex"], capsys)
+    assert rc == 0 and "| fa2" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", [False, True])
+def test_compare_flex_row_on_the_gpu(backward, capsys):
+    """compare --flex adds a torch-flex row (FlexAttention under torch.compile) with its ratio column, forward and
+    backward, and its error in the same bounds as SDPA's (it computes the same attention)."""
+    torch, why = __import__("fa_variants.timing", fromlist=["torch_status"]).torch_status()
+    if torch is None:
+        pytest.skip(why)
+    argv = ["compare", "--variants", "fa2", "--batch", "1", "--heads", "4", "--seqlen", "512", "--head-dim", "64",
+            "--causal", "--flex", "--repeats", "3", "--warmup", "1"] + (["--backward"] if backward else [])
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 0, out + err
+    row = [ln for ln in out.splitlines() if ln.startswith("| torch-flex")]
+    assert row and "error" not in row[0], out
+    assert "x torch-flex" in out
