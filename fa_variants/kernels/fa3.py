@@ -105,17 +105,20 @@ _COUNTERS: dict = {}  # (device, stream) -> int32[2] on that device: the persist
 
 
 def tile_counter(device: int, stream: int) -> int:
-    """The address of the persistent grid's tile counter pair for launches on ``stream``: zeroed once here,
-    zeroed again by the last CTA of every launch. One pair per stream, because launches on one stream run one
-    after another, while two kernels sharing a pair at once would take each other's tiles."""
+    """The address of the persistent grid's tile counter pair for launches on ``stream``: zeroed once here, on
+    that stream (so before its first launch, with no host wait), and again by the last CTA of every launch. One
+    pair per stream, because launches on one stream run one after another, while two kernels sharing a pair at
+    once would take each other's tiles."""
     key = (device, stream)
     if key not in _COUNTERS:
         import cupy
         with cupy.cuda.Device(device):
-            pair = cupy.zeros(2, cupy.int32)
-            cupy.cuda.Device(device).synchronize()  # the zeros land before any stream's kernel reads them
+            # its own cudaMalloc, not the current allocator's: a pool that goes away (a test's, a user's) would
+            # free a pair this cache still hands out
+            pair = cupy.cuda.memory.Memory(8)
+            cupy.cuda.runtime.memsetAsync(pair.ptr, 0, 8, stream)
         _COUNTERS[key] = pair
-    return _COUNTERS[key].data.ptr
+    return _COUNTERS[key].ptr
 
 
 def specializations():
