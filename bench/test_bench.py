@@ -121,7 +121,7 @@ def _ours(variant: str, shape: Shape, scale: float):
     if not entry.supports(shape.dtype, shape.head_dim):
         pytest.skip(f"{variant} does not take {shape.dtype} with head_dim {shape.head_dim}")
     try:
-        bq, bk = entry.launcher.tiles(shape.head_dim)
+        bq, bk = entry.launcher.tiles(shape.head_dim, shape.causal)
         hbm = entry.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
                               bq, bk, shape.causal, shape.itemsize)
     except Exception:  # noqa: BLE001 - no model: no number, the timing still stands

@@ -122,8 +122,8 @@ class Blocks:
             return cls("given", args.sram, tuple(args.blocks))
         return cls("paper" if getattr(args, "paper_blocks", False) else "kernel", args.sram)
 
-    def pick(self, entry: Variant, head_dim: int) -> tuple[tuple[int | None, int | None], str]:
-        """((B_r, B_c), source) for ``entry`` at ``head_dim``: source is "kernel", "paper", "given", "fallback"
+    def pick(self, entry: Variant, head_dim: int, causal: bool = False) -> tuple[tuple[int | None, int | None], str]:
+        """((B_r, B_c), source) for ``entry`` at ``head_dim`` (and mask): source is "kernel", "paper", "given", "fallback"
         (the paper's, because the launcher has no tiles at this head dim) or "untiled" (blocks (None, None))."""
         if _untiled(entry, head_dim):
             return (None, None), "untiled"
@@ -132,7 +132,7 @@ class Blocks:
         if self.mode == "paper":
             return paper_blocks(self.sram, head_dim), "paper"
         try:
-            b_r, b_c = entry.launcher.tiles(head_dim)
+            b_r, b_c = entry.launcher.tiles(head_dim, causal)
         except Exception:  # noqa: BLE001 - a head dim the launcher has no tiles for (yet): the paper's, said so
             return paper_blocks(self.sram, head_dim), "fallback"
         return (int(b_r), int(b_c)), "kernel"
@@ -334,7 +334,7 @@ def _compare_numpy(args: argparse.Namespace, chosen: list[Variant], why: str) ->
     rows, failed = [], False
     for i, entry in enumerate(chosen, 1):
         _progress(f"[{i}/{len(chosen)}] {entry.name} (NumPy model)")
-        (b_r, b_c), source = blocks.pick(entry, shape.head_dim)
+        (b_r, b_c), source = blocks.pick(entry, shape.head_dim, shape.causal)
         try:
             kw = {} if b_r is None else dict(block_q=b_r, block_k=b_c)
             t0 = time.perf_counter()
@@ -518,10 +518,10 @@ def _run_variant(entry: Variant, shape, scale, sets, ref, pairs, args, blocks: B
 
     times = timing.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=sets)
     try:
-        tiles = tuple(entry.launcher.tiles(shape.head_dim))
+        tiles = tuple(entry.launcher.tiles(shape.head_dim, shape.causal))
     except Exception:  # noqa: BLE001
         tiles = (None, None)
-    used, source = blocks.pick(entry, shape.head_dim)
+    used, source = blocks.pick(entry, shape.head_dim, shape.causal)
     return dict(variant=entry.name, ms=timing.median(times), err=err, hbm=_modeled_hbm(entry, shape, used),
                 extra=extra, extra_how=how, tiles=_blocks_text(tiles),
                 model_blocks=_blocks_text(used) + _SOURCE_TAG[source])
@@ -653,7 +653,7 @@ def _compare_backward_numpy(args: argparse.Namespace, chosen: list[Variant], not
     rows, failed = [], False
     for i, entry in enumerate(chosen, 1):
         _progress(f"[{i}/{len(chosen)}] {entry.name} (NumPy backward model)")
-        (b_r, b_c), source = blocks.pick(entry, d)
+        (b_r, b_c), source = blocks.pick(entry, d, shape.causal)
         try:
             kw = {} if b_r is None else dict(block_q=b_r, block_k=b_c)
             t0 = time.perf_counter()

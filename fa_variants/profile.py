@@ -272,7 +272,7 @@ def run(shape: "timing.Shape", chosen: Sequence["Variant"], blocks: "Blocks", *,
             if not ok:
                 lines.append(f"{name} not run here: {why}")
                 continue
-            (b_r, b_c), _ = blocks.pick(item, shape.head_dim)
+            (b_r, b_c), _ = blocks.pick(item, shape.head_dim, shape.causal)
             try:
                 modeled = item.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
                                          b_r, b_c, shape.causal, shape.itemsize)

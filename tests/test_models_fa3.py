@@ -237,6 +237,8 @@ def test_default_tiles_are_the_kernels():
     assert first == fa3.DEFAULT_TILES
     assert {d: tuple(t[0])[:3] for d, t in kernels.CAUSAL_TILES.items()} == fa3.CAUSAL_TILES
     assert fa3.default_blocks(128, causal=True) == kernels.config(128, causal=True)[:2]
+    assert kernels.LAUNCHER.tiles(128, causal=True) == fa3.default_blocks(128, causal=True)   # what compare shows
+    assert kernels.LAUNCHER.tiles(128) == fa3.default_blocks(128)
     assert fa3.default_blocks(64, causal=True) == fa3.default_blocks(64)
     for d in (1, 64, 65, 128, 129, 256):
         assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]

@@ -78,6 +78,10 @@ def tiles(head_dim, limit=None):
     return config(template_dim(head_dim, DIMS))[:2]
 
 
+def causal_tiles(head_dim):
+    return config(template_dim(head_dim, DIMS), causal=True)[:2]
+
+
 def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None,
              fp8: bool = False) -> str:
     cfg = config(d) if cfg is None else tuple(cfg) + (0,) * (5 - len(cfg))
@@ -204,5 +208,5 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
 
 
 LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES},
-                          forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
+                          forward_fn=forward, tiles_fn=tiles, causal_tiles_fn=causal_tiles, extra_bytes_fn=extra_bytes,
                           source_archs={SOURCE: ARCHS}, plan_fn=plan)
