@@ -85,17 +85,22 @@ def causal_tiles(head_dim):
 def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None,
              fp8: bool = False) -> str:
     cfg = config(d) if cfg is None else tuple(cfg) + (0,) * (5 - len(cfg))
-    bm, bn, stages, pp, persistent = cfg
+    bm, bn, stages, pp, pers = cfg
     pingpong = bool(pp) if pingpong is None else pingpong
     fp8_arg = ", true" if fp8 else ""  # the 16-bit instances keep their names (and cache keys)
     return (f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}, "
-            f"{bm // 64}, {str(bool(persistent)).lower()}{fp8_arg}>")
+            f"{bm // 64}, {str(bool(pers)).lower()}{fp8_arg}>")
+
+
+def persistent(cfg) -> bool:
+    """Whether a tile configuration (BM, BN, stages, ping-pong[, persistent]) runs the persistent grid."""
+    return len(cfg) > 4 and bool(cfg[4])
 
 
 def grid(nq: int, heads: int, batch: int, cfg) -> tuple:
     """One CTA per (Q block, head, batch) tile, or with the persistent grid one per SM (at most one per tile)."""
     tiles = cdiv(nq, cfg[0]) * heads * batch
-    if len(cfg) > 4 and cfg[4]:
+    if persistent(cfg):
         tiles = min(tiles, sm_count())
     return (tiles, 1, 1)
 
@@ -105,7 +110,7 @@ def sm_count() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
-_COUNTERS: dict = {}  # (device, stream) -> int32[2] on that device: the persistent grid's tile counter pair
+_COUNTERS: dict = {}  # (device, stream) -> Memory of two int32 on that device: the persistent grid's counter pair
 
 
 def tile_counter(device: int, stream: int) -> int:
@@ -200,7 +205,7 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
                                        out_strides=(nq * h * d, h * d, d)),
                    fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
                    lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
-                   persistent=bool(cfg[4]))
+                   persistent=persistent(cfg))
 
 
 def forward(q, k, v, *, causal, softmax_scale, return_lse):

@@ -107,7 +107,7 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
                        smem=smem, template=template, fmt=FP8_FWD.pointers_format, maps=_maps(qz, cfg),
                        out_shape=(b, nq, h, d), dtype=np.dtype(qz["out_dtype"]),
                        lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
-                       persistent=len(cfg) > 4 and bool(cfg[4]))
+                       persistent=fa3.persistent(cfg))
 
 
 def run_quantized(p: fa3.Fa3Plan, qz: dict):
