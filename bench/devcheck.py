@@ -162,7 +162,7 @@ def quant_rows_sweep(repeats):
     print(tabulate(rows, headers=["threads", "16-byte vectors / thread", "us", "GB/s (read + written)"]))
 
 
-PEERS = ["torch-flash", "torch-cudnn"]  # --flex adds timing.FLEX (FlexAttention, compiled per shape)
+PEERS = timing.peer_names(flex=False)  # main() sets it from --flex / --no-peers
 
 
 def torch_peers(torch, shape, scale, sets, timed) -> dict:
@@ -248,10 +248,7 @@ def main():
     ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'; "
                     "another table of the launcher: 'fa2_fp8.SM90_TILES:128=128,128,8'")
     a = ap.parse_args()
-    if a.flex:
-        PEERS.append(timing.FLEX)
-    if a.no_peers:
-        PEERS.clear()
+    PEERS[:] = [] if a.no_peers else timing.peer_names(a.flex)
     for spec in filter(None, a.tiles.split(";")):
         name, rest = spec.split(":")
         name, _, table = name.partition(".")

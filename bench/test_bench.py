@@ -92,7 +92,7 @@ MMA_SYNC = "fa2_mma_sync"
 # The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
 # FlexAttention is the third torch peer (torch.compile per shape and direction: about 2 s each on the H200, 13 s
 # for the first); FAV_BENCH_FLEX=0 leaves it out.
-PEERS = list(timing.TORCH_BACKENDS) + ([timing.FLEX] if os.environ.get("FAV_BENCH_FLEX", "1") not in ("", "0") else [])
+PEERS = timing.peer_names(os.environ.get("FAV_BENCH_FLEX", "1") not in ("", "0"))
 VARIANTS = PEERS + [v.name for v in registry.variants()] + [MMA_SYNC, *PREQUANTS]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 

@@ -465,8 +465,7 @@ def _run_rows(chosen, shape, args, what: str, run_torch, run_ours, skippable=())
     if torch is not None and timing.torch_sdpa_unsupported(shape):
         torch_why = timing.torch_sdpa_unsupported(shape)
         torch = None
-    peers = list(timing.TORCH_BACKENDS) + ([timing.FLEX] if getattr(args, "flex", False) else [])
-    peers = peers if torch is not None else []
+    peers = timing.peer_names(getattr(args, "flex", False)) if torch is not None else []
     todo = list(chosen) + peers
     for i, item in enumerate(todo, 1):
         label = item if isinstance(item, str) else item.name

@@ -408,6 +408,11 @@ OTHER_TORCH_BACKENDS = {"torch-math": "MATH", FLEX: None}
 TORCH_PEERS = (*TORCH_BACKENDS, FLEX)  # what the tables show as torch's, not ours (ratios: TORCH_BACKENDS only)
 
 
+def peer_names(flex: bool) -> list[str]:
+    """The torch peers a table times: SDPA's flash and cuDNN backends, and FlexAttention with ``flex``."""
+    return [*TORCH_BACKENDS, *([FLEX] if flex else [])]
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex(torch):
     """flex_attention under torch.compile, one specialization per shape. Dynamo's recompile limit (8 by default)
