@@ -630,7 +630,7 @@ def test_compare_takes_flex(no_gpu, capsys):
 def test_compare_flex_row_on_the_gpu(backward, capsys):
     """compare --flex adds a torch-flex row (FlexAttention under torch.compile) with its ratio column, forward and
     backward, and its error in the same bounds as SDPA's (it computes the same attention)."""
-    torch, why = __import__("fa_variants.timing", fromlist=["torch_status"]).torch_status()
+    torch, why = timing.torch_status()
     if torch is None:
         pytest.skip(why)
     argv = ["compare", "--variants", "fa2", "--batch", "1", "--heads", "4", "--seqlen", "512", "--head-dim", "64",
