@@ -75,18 +75,26 @@ MAX_CANDIDATES = 6
 
 # ------------------------------------------------------------------------------------------------ tables
 @contextlib.contextmanager
-def tiles(head_dim: int, dkdv=None, dq=None):
+def tiles(head_dim: int, dkdv=None, dq=None, separate=False):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
-    (None: left as they are); the entries (the very list objects) come back on exit, exception or not."""
+    (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
+    (or ``separate``) runs the three-pass scheme (FA_VARIANTS_FA2_DQ=separate), whose tables these are."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
+    env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
         if dkdv is not None:
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
+        if separate or dkdv is not None or dq is not None:
+            os.environ["FA_VARIANTS_FA2_DQ"] = "separate"
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
+        if env is None:
+            os.environ.pop("FA_VARIANTS_FA2_DQ", None)
+        else:
+            os.environ["FA_VARIANTS_FA2_DQ"] = env
 
 
 def cfg_text(dkdv, dq) -> str:
@@ -229,11 +237,13 @@ def run_shape(shape, args, torch, rows, record) -> None:
 
     ref = None
 
-    def wgmma(label, dkdv, dq):
+    def wgmma(label, dkdv, dq, separate=False):
         nonlocal ref
-        res = dict(impl=label, config=default_text(d) if label == DEFAULT else cfg_text(dkdv, dq), kv=dkdv, q=dq)
+        config = (("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if d in sm90.FUSED_TILES and not separate
+                   else default_text(d)) if dkdv is None and dq is None else cfg_text(dkdv, dq))
+        res = dict(impl=label, config=config, kv=dkdv, q=dq)
         try:
-            with tiles(d, dkdv, dq):
+            with tiles(d, dkdv, dq, separate):
                 grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale)
                 cupy.cuda.get_current_stream().synchronize()
                 if ref is None:
@@ -253,7 +263,9 @@ def run_shape(shape, args, torch, rows, record) -> None:
     if ref is None:
         rows.append([shape.id, DEFAULT, "", "error", "", "", "", "", results[-1].get("error", "")])
         return
-    for label, dkdv, dq in CANDIDATES[d]:
+    if d in sm90.FUSED_TILES:  # the default is the fused dQ: its tables' three-pass scheme beside it
+        wgmma("three-pass", None, None, separate=True)
+    for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):
         wgmma(label, dkdv, dq)
 
     # the fastest change of each pass alone, together
@@ -261,7 +273,7 @@ def run_shape(shape, args, torch, rows, record) -> None:
     ok = [r for r in results if "ms" in r and max(r["errs"]) < REL_LIMIT]
     best_kv = min((r for r in ok if r["q"] is None and r["kv"] is not None), key=lambda r: r["ms"], default=None)
     best_q = min((r for r in ok if r["kv"] is None and r["q"] is not None), key=lambda r: r["ms"], default=None)
-    if best_kv and best_q and best_kv["ms"] < base and best_q["ms"] < base and not any(
+    if not args.no_candidates and best_kv and best_q and best_kv["ms"] < base and best_q["ms"] < base and not any(
             r["kv"] == best_kv["kv"] and r["q"] == best_q["q"] for r in results):
         wgmma("best combo", best_kv["kv"], best_q["q"])
 
@@ -327,6 +339,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="leave out torch SDPA's rows")
     ap.add_argument("--no-mma-sync", action="store_true", help="leave out the mma.sync backward's row")
+    ap.add_argument("--seqlens", default=str(SEQLEN),
+                    help=f"comma-separated N (default {SEQLEN}); B = {BATCH * SEQLEN} / N (B * N = 16K tokens)")
+    ap.add_argument("--no-candidates", action="store_true",
+                    help="only the default (and, where it is fused, the three-pass scheme) beside the peers")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     ap.add_argument("--list", action="store_true",
                     help="no GPU: compile the candidates for sm_90a here and print registers/spills, then exit")
@@ -375,14 +391,19 @@ def main(argv=None) -> int:
     _progress(f"precompiling {len(jobs)} modules ...")
     t_compile = precompile(jobs)
 
-    shapes = [timing.Shape(batch=BATCH, heads=HD // d, seqlen_q=SEQLEN, head_dim=d, dtype=DTYPE, causal=c)
-              for d in dims for c in ((False, True) if args.causal == "both" else (args.causal == "yes",))]
+    try:
+        seqlens = [int(x) for x in args.seqlens.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--seqlens takes comma-separated integers, got {args.seqlens!r}")
+    shapes = [timing.Shape(batch=max(1, BATCH * SEQLEN // n), heads=HD // d, seqlen_q=n, head_dim=d, dtype=DTYPE,
+                           causal=c)
+              for d in dims for n in seqlens for c in ((False, True) if args.causal == "both" else (args.causal == "yes",))]
     rows, record = [], []
     for shape in shapes:
         run_shape(shape, args, torch, rows, record)
         cupy.get_default_memory_pool().free_all_blocks()   # this shape's inputs are gone with run_shape
 
-    print(f"GPU: {gpu.probe().name}; bf16, N {SEQLEN}, B {BATCH}, H = {HD} / d; backward call alone, median of "
+    print(f"GPU: {gpu.probe().name}; bf16, N {args.seqlens}, B = {BATCH * SEQLEN} / N, H = {HD} / d; backward call alone, median of "
           f"{args.repeats} after {args.warmup} warm-up; TFLOP/s = 2.5 x 4BHN^2d (/2 causal)")
     print(tabulate(rows, headers=["shape", "impl", "config", "ms", "TFLOP/s", "x flash",
                                   "regs kv|q / CTAs/SM kv|q", "rel vs default dq/dk/dv", "note"],

@@ -33,6 +33,7 @@
 #include "common/backward.cuh"
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
+#include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "common/wgmma_n.cuh"
 
@@ -84,18 +85,61 @@ __forceinline__ __device__ void repack_all(u32 (&a)[NT / 2][4], const float (&ac
     for (int kk = 0; kk < NT / 2; ++kk) repack_a<T>(a[kk], acc[2 * kk], acc[2 * kk + 1]);
 }
 
+// FUSED (the fused dQ): the order in which the dK/dV CTAs of one (batch, kv head) add their shares dS_ij K_j into
+// dQ_i. It is fixed, so the sum is the same bit for bit on every run, and it is the order in which the shares
+// arrive when the n_kv CTAs of a head run side by side (fa2_bwd_fused_sm90's grid: one CTA per K/V block j, every
+// head's CTAs resident at once), so that a CTA rarely waits for its turn:
+//   ROTATED (not causal): CTA j visits the Q blocks from lo(j) = j n_q / n_kv on, cyclically, so at any step the
+//     CTAs work on different Q blocks; block i's shares come from j = u(i), u(i) - 1, ... (mod n_kv), u(i) the last
+//     CTA whose start is at or below i: rank (u(i) - j) mod n_kv.
+//   UP (causal, even items): CTA j visits the blocks it sees from the first (i_first) up; the nearer block j is to
+//     block i's diagonal, the sooner it gets there: rank j_end(i) - 1 - j (j_end(i): the K/V blocks i sees).
+//   DOWN (causal, odd items, CTA roles mirrored so that each CTA's two items add up to the same work): from the
+//     last block down; CTA j started this item after its previous item's n_kv - j blocks, the j + 1 of ... (the
+//     roles are mirrored) so the shares come in ascending j: rank j.
+// kernels/fa2_bwd_sm90.py's dq_order mirrors this (tests/test_fa2_bwd_sm90.py checks that every block's ranks are
+// 0 .. count - 1 and follow the arrival order).
+struct DqOrder {
+    enum Mode { ROTATED, UP, DOWN };
+    int mode, j, n_kv, n_q, i_first;
+    __forceinline__ __device__ int block(int k) const {  // the Q block of this CTA's k-th step of a query head
+        if (mode == UP) return i_first + k;
+        if (mode == DOWN) return n_q - 1 - k;
+        const int i = j * n_q / n_kv + k;
+        return i < n_q ? i : i - n_q;
+    }
+    template <int BM, int BN>
+    __forceinline__ __device__ int rank(int i, int seqlen_q, int seqlen_k) const {
+        if (mode == UP) return kv_block_range<BM, BN>(i * BM, seqlen_q, seqlen_k, true).end - 1 - j;
+        if (mode == DOWN) return j;
+        const int t = ((i + 1) * n_kv - 1) / n_q - j;
+        return t < 0 ? t + n_kv : t;
+    }
+};
+
+// Where the fused dQ's shares go: acc (batch, heads, n_q BM, D) fp32, dQ_i's rows contiguous; counts (batch,
+// heads, n_q, 2): the shares added so far to each Q block, per half of it (a warpgroup's).
+struct DqShares {
+    float* acc;
+    int* counts;
+};
+
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
 // each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would. PIPE: step
 // s+1's S^T issued before step s's dV/dK are waited on (the header).
-template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false>
-__forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
+template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false>
+__forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, int b, DqOrder order = {},
+                                           DqShares dq = {}) {
     constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
     using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major B of S^T, dP^T; N-major B of dK, dV
-    using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T
+    using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T; N-major B of dQ (FUSED)
+    using TdS = SwizzledTile<BN, 2 * BM>; // dS^T [key][query] (FUSED): the MN-major A of dQ = dS K
     static_assert((BN == 64 || BN == 128 || BN == 192) && (D == 64 || D == 128 || D == 256), "1-3 warpgroups");
     static_assert(BM == 32 || BM == 64 || BM == 128, "wgmma n32 / n64 / n128 blocks");
     static_assert(!(NO_V && DK), "dK needs V (dP^T)");
     static_assert(!PIPE || BN <= 128, "PIPE's loads are branch-free for <= 256 threads");
+    // FUSED: the two warpgroups split dQ_i (BM x D) in halves of 64 x 64: by rows at BM 128, by columns at BM 64
+    static_assert(!FUSED || (DK && DV && !PIPE && BN == 128 && BM * D == 128 * 64), "fused dQ: 128 x 64 or 64 x 128");
 
     extern __shared__ unsigned char smem[];
     // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, STAGES of (Q_i, dO_i), then STAGES of the
@@ -106,8 +150,9 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
     auto sQ = [&](int stage) { return sK + KV_BYTES + stage * 2 * TQ::BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
     float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + KV_BYTES + STAGES * 2 * TQ::BYTES);
+    const u32 sdS = base + KV_BYTES + STAGES * 2 * TQ::BYTES + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
 
-    const int h_kv = blockIdx.y, b = blockIdx.z, wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
     const bool causal = p.causal;
@@ -116,6 +161,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
     const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
     const int steps = p.group * n_i;                              // (query head, Q block), head-major
     const int row_bytes = 2 * p.head_dim;                         // columns past it are zero-filled
+    order.i_first = i_first;
+    auto q_block = [&](int step) { return FUSED ? order.block(step % n_i) : i_first + step % n_i; };
 
     load_rows_async<BN, 2 * D, THREADS>(sK, reinterpret_cast<const unsigned char*>(p.k + b * p.k_b + h_kv * p.k_h +
                                                                                    (i64)key0 * p.k_n),
@@ -130,7 +177,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
     auto load_q = [&](int step, int stage) {
         const bool live = !PIPE || step < steps;
         const int at_step = live ? step : 0, ni = PIPE ? max(n_i, 1) : n_i;
-        const int h = h_kv * p.group + at_step / ni, m0 = (i_first + at_step % ni) * BM;
+        const int h = h_kv * p.group + at_step / ni, m0 = (PIPE ? i_first + at_step % ni : q_block(at_step)) * BM;
         const int rows = live ? seqlen_q - m0 : 0;
         load_rows_async<BM, 2 * D, THREADS>(sQ(stage), reinterpret_cast<const unsigned char*>(p.q + b * p.q_b +
                                                                                               h * p.q_h +
@@ -207,16 +254,59 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
         wgmma_commit();
     };
     // dS^T = P^T * (dP^T - D[query]), then dK_j += dS^T Q_i (Q_i read N-major)
+    u32 ads[NT / 2][4];  // dS^T as 16-bit A fragments (FUSED: also stored for dQ)
     auto issue_dk = [&](int stage, const float* delta) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
-        u32 ads[NT / 2][4];
         repack_all<T>(ads, dst);
         wgmma_fence();
         wgmma_rs_rows<T, TQ, D>(dk[0], ads, sQ(stage));
         wgmma_commit();
+    };
+
+    // FUSED: dQ_i's share dS_ij K_j. dS^T goes to shared memory (both warpgroups' keys make up the reduction);
+    // warpgroup wg takes its 64 x 64 half (rows qr0.., columns dc0..) and, once the Q block's count reaches this
+    // CTA's rank, stores (rank 0) or adds it to dQ's fp32 accumulator. The count is released one step later,
+    // after a barrier every thread of the CTA passes after its adds (`pending`).
+    constexpr int QR0 = BM == 128 ? 64 : 0, DC0 = BM == 128 ? 0 : 64;  // times wg
+    int* pending = nullptr;
+    auto add_dq_share = [&](int h, int i) {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)  // a[r]: row g + 8 (r % 2), columns 16 kk + 8 (r / 2) + 2t, + 1
+                st_shared(sdS + TdS::offset(kr0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)),
+                          (int)ads[kk][r]);
+        fence_proxy_async();
+        __syncthreads();  // both warpgroups' dS^T in
+        float dqs[8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_16_ss<T, 1, 1>(dqs, TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
+                                 TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
+        wgmma_commit();
+        const int n_q = (seqlen_q + BM - 1) / BM, rank = order.rank<BM, BN>(i, seqlen_q, seqlen_k);
+        int* count = dq.counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
+        if (threadIdx.x % 128 == 0) wait_count_at_least(count, rank);  // (behind the wgmmas' latency)
+        wgmma_wait<0>();
+        hold_registers(dqs);
+        named_sync(1 + wg, 128);  // the count seen by this warpgroup
+        float* at = dq.acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D + DC0 * wg + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (rank == 0) st_global_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
+                else red_add_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
+            }
+        pending = count;
+    };
+    auto release_dq_share = [&]() {  // after a CTA barrier that follows the adds
+        if (pending != nullptr && threadIdx.x % 128 == 0) release_count(pending);
+        pending = nullptr;
     };
 
     if constexpr (PIPE) {
@@ -228,7 +318,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
         wgmma_wait<0>();
     }
     for (int s = 0; s < steps; ++s) {
-        const int stage = s % STAGES, m0 = (i_first + s % n_i) * BM;
+        const int stage = s % STAGES, m0 = q_block(s) * BM;
         if constexpr (PIPE) {  // S^T came in with the previous step's last wait
             hold_registers(st);
             issue_st(stage, false, true);
@@ -245,11 +335,13 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
         hold_registers(st);
         p_of_st(lse2, m0);
         if constexpr (DV) issue_dv(stage);
+        if constexpr (FUSED) release_dq_share();  // the previous step's (its fence waits here, under dV and dP^T)
         if constexpr (DK) {
             wgmma_wait<DV ? 1 : 0>();  // dP^T is in (dV may still run)
             hold_registers(dpt);
             issue_dk(stage, delta);
         }
+        if constexpr (FUSED) add_dq_share(h_kv * p.group + s / n_i, m0 / BM);
         if constexpr (PIPE) {
             cp_async_wait<0>();
             fence_proxy_async();
@@ -265,6 +357,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j) {
     }
     cp_async_wait<0>();
     __syncthreads();  // every warpgroup is done with the tiles (and K_j's copies have landed with no step to run)
+    if constexpr (FUSED) release_dq_share();
 
     // dK = scale * dS^T Q and dV, each staged through shared memory (this warp's own 16 rows) for 16-byte stores
     // into contiguous (batch, seqlen_k, heads_kv, head_dim) gradients.
@@ -291,11 +384,53 @@ __global__ void __launch_bounds__(2 * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
     static_assert(SPLIT || BM_DV == BM, "BM_DV is the split's");
     if constexpr (SPLIT) {
-        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, BM, true, false, false, PIPE>(p, blockIdx.x / 2);
-        else fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>(p, blockIdx.x / 2);
+        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, BM, true, false, false, PIPE>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
+        else fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
     } else {
-        fav::dkdv_block<T, D, BN, BM, true, true, false, PIPE>(p, blockIdx.x);
+        fav::dkdv_block<T, D, BN, BM, true, true, false, PIPE>(p, blockIdx.x, blockIdx.y, blockIdx.z);
     }
+}
+
+// The fused dQ (deterministic, two passes instead of three): a persistent grid of `groups` x n_kv CTAs, all
+// resident at once (the launcher sizes it to the SMs), CTA (group, c) takes the role of K/V block j of every
+// groups-th (batch, kv head) from `group` on, in dkdv_block's FUSED order (DqOrder); causal items alternate the
+// roles (c, n_kv - 1 - c) and the visiting direction so that every CTA's two items add up to one head's work.
+// A CTA only ever waits for CTAs of its own head and group, which run beside it, for a share they add at an
+// earlier step of theirs: no cycle. fa2_bwd_dq_convert then scales dQ into the input dtype.
+template <class T, int D, int BN, int BM>
+__global__ void __launch_bounds__(2 * BN, 1)
+fa2_bwd_fused_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
+    using namespace fav;
+    const int n_kv = (p.seqlen_k + BN - 1) / BN, n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
+    const int c = blockIdx.x % n_kv, groups = gridDim.x / n_kv;
+    for (int item = blockIdx.x / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
+        const bool down = p.causal && (m & 1);
+        const int j = down ? n_kv - 1 - c : c;
+        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_kv, n_q, 0};
+        dkdv_block<T, D, BN, BM, true, true, false, false, true>(p, j, item % heads_kv, item / heads_kv, order,
+                                                                 DqShares{dq_acc, dq_counts});
+        __syncthreads();  // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
+    }
+}
+
+// dQ = scale x the fused pass's fp32 sum, into q's layout (contiguous); Q blocks that see no key get zeros (no
+// share was stored there). One thread per 8 columns of a row.
+template <class T, int D, int BN, int BM>
+__global__ void __launch_bounds__(256)
+fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
+    using namespace fav;
+    const int h = blockIdx.y, b = blockIdx.z, chunks = p.head_dim / 8;
+    const int x = blockIdx.x * 256 + threadIdx.x;
+    if (x >= p.seqlen_q * chunks) return;
+    const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = (p.seqlen_q + BM - 1) / BM;
+    const bool seen = kv_block_range<BM, BN>(i * BM, p.seqlen_q, p.seqlen_k, p.causal).count() > 0;
+    const float* src = dq_acc + (((i64)b * p.heads + h) * n_q * BM + q) * D + col;
+    u32 packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        packed[e] = seen ? T::pack(src[2 * e] * p.scale, src[2 * e + 1] * p.scale) : 0u;
+    *reinterpret_cast<uint4*>(p.dq + ((i64)b * p.seqlen_q + q) * p.heads * p.head_dim + (i64)h * p.head_dim + col) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
 template <class T, int D, int BM, int BN, int MINB = 1>

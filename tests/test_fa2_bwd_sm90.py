@@ -47,3 +47,47 @@ def test_tiles_fit_the_h200():
         bn, split = k.dkdv_config(k.DKDV_TILES[d][0])[:2]
         assert (1 if split else 2) * bn * (d + 8) * 2 <= k.dkdv_smem(d, k.DKDV_TILES[d][0]) - 1024
         assert k.DQ_TILES[d][0][0] * (d + 8) * 2 <= k.dq_smem(d, k.DQ_TILES[d][0]) - 1024
+    for d in k.FUSED_TILES:
+        assert k.fused_smem(d) <= common.SM90_SMEM
+
+
+# ------------------------------------------------------------------------------------------- the fused dQ's order
+def _visibility(seqlen_q, seqlen_k, bm, bn, causal):
+    """first_q_block(j), kv_blocks_seen(i) and the visible (i, j) pairs, from reference.common.block_visited."""
+    from fa_variants.reference.common import block_visited
+    n_q, n_kv = -(-seqlen_q // bm), -(-seqlen_k // bn)
+    seen = {(i, j) for i in range(n_q) for j in range(n_kv)
+            if not causal or block_visited(min((i + 1) * bm, seqlen_q) - 1, j * bn, seqlen_q, seqlen_k)}
+    first = {j: min(i for i in range(n_q) if (i, j) in seen) for j in range(n_kv)}
+    count = {i: sum((i, j) in seen for j in range(n_kv)) for i in range(n_q)}
+    return n_q, n_kv, seen, first.__getitem__, count.__getitem__
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (37, 300), (300, 37), (1000, 1000), (4097, 4097),
+                                                (130, 8192), (8192, 130), (2048, 4096), (640, 512)])
+@pytest.mark.parametrize("d", sorted(k.FUSED_TILES))
+def test_fused_dq_order_is_a_fixed_order_in_arrival_order(causal, seqlen_q, seqlen_k, d):
+    """Every Q block gets one share from each K/V block it sees, ranked 0 .. count - 1 (so the counts the kernel
+    waits on are reached, and the sum's order is fixed); ranked in the order the shares arrive when a head's CTAs
+    run side by side one step at a time (so that waiting is rare); and a CTA only waits for lower ranks of CTAs
+    that never wait for it (DOWN: smaller roles; UP: larger; ROTATED: earlier steps)."""
+    bn, bm = k.FUSED_TILES[d]
+    n_q, n_kv, seen, first, count = _visibility(seqlen_q, seqlen_k, bm, bn, causal)
+    for odd in ([False, True] if causal else [False]):
+        arrivals = {}  # Q block -> [(rank, arrival time, role)]
+        for j in range(n_kv):
+            blocks, rank = k.dq_order(causal, odd, j, n_kv, n_q, first, count)
+            assert sorted(blocks) == sorted(i for i in range(n_q) if (i, j) in seen)
+            # DOWN: the role's CTA started after its even item, role n_kv - 1 - j's work
+            start = (n_q - first(n_kv - 1 - j)) if odd else 0
+            for step, i in enumerate(blocks):
+                arrivals.setdefault(i, []).append((rank[i], start + step, j))
+        for i in range(n_q):
+            got = sorted(arrivals.get(i, []))
+            assert [r for r, _, _ in got] == list(range(count(i))), (odd, i)
+            times = [t for _, t, _ in got]
+            assert times == sorted(times), f"block {i}: shares ranked out of arrival order {got}"
+            roles = [j for _, _, j in got]
+            if causal:
+                assert roles == sorted(roles, reverse=not odd), (odd, i, roles)

@@ -21,6 +21,26 @@ __forceinline__ __device__ int ld_shared(u32 addr) {
     return x;
 }
 
+// ---- An ordered sum in global memory (fa2_bwd_sm90's fused dQ) ---------------------------------------------
+// Writers take turns on a counter: a writer waits until it reaches its rank (acquire), adds its share, and after
+// a barrier of the threads that added one of them counts itself in (release). CUTLASS's semaphore pattern: the
+// barrier orders the other threads' adds before the releasing thread's fence, which is cumulative.
+__forceinline__ __device__ void wait_count_at_least(const int* counter, int rank) {
+    int seen;
+    do asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    while (seen < rank);
+}
+__forceinline__ __device__ void release_count(int* counter) {
+    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+// Two consecutive floats (8-byte aligned): stored (the first share) or added at L2 (the others).
+__forceinline__ __device__ void st_global_f32x2(float* p, float x, float y) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+__forceinline__ __device__ void red_add_f32x2(float* p, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
 // ---- cp.async: 16-byte global -> shared copies that bypass the register file and L1 ----------------------
 // With valid == false nothing is read and the 16 bytes are zero-filled: ragged tile edges load zeros, so the
 // math never sees uninitialized (possibly NaN) shared memory.

@@ -204,7 +204,8 @@ __forceinline__ __device__ void wgmma_16_rs(float (&d)[16][4], const u32 (&a)[4]
 }
 #undef FAV_D64
 #undef FAV_R64
-template <class T>
+// n64: also with either operand MN-major (TA, TB = 1: imm-trans-a / -b; dQ = dS K reads dS^T and K transposed).
+template <class T, int TA = 0, int TB = 0>
 __forceinline__ __device__ void wgmma_16_ss(float (&d)[8][4], u64 a_desc, u64 b_desc, int accumulate) {
 #define FAV_D32 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
     "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
@@ -214,12 +215,12 @@ __forceinline__ __device__ void wgmma_16_ss(float (&d)[8][4], u64 a_desc, u64 b_
     "%28,%29,%30,%31"
     if constexpr (T::is_bf16)
         asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FAV_R32 "}, %32, %33, p, 1, 1, 0, 0; }"
-                     : FAV_D32 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" FAV_R32 "}, %32, %33, p, 1, 1, %35, %36; }"
+                     : FAV_D32 : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(TA), "n"(TB));
     else
         asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" FAV_R32 "}, %32, %33, p, 1, 1, 0, 0; }"
-                     : FAV_D32 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" FAV_R32 "}, %32, %33, p, 1, 1, %35, %36; }"
+                     : FAV_D32 : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(TA), "n"(TB));
 }
 template <class T>
 __forceinline__ __device__ void wgmma_16_rs(float (&d)[8][4], const u32 (&a)[4], u64 b_desc, int accumulate) {

@@ -1,10 +1,16 @@
-"""Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic three-pass backward on Hopper's wgmma
-(sm_90a only). Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel); passes 2 (dK, dV per K/V block)
-and 3 (dQ per Q block) are the wgmma kernels. Same contract as ``fa2_bwd.backward``; head dims up to 256.
+"""Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic backward on Hopper's wgmma (sm_90a only).
+Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then, at d 64 and 128 where the grid fits
+(FUSED_TILES, ``fused_grid``): one pass that computes dK, dV per K/V block and adds each block's share of dQ into an
+fp32 sum in a fixed order (the fused dQ), and a conversion of that sum; otherwise the three-pass scheme: dK, dV per
+K/V block, then dQ per Q block (recomputing S and dP). FA_VARIANTS_FA2_DQ=separate forces the latter. Same
+contract as ``fa2_bwd.backward``; head dims up to 256.
 
 fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
 """
 from __future__ import annotations
+
+import ctypes
+import os
 
 from .. import jit
 from . import fa2_bwd
@@ -31,6 +37,9 @@ DKDV_TILES = {64: [(128, False, 128, 1, 128, True)], 128: [(128, False, 64, 1, 6
 # 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (4.38 -> 4.18 ms both passes, outputs as
 # 128 x 64's); d 256: 128 x 32 (same sweeps).
 DQ_TILES = {64: [(64, 64, 4)], 128: [(192, 64)], 256: [(128, 32)]}
+# The fused dQ: template head_dim -> (BN keys per CTA, BM queries per step); the two warpgroups split each dQ share
+# (BM x d) into 64 x 64 halves, by rows at d 64, by columns at d 128.
+FUSED_TILES = {64: (128, 128), 128: (128, 64)}
 DKDV_DEFAULTS = (DKDV_BM, 1, None, False)  # BM, MINB, BM_DV (None: = BM), PIPE
 DQ_DEFAULTS = (1,)                  # MINB
 
@@ -61,6 +70,50 @@ def dq_smem(d: int, cfg) -> int:
     return 1024 + 2 * bm * 2 * d + 4 * bn * 2 * d  # align; Q, dO; two stages of K, V
 
 
+def fused_smem(d: int) -> int:
+    bn, bm = FUSED_TILES[d]
+    stats = -(-2 * bm * 2 * 4 // 1024) * 1024  # two stages of LSE and D, padded to the swizzle's alignment
+    return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm  # align; K, V; Q, dO stages; dS^T
+
+
+def fused_instance(ctype: str, d: int) -> str:
+    return f"fa2_bwd_fused_sm90<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}>"
+
+
+def convert_instance(ctype: str, d: int) -> str:
+    return f"fa2_bwd_dq_convert<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}>"
+
+
+def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block, kv_blocks_seen):
+    """The fused dQ's order, as cuda_src/fa2_bwd_sm90.cu's DqOrder: (the Q blocks CTA role j visits, in order,
+    for one query head; {Q block: this share's rank}). ``first_q_block(j)``: the first Q block K/V block j is
+    visible to; ``kv_blocks_seen(i)``: how many K/V blocks Q block i sees (both 0 / n_kv when not causal)."""
+    if not causal:
+        lo = j * n_q // n_kv
+        blocks = [(lo + k) % n_q for k in range(n_q)]
+        return blocks, {i: ((i + 1) * n_kv - 1) // n_q - j + (n_kv if ((i + 1) * n_kv - 1) // n_q < j else 0)
+                        for i in blocks}
+    first = first_q_block(j)
+    if odd:
+        blocks = list(range(n_q - 1, first - 1, -1))
+        return blocks, {i: j for i in blocks}
+    blocks = list(range(first, n_q))
+    return blocks, {i: kv_blocks_seen(i) - 1 - j for i in blocks}
+
+
+_SMS = {}
+
+
+def fused_grid(device: int, n_kv: int, items: int) -> int:
+    """CTAs of the fused pass (groups x n_kv, every CTA resident at once: one a SM), or 0 where it does not apply
+    (more K/V blocks than SMs: a head's CTAs could not all run side by side)."""
+    if device not in _SMS:
+        import cupy
+        _SMS[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    groups = min(_SMS[device] // n_kv, items) if n_kv else 0
+    return groups * n_kv
+
+
 def _template_args(full: tuple, defaults: tuple) -> tuple:
     """``full`` less its trailing entries equal to ``defaults``' (so the first version's names are unchanged)."""
     n = len(full)
@@ -83,8 +136,9 @@ def dq_instance(ctype: str, d: int, cfg) -> str:
 
 
 def instances(ctype: str, d: int):
+    fused = (fused_instance(ctype, d), convert_instance(ctype, d)) if d in FUSED_TILES else ()
     return (tuple(dkdv_instance(ctype, d, cfg) for cfg in DKDV_TILES[d])
-            + tuple(dq_instance(ctype, d, cfg) for cfg in DQ_TILES[d]))
+            + tuple(dq_instance(ctype, d, cfg) for cfg in DQ_TILES[d]) + fused)
 
 
 def specializations():
@@ -115,6 +169,22 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     def run(kern, grid, block, smem):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
+    grid = 0
+    if D in FUSED_TILES and os.environ.get("FA_VARIANTS_FA2_DQ", "") != "separate":
+        bn, bm = FUSED_TILES[D]
+        grid = fused_grid(q.device.id, cdiv(nk, bn), b * hkv)
+    if grid:  # the fused dQ: two launches instead of two passes
+        n_q = cdiv(nq, bm)
+        acc = cupy.empty((b, h, n_q * bm, D), cupy.float32)
+        counts = cupy.zeros((b, h, n_q, 2), cupy.int32)
+        smem = fused_smem(D)
+        launch(function_of(jit.kernel(SOURCE, fused_instance(ctype, D), exprs), smem), (grid, 1, 1), 2 * bn, smem,
+               stream, template, BWD.pointers_format, *ptrs,
+               extra=(ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr), ctypes.c_int(b)))
+        launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D), exprs), 0),
+               (cdiv(nq * (d // 8), 256), h, b), 256, 0, stream, template, BWD.pointers_format, *ptrs,
+               extra=(ctypes.c_uint64(acc.data.ptr),))
+        return dq, dk, dv
     kv = pick_tiles(DKDV_TILES, dkdv_smem, D)
     bn, split = dkdv_config(kv)[:2]
     run(jit.kernel(SOURCE, dkdv_instance(ctype, D, kv), exprs), (cdiv(nk, bn) * (2 if split else 1), hkv, b),

@@ -41,12 +41,14 @@ def function_of(raw_kernel, smem: int) -> int:
     return ptr
 
 
-def launch(func: int, grid: tuple, block: int, smem: int, stream: int, template: bytes, fmt: str, *ptrs: int):
-    """One cuLaunchKernel with a single by-value struct argument: ``template`` with its leading pointers set to
-    ``ptrs``. The driver copies the argument during the call, so the buffer may die right after."""
+def launch(func: int, grid: tuple, block: int, smem: int, stream: int, template: bytes, fmt: str, *ptrs: int,
+           extra: tuple = ()):
+    """One cuLaunchKernel with a by-value struct argument: ``template`` with its leading pointers set to ``ptrs``,
+    then the kernel's further arguments ``extra`` (ctypes values). The driver copies the arguments during the
+    call, so the buffers may die right after."""
     buf = ctypes.create_string_buffer(template, len(template))
     struct.pack_into(fmt, buf, 0, *ptrs)
-    argv = ctypes.c_void_p(ctypes.addressof(buf))
+    argv = (ctypes.c_void_p * (1 + len(extra)))(ctypes.addressof(buf), *(ctypes.addressof(x) for x in extra))
     _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
 
 
