@@ -75,10 +75,10 @@ MAX_CANDIDATES = 6
 
 # ------------------------------------------------------------------------------------------------ tables
 @contextlib.contextmanager
-def tiles(head_dim: int, dkdv=None, dq=None, separate=False):
+def tiles(head_dim: int, dkdv=None, dq=None, fused=False):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
     (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
-    (or ``separate``) runs the three-pass scheme (FA_VARIANTS_FA2_DQ=separate), whose tables these are."""
+    runs the three-pass scheme, whose tables these are; ``fused`` the fused dQ (FA_VARIANTS_FA2_DQ=fused)."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
     env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
@@ -86,8 +86,7 @@ def tiles(head_dim: int, dkdv=None, dq=None, separate=False):
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
-        if separate or dkdv is not None or dq is not None:
-            os.environ["FA_VARIANTS_FA2_DQ"] = "separate"
+        os.environ["FA_VARIANTS_FA2_DQ"] = "fused" if fused else "separate"
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
@@ -237,13 +236,13 @@ def run_shape(shape, args, torch, rows, record) -> None:
 
     ref = None
 
-    def wgmma(label, dkdv, dq, separate=False):
+    def wgmma(label, dkdv, dq, fused=False):
         nonlocal ref
-        config = (("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if d in sm90.FUSED_TILES and not separate
-                   else default_text(d)) if dkdv is None and dq is None else cfg_text(dkdv, dq))
+        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if fused
+                  else default_text(d) if dkdv is None and dq is None else cfg_text(dkdv, dq))
         res = dict(impl=label, config=config, kv=dkdv, q=dq)
         try:
-            with tiles(d, dkdv, dq, separate):
+            with tiles(d, dkdv, dq, fused):
                 grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale)
                 cupy.cuda.get_current_stream().synchronize()
                 if ref is None:
@@ -263,8 +262,8 @@ def run_shape(shape, args, torch, rows, record) -> None:
     if ref is None:
         rows.append([shape.id, DEFAULT, "", "error", "", "", "", "", results[-1].get("error", "")])
         return
-    if d in sm90.FUSED_TILES:  # the default is the fused dQ: its tables' three-pass scheme beside it
-        wgmma("three-pass", None, None, separate=True)
+    if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused) beside the default
+        wgmma("fused dQ", None, None, fused=True)
     for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):
         wgmma(label, dkdv, dq)
 
@@ -342,7 +341,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default=str(SEQLEN),
                     help=f"comma-separated N (default {SEQLEN}); B = {BATCH * SEQLEN} / N (B * N = 16K tokens)")
     ap.add_argument("--no-candidates", action="store_true",
-                    help="only the default (and, where it is fused, the three-pass scheme) beside the peers")
+                    help="only the default (and, at d 64 and 128, the fused dQ) beside the peers")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     ap.add_argument("--list", action="store_true",
                     help="no GPU: compile the candidates for sm_90a here and print registers/spills, then exit")

@@ -127,7 +127,8 @@ struct DqShares {
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
 // each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would. PIPE: step
 // s+1's S^T issued before step s's dV/dK are waited on (the header).
-template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false>
+template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false,
+          int DIAG = 0>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, int b, DqOrder order = {},
                                            DqShares dq = {}) {
     constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
@@ -271,7 +272,14 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // CTA's rank, stores (rank 0) or adds it to dQ's fp32 accumulator. The count is released one step later,
     // after a barrier every thread of the CTA passes after its adds (`pending`).
     constexpr int QR0 = BM == 128 ? 64 : 0, DC0 = BM == 128 ? 0 : 64;  // times wg
+    constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     int* pending = nullptr;
+    auto release_dq_share = [&]() {  // after a CTA barrier that follows the adds
+        if (pending != nullptr && threadIdx.x % 128 == 0) {
+            release_count(pending);
+        }
+        pending = nullptr;
+    };
     auto add_dq_share = [&](int h, int i) {
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk)
@@ -290,23 +298,21 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         wgmma_commit();
         const int n_q = (seqlen_q + BM - 1) / BM, rank = order.rank<BM, BN>(i, seqlen_q, seqlen_k);
         int* count = dq.counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
-        if (threadIdx.x % 128 == 0) wait_count_at_least(count, rank);  // (behind the wgmmas' latency)
+        if (WAIT && threadIdx.x % 128 == 0) wait_count_at_least(count, rank);  // (behind the wgmmas' latency)
         wgmma_wait<0>();
         hold_registers(dqs);
         named_sync(1 + wg, 128);  // the count seen by this warpgroup
         float* at = dq.acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D + DC0 * wg + 2 * t;
+        if constexpr (ADDS) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+            for (int n = 0; n < 8; ++n)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                if (rank == 0) st_global_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
-                else red_add_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
-            }
-        pending = count;
-    };
-    auto release_dq_share = [&]() {  // after a CTA barrier that follows the adds
-        if (pending != nullptr && threadIdx.x % 128 == 0) release_count(pending);
-        pending = nullptr;
+                for (int r = 0; r < 2; ++r) {
+                    if (rank == 0) st_global_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
+                    else red_add_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
+                }
+        }
+        pending = RELEASE ? count : nullptr;
     };
 
     if constexpr (PIPE) {
@@ -397,7 +403,8 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 // roles (c, n_kv - 1 - c) and the visiting direction so that every CTA's two items add up to one head's work.
 // A CTA only ever waits for CTAs of its own head and group, which run beside it, for a share they add at an
 // earlier step of theirs: no cycle. fa2_bwd_dq_convert then scales dQ into the input dtype.
-template <class T, int D, int BN, int BM>
+// DIAG (a measurement switch, 0 in use): 1 no wait for the turn, 2 nor the release, 3 nor the adds.
+template <class T, int D, int BN, int BM, int DIAG = 0>
 __global__ void __launch_bounds__(2 * BN, 1)
 fa2_bwd_fused_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
     using namespace fav;
@@ -407,7 +414,7 @@ fa2_bwd_fused_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int ba
         const bool down = p.causal && (m & 1);
         const int j = down ? n_kv - 1 - c : c;
         const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_kv, n_q, 0};
-        dkdv_block<T, D, BN, BM, true, true, false, false, true>(p, j, item % heads_kv, item / heads_kv, order,
+        dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG>(p, j, item % heads_kv, item / heads_kv, order,
                                                                  DqShares{dq_acc, dq_counts});
         __syncthreads();  // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
     }
@@ -425,10 +432,12 @@ fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
     const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = (p.seqlen_q + BM - 1) / BM;
     const bool seen = kv_block_range<BM, BN>(i * BM, p.seqlen_q, p.seqlen_k, p.causal).count() > 0;
     const float* src = dq_acc + (((i64)b * p.heads + h) * n_q * BM + q) * D + col;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = seen ? src[e] : 0.f;
     u32 packed[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-        packed[e] = seen ? T::pack(src[2 * e] * p.scale, src[2 * e + 1] * p.scale) : 0u;
+    for (int e = 0; e < 4; ++e) packed[e] = T::pack(v[2 * e] * p.scale, v[2 * e + 1] * p.scale);
     *reinterpret_cast<uint4*>(p.dq + ((i64)b * p.seqlen_q + q) * p.heads * p.head_dim + (i64)h * p.head_dim + col) =
         make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }

@@ -26,9 +26,9 @@ from fa_variants import registry
 pytestmark = pytest.mark.gpu
 
 BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.directions]
-# fa2 on Hopper: the fused dQ by default where it applies; "separate" its three-pass scheme, "fused_few_sms" the
-# fused pass with its grid cut to 8 SMs, so that each group of CTAs takes several heads (causal: both directions)
-IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync", "fa2:separate", "fa2:fused_few_sms"] if "fa2" in BACKWARD_VARIANTS
+# fa2 on Hopper: "fused" the fused dQ (FA_VARIANTS_FA2_DQ=fused), "fused_few_sms" the same with its grid cut to 8
+# SMs, so that each group of CTAs takes several heads (causal: both directions)
+IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync", "fa2:fused", "fa2:fused_few_sms"] if "fa2" in BACKWARD_VARIANTS
                              else [])
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations
@@ -67,13 +67,13 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
-        if kernel == "separate":
-            monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "separate")
-        elif kernel == "fused_few_sms":
+        if kernel.startswith("fused"):
+            monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "fused")
+        if kernel == "fused_few_sms":
             import cupy
             from fa_variants.kernels import fa2_bwd_sm90
             monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 8)
-        else:
+        elif not kernel.startswith("fused"):
             monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", kernel)
     return name
 

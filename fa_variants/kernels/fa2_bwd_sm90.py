@@ -1,9 +1,11 @@
 """Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic backward on Hopper's wgmma (sm_90a only).
-Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then, at d 64 and 128 where the grid fits
-(FUSED_TILES, ``fused_grid``): one pass that computes dK, dV per K/V block and adds each block's share of dQ into an
-fp32 sum in a fixed order (the fused dQ), and a conversion of that sum; otherwise the three-pass scheme: dK, dV per
-K/V block, then dQ per Q block (recomputing S and dP). FA_VARIANTS_FA2_DQ=separate forces the latter. Same
-contract as ``fa2_bwd.backward``; head dims up to 256.
+Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then the three-pass scheme: dK, dV per K/V
+block, then dQ per Q block (recomputing S and dP). FA_VARIANTS_FA2_DQ=fused takes, at d 64 and 128 where its grid
+fits (FUSED_TILES, ``fused_grid``), the fused dQ instead: one pass computes dK, dV per K/V block and adds each
+block's share of dQ into an fp32 sum in a fixed order, and a second converts that sum. It is deterministic and
+does 5 products instead of 7, but on the H200 its 32 fp32 adds per dQ element (N 4K, 128-key blocks) at L2 make it
+slower than the three passes (bench/NOTES.md, fifth session): off by default. Same contract as
+``fa2_bwd.backward``; head dims up to 256.
 
 fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
 """
@@ -77,7 +79,8 @@ def fused_smem(d: int) -> int:
 
 
 def fused_instance(ctype: str, d: int) -> str:
-    return f"fa2_bwd_fused_sm90<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}>"
+    diag = os.environ.get("FA_VARIANTS_FA2_DQ_DIAG", "0")  # a measurement switch (the kernel's DIAG), not for use
+    return f"fa2_bwd_fused_sm90<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{'' if diag == '0' else ', ' + diag}>"
 
 
 def convert_instance(ctype: str, d: int) -> str:
@@ -170,7 +173,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
     grid = 0
-    if D in FUSED_TILES and os.environ.get("FA_VARIANTS_FA2_DQ", "") != "separate":
+    if D in FUSED_TILES and os.environ.get("FA_VARIANTS_FA2_DQ", "") == "fused":
         bn, bm = FUSED_TILES[D]
         grid = fused_grid(q.device.id, cdiv(nk, bn), b * hkv)
     if grid:  # the fused dQ: two launches instead of two passes
