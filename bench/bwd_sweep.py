@@ -86,7 +86,7 @@ def tiles(head_dim: int, dkdv=None, dq=None, fused=False):
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
-        os.environ["FA_VARIANTS_FA2_DQ"] = "fused" if fused else "separate"
+        os.environ["FA_VARIANTS_FA2_DQ"] = {True: "fused", "single": "fused_single"}.get(fused, "separate")
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
@@ -264,6 +264,8 @@ def run_shape(shape, args, torch, rows, record) -> None:
         return
     if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused) beside the default
         wgmma("fused dQ", None, None, fused=True)
+        if os.environ.get("FAV_SWEEP_FUSED_SINGLE"):
+            wgmma("fused dQ single", None, None, fused="single")
     for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):
         wgmma(label, dkdv, dq)
 

@@ -108,7 +108,7 @@ struct DqOrder {
         const int i = j * n_q / n_kv + k;
         return i < n_q ? i : i - n_q;
     }
-    template <int BM, int BN>
+    template <int BM, int BN>  // BN: the keys of one contributor (a CTA's block, or a pair's two)
     __forceinline__ __device__ int rank(int i, int seqlen_q, int seqlen_k) const {
         if (mode == UP) return kv_block_range<BM, BN>(i * BM, seqlen_q, seqlen_k, true).end - 1 - j;
         if (mode == DOWN) return j;
@@ -119,18 +119,21 @@ struct DqOrder {
 
 // Where the fused dQ's shares go: acc (batch, heads, n_q BM, D) fp32, dQ_i's rows contiguous; counts (batch,
 // heads, n_q, 2): the shares added so far to each Q block, per half of it (a warpgroup's).
+// PAIR: the shares of a cluster's two CTAs (K/V blocks 2P, 2P + 1) are summed on chip first, each CTA adding one
+// half of the pair's sum; `exchanges` counts the pair's swaps (their buffers alternate).
 struct DqShares {
     float* acc;
     int* counts;
+    int exchanges;
 };
 
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
 // each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would. PIPE: step
 // s+1's S^T issued before step s's dV/dK are waited on (the header).
 template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false,
-          int DIAG = 0>
+          int DIAG = 0, bool PAIR = false>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, int b, DqOrder order = {},
-                                           DqShares dq = {}) {
+                                           DqShares* dq = nullptr) {
     constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
     using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major B of S^T, dP^T; N-major B of dK, dV
     using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T; N-major B of dQ (FUSED)
@@ -152,17 +155,18 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
     float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + KV_BYTES + STAGES * 2 * TQ::BYTES);
     const u32 sdS = base + KV_BYTES + STAGES * 2 * TQ::BYTES + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
+    const u32 sdQ = sdS + TdS::BYTES;  // PAIR: two buffers of the peer's half (64 x 64 fp32 each)
 
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
     const bool causal = p.causal;
     const int key0 = j * BN, kr0 = wg * 64 + warp * 16;  // the block's first key; this warp's first row of it
-    const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
+    // (FUSED: the order's, a pair's first block for both of its CTAs, so that they visit the same Q blocks)
+    const int i_first = FUSED ? order.i_first : first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
     const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
     const int steps = p.group * n_i;                              // (query head, Q block), head-major
     const int row_bytes = 2 * p.head_dim;                         // columns past it are zero-filled
-    order.i_first = i_first;
     auto q_block = [&](int step) { return FUSED ? order.block(step % n_i) : i_first + step % n_i; };
 
     load_rows_async<BN, 2 * D, THREADS>(sK, reinterpret_cast<const unsigned char*>(p.k + b * p.k_b + h_kv * p.k_h +
@@ -296,13 +300,38 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             wgmma_16_ss<T, 1, 1>(dqs, TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
                                  TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
         wgmma_commit();
-        const int n_q = (seqlen_q + BM - 1) / BM, rank = order.rank<BM, BN>(i, seqlen_q, seqlen_k);
-        int* count = dq.counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
-        if (WAIT && threadIdx.x % 128 == 0) wait_count_at_least(count, rank);  // (behind the wgmmas' latency)
+        const int n_q = (seqlen_q + BM - 1) / BM, rank = order.rank<BM, (PAIR ? 2 : 1) * BN>(i, seqlen_q, seqlen_k);
+        int* count = dq->counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
+        // PAIR: this CTA adds the pair's half wg == its rank and hands the other half to its peer
+        const bool owner = !PAIR || wg == (int)cluster_ctarank();
+        if (WAIT && owner && threadIdx.x % 128 == 0) wait_count_at_least(count, rank);  // (behind the wgmmas)
         wgmma_wait<0>();
         hold_registers(dqs);
+        if constexpr (PAIR) {
+            // through the peer's shared memory (16 KB a swap, two alternating buffers: a buffer is written again
+            // only after the barrier of the next swap, which its reader reaches after reading it)
+            const u32 buf = sdQ + (dq->exchanges++ & 1) * 128 * 8 * 16, me = (threadIdx.x % 128) * 8;
+            if (!owner) {
+                const u32 peer = peer_shared(buf, cluster_ctarank() ^ 1u);
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) st_cluster_f32x2(peer + (n * 2 + r) * 128 * 8 + me, dqs[n][2 * r], dqs[n][2 * r + 1]);
+            }
+            cluster_arrive();
+            cluster_wait();
+            if (!owner) return;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float x, y;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(buf + (n * 2 + r) * 128 * 8 + me));
+                    dqs[n][2 * r] += x, dqs[n][2 * r + 1] += y;
+                }
+        }
         named_sync(1 + wg, 128);  // the count seen by this warpgroup
-        float* at = dq.acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D + DC0 * wg + 2 * t;
+        float* at = dq->acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D + DC0 * wg + 2 * t;
         if constexpr (ADDS) {
 #pragma unroll
             for (int n = 0; n < 8; ++n)
@@ -404,20 +433,37 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 // A CTA only ever waits for CTAs of its own head and group, which run beside it, for a share they add at an
 // earlier step of theirs: no cycle. fa2_bwd_dq_convert then scales dQ into the input dtype.
 // DIAG (a measurement switch, 0 in use): 1 no wait for the turn, 2 nor the release, 3 nor the adds.
+namespace fav {
+// PAIR: contributors are clusters of two CTAs (K/V blocks 2P and 2P + 1; the second may lie past seqlen_k, and
+// then adds zeros), n_kv counting pairs.
+template <class T, int D, int BN, int BM, int DIAG, bool PAIR>
+__forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
+    const int blocks = (p.seqlen_k + BN - 1) / BN, n_kv = PAIR ? (blocks + 1) / 2 : blocks;
+    const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group, cta = PAIR ? blockIdx.x / 2 : blockIdx.x;
+    const int c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv;
+    DqShares shares{dq_acc, dq_counts, 0};
+    for (int item = cta / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
+        const bool down = p.causal && (m & 1);
+        const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
+        const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
+        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q, i_first};
+        dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR>(p, j, item % heads_kv, item / heads_kv,
+                                                                             order, &shares);
+        __syncthreads();  // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
+    }
+}
+}  // namespace fav
+
 template <class T, int D, int BN, int BM, int DIAG = 0>
 __global__ void __launch_bounds__(2 * BN, 1)
 fa2_bwd_fused_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
-    using namespace fav;
-    const int n_kv = (p.seqlen_k + BN - 1) / BN, n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
-    const int c = blockIdx.x % n_kv, groups = gridDim.x / n_kv;
-    for (int item = blockIdx.x / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
-        const bool down = p.causal && (m & 1);
-        const int j = down ? n_kv - 1 - c : c;
-        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_kv, n_q, 0};
-        dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG>(p, j, item % heads_kv, item / heads_kv, order,
-                                                                 DqShares{dq_acc, dq_counts});
-        __syncthreads();  // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
-    }
+    fav::fused_items<T, D, BN, BM, DIAG, false>(p, dq_acc, dq_counts, batch);
+}
+// The same with the shares of two CTAs summed on chip first: half the fp32 adds at L2.
+template <class T, int D, int BN, int BM, int DIAG = 0>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(2 * BN, 1)
+fa2_bwd_fused_pair_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
+    fav::fused_items<T, D, BN, BM, DIAG, true>(p, dq_acc, dq_counts, batch);
 }
 
 // dQ = scale x the fused pass's fp32 sum, into q's layout (contiguous); Q blocks that see no key get zeros (no

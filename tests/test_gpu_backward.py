@@ -28,8 +28,8 @@ pytestmark = pytest.mark.gpu
 BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.directions]
 # fa2 on Hopper: "fused" the fused dQ (FA_VARIANTS_FA2_DQ=fused), "fused_few_sms" the same with its grid cut to 8
 # SMs, so that each group of CTAs takes several heads (causal: both directions)
-IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync", "fa2:fused", "fa2:fused_few_sms"] if "fa2" in BACKWARD_VARIANTS
-                             else [])
+IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync", "fa2:fused", "fa2:fused_single", "fa2:fused_few_sms"]
+                             if "fa2" in BACKWARD_VARIANTS else [])
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations
 
@@ -68,11 +68,11 @@ def _variant(impl: str, monkeypatch) -> str:
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
         if kernel.startswith("fused"):
-            monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "fused")
-        if kernel == "fused_few_sms":
+            monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "fused_single" if kernel == "fused_single" else "fused")
+        if kernel == "fused_few_sms":  # 8 SMs: 4 clusters of two
             import cupy
             from fa_variants.kernels import fa2_bwd_sm90
-            monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 8)
+            monkeypatch.setitem(fa2_bwd_sm90._SMS, (cupy.cuda.Device().id, "pair"), 4)
         elif not kernel.startswith("fused"):
             monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", kernel)
     return name

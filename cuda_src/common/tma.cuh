@@ -61,6 +61,25 @@ __forceinline__ __device__ void tma_prefetch_desc(const TmaDesc& map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
 }
 
+// Thread block clusters: this CTA's rank in its cluster, a peer's address for a shared-memory address of ours
+// (mapa: the same offset in CTA `rank`'s shared memory), a store there (distributed shared memory), and the
+// cluster-wide barrier every thread of every CTA in the cluster arrives at (release) and waits on (acquire).
+__forceinline__ __device__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__forceinline__ __device__ u32 peer_shared(u32 addr, u32 rank) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
+    return a;
+}
+__forceinline__ __device__ void st_cluster_f32x2(u32 addr, float x, float y) {
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+__forceinline__ __device__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__forceinline__ __device__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
 __forceinline__ __device__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }

@@ -17,7 +17,7 @@ import os
 from .. import jit
 from . import fa2_bwd
 from .common import CTYPE, cdiv, pick_tiles
-from .launch import function_of, launch
+from .launch import function_of, launch, max_active_clusters
 from .params import BWD
 
 SOURCE = "fa2_bwd_sm90.cu"
@@ -75,12 +75,14 @@ def dq_smem(d: int, cfg) -> int:
 def fused_smem(d: int) -> int:
     bn, bm = FUSED_TILES[d]
     stats = -(-2 * bm * 2 * 4 // 1024) * 1024  # two stages of LSE and D, padded to the swizzle's alignment
-    return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm  # align; K, V; Q, dO stages; dS^T
+    # align; K, V; Q, dO stages; dS^T; (pair) two buffers of the peer's 64 x 64 fp32 half
+    return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm + 2 * 64 * 64 * 4
 
 
-def fused_instance(ctype: str, d: int) -> str:
+def fused_instance(ctype: str, d: int, pair: bool = True) -> str:
     diag = os.environ.get("FA_VARIANTS_FA2_DQ_DIAG", "0")  # a measurement switch (the kernel's DIAG), not for use
-    return f"fa2_bwd_fused_sm90<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{'' if diag == '0' else ', ' + diag}>"
+    name = "fa2_bwd_fused_pair_sm90" if pair else "fa2_bwd_fused_sm90"
+    return f"{name}<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{'' if diag == '0' else ', ' + diag}>"
 
 
 def convert_instance(ctype: str, d: int) -> str:
@@ -104,17 +106,20 @@ def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block
     return blocks, {i: kv_blocks_seen(i) - 1 - j for i in blocks}
 
 
-_SMS = {}
+_SMS = {}  # (device, pair) -> how many CTAs (pair: clusters of two) the fused pass can have resident at once
 
 
-def fused_grid(device: int, n_kv: int, items: int) -> int:
-    """CTAs of the fused pass (groups x n_kv, every CTA resident at once: one a SM), or 0 where it does not apply
-    (more K/V blocks than SMs: a head's CTAs could not all run side by side)."""
-    if device not in _SMS:
+def fused_grid(device: int, n_kv: int, items: int, pair: bool = False, func: int = 0, smem: int = 0) -> int:
+    """CTAs of the fused pass: groups x n_kv contributors (pair: clusters of two CTAs, n_kv of them counting pairs),
+    every one resident at once (one CTA a SM); 0 where it does not apply (a head's contributors could not all run
+    side by side)."""
+    key = device if not pair else (device, "pair")
+    if key not in _SMS:
         import cupy
-        _SMS[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    groups = min(_SMS[device] // n_kv, items) if n_kv else 0
-    return groups * n_kv
+        sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+        _SMS[key] = max_active_clusters(func, 2, 256, smem) if pair else sms
+    groups = min(_SMS[key] // n_kv, items) if n_kv else 0
+    return groups * n_kv * (2 if pair else 1)
 
 
 def _template_args(full: tuple, defaults: tuple) -> tuple:
@@ -139,7 +144,8 @@ def dq_instance(ctype: str, d: int, cfg) -> str:
 
 
 def instances(ctype: str, d: int):
-    fused = (fused_instance(ctype, d), convert_instance(ctype, d)) if d in FUSED_TILES else ()
+    fused = ((fused_instance(ctype, d), fused_instance(ctype, d, pair=False), convert_instance(ctype, d))
+             if d in FUSED_TILES else ())
     return (tuple(dkdv_instance(ctype, d, cfg) for cfg in DKDV_TILES[d])
             + tuple(dq_instance(ctype, d, cfg) for cfg in DQ_TILES[d]) + fused)
 
@@ -172,17 +178,17 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     def run(kern, grid, block, smem):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
-    grid = 0
-    if D in FUSED_TILES and os.environ.get("FA_VARIANTS_FA2_DQ", "") == "fused":
+    grid, mode = 0, os.environ.get("FA_VARIANTS_FA2_DQ", "")
+    if D in FUSED_TILES and mode in ("fused", "fused_single"):
         bn, bm = FUSED_TILES[D]
-        grid = fused_grid(q.device.id, cdiv(nk, bn), b * hkv)
+        pair, smem = mode == "fused", fused_smem(D)
+        func = function_of(jit.kernel(SOURCE, fused_instance(ctype, D, pair), exprs), smem)
+        grid = fused_grid(q.device.id, cdiv(cdiv(nk, bn), 2 if pair else 1), b * hkv, pair, func, smem)
     if grid:  # the fused dQ: two launches instead of two passes
         n_q = cdiv(nq, bm)
         acc = cupy.empty((b, h, n_q * bm, D), cupy.float32)
         counts = cupy.zeros((b, h, n_q, 2), cupy.int32)
-        smem = fused_smem(D)
-        launch(function_of(jit.kernel(SOURCE, fused_instance(ctype, D), exprs), smem), (grid, 1, 1), 2 * bn, smem,
-               stream, template, BWD.pointers_format, *ptrs,
+        launch(func, (grid, 1, 1), 2 * bn, smem, stream, template, BWD.pointers_format, *ptrs,
                extra=(ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr), ctypes.c_int(b)))
         launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D), exprs), 0),
                (cdiv(nq * (d // 8), 256), h, b), 256, 0, stream, template, BWD.pointers_format, *ptrs,

@@ -41,6 +41,24 @@ def function_of(raw_kernel, smem: int) -> int:
     return ptr
 
 
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+def max_active_clusters(func: int, cluster: int, block: int, smem: int) -> int:
+    """How many clusters of ``cluster`` CTAs of ``func`` (its cluster size compiled in) the device holds at once
+    (cuOccupancyMaxActiveClusters, through ctypes on the driver CuPy loaded; 0 where it cannot say)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return 0
+    cfg = _LaunchConfig((cluster, 1, 1), (block, 1, 1), smem, None, None, 0)
+    n = ctypes.c_int(0)
+    rc = fn(ctypes.byref(n), ctypes.c_void_p(func), ctypes.byref(cfg))
+    return n.value if rc == 0 else 0
+
+
 def launch(func: int, grid: tuple, block: int, smem: int, stream: int, template: bytes, fmt: str, *ptrs: int,
            extra: tuple = ()):
     """One cuLaunchKernel with a by-value struct argument: ``template`` with its leading pointers set to ``ptrs``,
