@@ -51,7 +51,7 @@ CANDIDATES = {
         ("kv BM64 (old default)", (128, False, 64), None),  # 1 x 2 WG; S^T, dP^T n64 (default BM128: n128)
         ("kv BN64 BM128", (64, False, 128), None),  # 250 regs, 2 x 1 WG, 83 KB; n128
         ("q 128x64 x2", None, (128, 64, 2)),        # 124 regs, 2 x 2 WG (default 128x128: 196 regs, 1 x 2 WG)
-        ("q 128x128 (old default)", None, (128, 128)),  # 196 regs, 1 x 2 WG (default 64x64 x4: 124 regs)
+        ("q 64x128 x2", None, (64, 128, 2)),        # 128 keys a step: half the barriers of 64x64
         # PIPE: S^T of step s+1 issued behind step s's dV, dK; LSE/D by cp.async; three Q/dO stages
         ("kv BM128 (old default)", (128, False, 128), None),  # 250 regs: the default without PIPE
         ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # 183 regs, 1 x 2 WG, 82.5 KB; n64, shorter P^T
