@@ -276,8 +276,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // CTA's rank, stores (rank 0) or adds it to dQ's fp32 accumulator. The count is released one step later,
     // after a barrier every thread of the CTA passes after its adds (`pending`).
     constexpr int QR0 = BM == 128 ? 64 : 0, DC0 = BM == 128 ? 0 : 64;  // times wg
-    constexpr bool WAIT = DIAG < 1 || DIAG == 5, RELEASE = DIAG < 2 || DIAG == 5, ADDS = DIAG != 3;
-    constexpr bool FENCE = DIAG < 4;  // (4, 5: the proxy fences left out, to time what they wait for: wrong results)
+    constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     int* pending = nullptr;
     auto release_dq_share = [&]() {  // after a CTA barrier that follows the adds
         if (pending != nullptr && threadIdx.x % 128 == 0) {
@@ -292,7 +291,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             for (int r = 0; r < 4; ++r)  // a[r]: row g + 8 (r % 2), columns 16 kk + 8 (r / 2) + 2t, + 1
                 st_shared(sdS + TdS::offset(kr0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)),
                           (int)ads[kk][r]);
-        if constexpr (FENCE) fence_proxy_async();
+        fence_proxy_async();
         __syncthreads();  // both warpgroups' dS^T in
         float dqs[8][4];
         wgmma_fence();
@@ -360,7 +359,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             issue_st(stage, false, true);
         } else {
             cp_async_wait<0>();
-            if constexpr (FENCE) fence_proxy_async();
+            fence_proxy_async();
             __syncthreads();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
             if (s + 1 < steps) load_q(s + 1, stage ^ 1);
             issue_st(stage, true, true);
@@ -433,8 +432,8 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 // roles (c, n_kv - 1 - c) and the visiting direction so that every CTA's two items add up to one head's work.
 // A CTA only ever waits for CTAs of its own head and group, which run beside it, for a share they add at an
 // earlier step of theirs: no cycle. fa2_bwd_dq_convert then scales dQ into the input dtype.
-// DIAG (a measurement switch, 0 in use): 1 no wait for the turn, 2 nor the release, 3 nor the adds; 4 as 2 and
-// 5 as 0 without the proxy fences (timing only).
+// DIAG, a measurement switch (0 in use; the others give wrong dQ): 1 no wait for the turn, 2 nor the release,
+// 3 nor the adds (bench/NOTES.md, fifth session, times each).
 namespace fav {
 // PAIR: contributors are clusters of two CTAs (K/V blocks 2P and 2P + 1; the second may lie past seqlen_k, and
 // then adds zeros), n_kv counting pairs.

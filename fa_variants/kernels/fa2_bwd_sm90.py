@@ -80,7 +80,9 @@ def fused_smem(d: int) -> int:
 
 
 def fused_instance(ctype: str, d: int, pair: bool = True) -> str:
-    diag = os.environ.get("FA_VARIANTS_FA2_DQ_DIAG", "0")  # a measurement switch (the kernel's DIAG), not for use
+    # FA_VARIANTS_FA2_DQ_DIAG: the kernel's DIAG, a measurement switch that leaves out the ordering or the adds
+    # (so its dQ is WRONG): what bench/NOTES.md's breakdown of the fused pass ran; 0 (unset) in use
+    diag = os.environ.get("FA_VARIANTS_FA2_DQ_DIAG", "0")
     name = "fa2_bwd_fused_pair_sm90" if pair else "fa2_bwd_fused_sm90"
     return f"{name}<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{'' if diag == '0' else ', ' + diag}>"
 
