@@ -443,6 +443,10 @@ __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, i
     const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group, cta = PAIR ? blockIdx.x / 2 : blockIdx.x;
     const int c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv;
     DqShares shares{dq_acc, dq_counts, 0};
+    if constexpr (PAIR) {  // the peer has started (its shared memory exists) before the first swap writes into it
+        cluster_arrive();
+        cluster_wait();
+    }
     for (int item = cta / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
         const bool down = p.causal && (m & 1);
         const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
