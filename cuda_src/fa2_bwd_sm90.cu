@@ -192,7 +192,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
                                                                                                h * p.do_h +
                                                                                                (i64)m0 * p.do_n),
                                             p.do_n * 2, rows, row_bytes);
-        if constexpr (PIPE || FUSED) {  // (FUSED: no per-step LDG for the adds to queue in front of)
+        if constexpr (PIPE) {
             // Queries past seqlen_q get LSE = D = 0: their Q and dO rows are zero, so S^T = 0, P^T = 1, dP^T = 0,
             // and they add P^T x 0 to dV and 1 x (0 - 0) x 0 to dK.
             const int r = threadIdx.x;
@@ -245,7 +245,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2);
-                const float l2 = PIPE || FUSED ? lse2[col] * -LOG2E : -lse2[col];  // (load_q's product, negated)
+                const float l2 = PIPE ? lse2[col] * -LOG2E : -lse2[col];  // (load_q's product, negated)
                 const float x = exp2f_approx(fmaf(st[nt][e], p.scale_log2, l2));
                 pt[nt][e] = !edge || (key < seqlen_k && !(causal && key > m0 + col + diag)) ? x : 0.f;
             }
