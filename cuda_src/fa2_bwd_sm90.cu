@@ -94,9 +94,9 @@ __forceinline__ __device__ void repack_all(u32 (&a)[NT / 2][4], const float (&ac
 //     CTA whose start is at or below i: rank (u(i) - j) mod n_kv.
 //   UP (causal, even items): CTA j visits the blocks it sees from the first (i_first) up; the nearer block j is to
 //     block i's diagonal, the sooner it gets there: rank j_end(i) - 1 - j (j_end(i): the K/V blocks i sees).
-//   DOWN (causal, odd items, CTA roles mirrored so that each CTA's two items add up to the same work): from the
-//     last block down; CTA j started this item after its previous item's n_kv - j blocks, the j + 1 of ... (the
-//     roles are mirrored) so the shares come in ascending j: rank j.
+//   DOWN (causal, odd items, roles mirrored so that each CTA's two items add up to one head's work): from the last
+//     block down. Role j's CTA held role n_kv - 1 - j in the even item before, j + 1 block rows of work, so the
+//     smaller the role the sooner it starts, and the shares come in ascending j: rank j.
 // kernels/fa2_bwd_sm90.py's dq_order mirrors this (tests/test_fa2_bwd_sm90.py checks that every block's ranks are
 // 0 .. count - 1 and follow the arrival order).
 struct DqOrder {
@@ -143,7 +143,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     static_assert(!(NO_V && DK), "dK needs V (dP^T)");
     static_assert(!PIPE || BN <= 128, "PIPE's loads are branch-free for <= 256 threads");
     // FUSED: the two warpgroups split dQ_i (BM x D) in halves of 64 x 64: by rows at BM 128, by columns at BM 64
-    static_assert(!FUSED || (DK && DV && !PIPE && BN == 128 && BM * D == 128 * 64), "fused dQ: 128 x 64 or 64 x 128");
+    static_assert(!FUSED || (DK && DV && !PIPE && BN == 128 && BM * D == 128 * 64),
+                  "fused dQ: 128 x 64 or 64 x 128");
 
     extern __shared__ unsigned char smem[];
     // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, STAGES of (Q_i, dO_i), then STAGES of the
@@ -279,9 +280,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     int* pending = nullptr;
     auto release_dq_share = [&]() {  // after a CTA barrier that follows the adds
-        if (pending != nullptr && threadIdx.x % 128 == 0) {
-            release_count(pending);
-        }
+        if (pending != nullptr && threadIdx.x % 128 == 0) release_count(pending);
         pending = nullptr;
     };
     auto add_dq_share = [&](int h, int i) {
@@ -300,7 +299,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             wgmma_16_ss<T, 1, 1>(dqs, TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
                                  TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
         wgmma_commit();
-        const int n_q = (seqlen_q + BM - 1) / BM, rank = order.rank<BM, (PAIR ? 2 : 1) * BN>(i, seqlen_q, seqlen_k);
+        const int n_q = (seqlen_q + BM - 1) / BM;
+        const int rank = order.rank<BM, (PAIR ? 2 : 1) * BN>(i, seqlen_q, seqlen_k);
         int* count = dq->counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
         // PAIR: this CTA adds the pair's half wg == its rank and hands the other half to its peer
         const bool owner = !PAIR || wg == (int)cluster_ctarank();
@@ -316,7 +316,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
 #pragma unroll
                 for (int n = 0; n < 8; ++n)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) st_cluster_f32x2(peer + (n * 2 + r) * 128 * 8 + me, dqs[n][2 * r], dqs[n][2 * r + 1]);
+                    for (int r = 0; r < 2; ++r)
+                        st_cluster_f32x2(peer + (n * 2 + r) * 128 * 8 + me, dqs[n][2 * r], dqs[n][2 * r + 1]);
             }
             cluster_arrive();
             cluster_wait();
@@ -326,12 +327,14 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     float x, y;
-                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(buf + (n * 2 + r) * 128 * 8 + me));
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                                 : "=f"(x), "=f"(y) : "r"(buf + (n * 2 + r) * 128 * 8 + me));
                     dqs[n][2 * r] += x, dqs[n][2 * r + 1] += y;
                 }
         }
         named_sync(1 + wg, 128);  // the count seen by this warpgroup
-        float* at = dq->acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D + DC0 * wg + 2 * t;
+        float* at = dq->acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D +
+                    DC0 * wg + 2 * t;
         if constexpr (ADDS) {
 #pragma unroll
             for (int n = 0; n < 8; ++n)
@@ -419,8 +422,11 @@ __global__ void __launch_bounds__(2 * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
     static_assert(SPLIT || BM_DV == BM, "BM_DV is the split's");
     if constexpr (SPLIT) {
-        if (blockIdx.x % 2 == 0) fav::dkdv_block<T, D, BN, BM, true, false, false, PIPE>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
-        else fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
+        if (blockIdx.x % 2 == 0)
+            fav::dkdv_block<T, D, BN, BM, true, false, false, PIPE>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
+        else
+            fav::dkdv_block<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>(p, blockIdx.x / 2, blockIdx.y,
+                                                                               blockIdx.z);
     } else {
         fav::dkdv_block<T, D, BN, BM, true, true, false, PIPE>(p, blockIdx.x, blockIdx.y, blockIdx.z);
     }
@@ -440,7 +446,8 @@ namespace fav {
 template <class T, int D, int BN, int BM, int DIAG, bool PAIR>
 __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
     const int blocks = (p.seqlen_k + BN - 1) / BN, n_kv = PAIR ? (blocks + 1) / 2 : blocks;
-    const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group, cta = PAIR ? blockIdx.x / 2 : blockIdx.x;
+    const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
+    const int cta = PAIR ? blockIdx.x / 2 : blockIdx.x;  // (PAIR: the cluster)
     const int c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv;
     DqShares shares{dq_acc, dq_counts, 0};
     if constexpr (PAIR) {  // the peer has started (its shared memory exists) before the first swap writes into it
@@ -451,7 +458,8 @@ __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, i
         const bool down = p.causal && (m & 1);
         const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
         const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
-        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q, i_first};
+        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q,
+                            i_first};
         dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR>(p, j, item % heads_kv, item / heads_kv,
                                                                              order, &shares);
         __syncthreads();  // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them

@@ -77,7 +77,9 @@ __forceinline__ __device__ u32 peer_shared(u32 addr, u32 rank) {
 __forceinline__ __device__ void st_cluster_f32x2(u32 addr, float x, float y) {
     asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
-__forceinline__ __device__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__forceinline__ __device__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
 __forceinline__ __device__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 __forceinline__ __device__ void named_sync(int id, int threads) {
