@@ -129,11 +129,13 @@ def test_rotation_needs_power_of_two_head_dim(rng, d):
 # ---------------------------------------------------------------------------------------------- the model
 
 SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, causal); GQA 4:1 throughout
-    (8, 1, 257, 8, 2, False), (8, 1, 257, 8, 2, True), (2, 37, 257, 4, 1, True), (2, 257, 37, 4, 1, True),
+    (32, 1, 257, 8, 2, False), (32, 1, 257, 8, 2, True), (2, 37, 257, 4, 1, True), (2, 257, 37, 4, 1, True),
     (2, 257, 257, 4, 1, False), (2, 37, 1, 4, 1, False),
 ]
 # e4m3's 3 mantissa bits put the N(0,1) error near 5.2% (std ~0.15% at these sizes, measured over 40 seeds);
-# seqlen_q = 1 gets more batches and heads so that its error is averaged over as many entries as the others.
+# seqlen_q = 1 gets more batches and heads so that its error is averaged over as many entries as the others: with
+# 8 batches its tail reached the 6% bound once in 3000 seeds (6.76%; CI met a 6.23%), with 32 the largest of 2000
+# seeds was 5.65% (std 0.08%), tensor or block scaling.
 
 
 @pytest.mark.parametrize("rotate", [False, True])
