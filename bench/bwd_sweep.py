@@ -75,10 +75,11 @@ MAX_CANDIDATES = 6
 
 # ------------------------------------------------------------------------------------------------ tables
 @contextlib.contextmanager
-def tiles(head_dim: int, dkdv=None, dq=None, fused=False):
+def tiles(head_dim: int, dkdv=None, dq=None, dq_mode="separate"):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
     (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
-    runs the three-pass scheme, whose tables these are; ``fused`` the fused dQ (FA_VARIANTS_FA2_DQ=fused)."""
+    runs the three-pass scheme, whose tables these are; ``dq_mode`` is FA_VARIANTS_FA2_DQ within the block
+    ("separate": the three passes, "fused" / "fused_single": the fused dQ)."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
     env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
@@ -86,7 +87,7 @@ def tiles(head_dim: int, dkdv=None, dq=None, fused=False):
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
-        os.environ["FA_VARIANTS_FA2_DQ"] = {True: "fused", "single": "fused_single"}.get(fused, "separate")
+        os.environ["FA_VARIANTS_FA2_DQ"] = dq_mode
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
@@ -236,13 +237,13 @@ def run_shape(shape, args, torch, rows, record) -> None:
 
     ref = None
 
-    def wgmma(label, dkdv, dq, fused=False):
+    def wgmma(label, dkdv, dq, dq_mode="separate"):
         nonlocal ref
-        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if fused
+        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if dq_mode != "separate"
                   else default_text(d) if dkdv is None and dq is None else cfg_text(dkdv, dq))
         res = dict(impl=label, config=config, kv=dkdv, q=dq)
         try:
-            with tiles(d, dkdv, dq, fused):
+            with tiles(d, dkdv, dq, dq_mode):
                 grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale)
                 cupy.cuda.get_current_stream().synchronize()
                 if ref is None:
@@ -263,9 +264,9 @@ def run_shape(shape, args, torch, rows, record) -> None:
         rows.append([shape.id, DEFAULT, "", "error", "", "", "", "", results[-1].get("error", "")])
         return
     if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused) beside the default
-        wgmma("fused dQ", None, None, fused=True)
+        wgmma("fused dQ", None, None, "fused")
         if os.environ.get("FAV_SWEEP_FUSED_SINGLE"):
-            wgmma("fused dQ single", None, None, fused="single")
+            wgmma("fused dQ single", None, None, "fused_single")
     for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):
         wgmma(label, dkdv, dq)
 

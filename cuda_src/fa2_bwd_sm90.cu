@@ -326,10 +326,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             for (int n = 0; n < 8; ++n)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    float x, y;
-                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
-                                 : "=f"(x), "=f"(y) : "r"(buf + (n * 2 + r) * 128 * 8 + me));
-                    dqs[n][2 * r] += x, dqs[n][2 * r + 1] += y;
+                    const float2 peer_half = ld_shared_f32x2(buf + (n * 2 + r) * 128 * 8 + me);
+                    dqs[n][2 * r] += peer_half.x, dqs[n][2 * r + 1] += peer_half.y;
                 }
         }
         named_sync(1 + wg, 128);  // the count seen by this warpgroup

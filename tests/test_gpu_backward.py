@@ -67,14 +67,14 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
-        if kernel.startswith("fused"):
-            monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "fused_single" if kernel == "fused_single" else "fused")
+        if not kernel.startswith("fused"):
+            monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", kernel)
+            return name
+        monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "fused_single" if kernel == "fused_single" else "fused")
         if kernel == "fused_few_sms":  # 8 SMs: 4 clusters of two
             import cupy
             from fa_variants.kernels import fa2_bwd_sm90
             monkeypatch.setitem(fa2_bwd_sm90._SMS, (cupy.cuda.Device().id, "pair"), 4)
-        elif not kernel.startswith("fused"):
-            monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", kernel)
     return name
 
 

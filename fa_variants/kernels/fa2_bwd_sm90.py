@@ -98,8 +98,7 @@ def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block
     if not causal:
         lo = j * n_q // n_kv
         blocks = [(lo + k) % n_q for k in range(n_q)]
-        return blocks, {i: ((i + 1) * n_kv - 1) // n_q - j + (n_kv if ((i + 1) * n_kv - 1) // n_q < j else 0)
-                        for i in blocks}
+        return blocks, {i: (((i + 1) * n_kv - 1) // n_q - j) % n_kv for i in blocks}
     first = first_q_block(j)
     if odd:
         blocks = list(range(n_q - 1, first - 1, -1))
@@ -108,7 +107,9 @@ def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block
     return blocks, {i: kv_blocks_seen(i) - 1 - j for i in blocks}
 
 
-_SMS = {}  # (device, pair) -> how many CTAs (pair: clusters of two) the fused pass can have resident at once
+# device (pairs: (device, "pair")) -> how many CTAs (clusters of two) the fused pass can have resident at once; both
+# fused kernels hold one CTA an SM at d 64 and 128 alike, so one count serves both
+_SMS = {}
 
 
 def fused_grid(device: int, n_kv: int, items: int, pair: bool = False, func: int = 0, smem: int = 0) -> int:
