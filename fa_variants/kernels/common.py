@@ -151,6 +151,12 @@ def check_grid(n: int, what: str):
 SM90_SMEM = 227 * 1024  # opt-in shared memory per block: sm_90 227 KB, sm_80 163 KB, sm_86/89 99 KB
 
 
+def sm_count(device: int | None = None) -> int:
+    """Streaming multiprocessors of ``device`` (default: the current one): what persistent grids are sized to."""
+    import cupy
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
 def smem_limit() -> int:
     """Opt-in shared memory per block of the current device (the sm_90 figure when there is none).
     FA_VARIANTS_SMEM_LIMIT overrides it: run the tile choices of a smaller GPU (sm_80, sm_86) on a bigger one."""

@@ -16,7 +16,7 @@ import os
 
 from .. import jit
 from . import fa2_bwd
-from .common import CTYPE, cdiv, pick_tiles
+from .common import CTYPE, cdiv, pick_tiles, sm_count
 from .launch import function_of, launch, max_active_clusters
 from .params import BWD
 
@@ -118,9 +118,7 @@ def fused_grid(device: int, n_kv: int, items: int, pair: bool = False, func: int
     side by side)."""
     key = device if not pair else (device, "pair")
     if key not in _SMS:
-        import cupy
-        sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-        _SMS[key] = max_active_clusters(func, 2, 256, smem) if pair else sms
+        _SMS[key] = max_active_clusters(func, 2, 256, smem) if pair else sm_count(device)
     groups = min(_SMS[key] // n_kv, items) if n_kv else 0
     return groups * n_kv * (2 if pair else 1)
 

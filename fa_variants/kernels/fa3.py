@@ -17,7 +17,8 @@ import numpy as np
 
 from .. import jit
 from . import KernelLauncher
-from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, forward_via_plan, fwd_params, template_dim
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, forward_via_plan, fwd_params, sm_count,
+                     template_dim)
 from .launch import _cupy, _driver_launch, _torch, function_of
 from .params import FWD
 from .tma import MapTemplate
@@ -103,11 +104,6 @@ def grid(nq: int, heads: int, batch: int, cfg) -> tuple:
     if persistent(cfg):
         tiles = min(tiles, sm_count())
     return (tiles, 1, 1)
-
-
-def sm_count() -> int:
-    import cupy
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 _COUNTERS: dict = {}  # (device, stream) -> Memory of two int32 on that device: the persistent grid's counter pair
