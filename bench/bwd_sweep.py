@@ -79,7 +79,7 @@ def tiles(head_dim: int, dkdv=None, dq=None, dq_mode="separate"):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
     (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
     runs the three-pass scheme, whose tables these are; ``dq_mode`` is FA_VARIANTS_FA2_DQ within the block
-    ("separate": the three passes, "fused" / "fused_single": the fused dQ)."""
+    ("separate": the three passes, or one of sm90.FUSED_KERNELS: the fused dQ)."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
     env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
@@ -263,8 +263,9 @@ def run_shape(shape, args, torch, rows, record) -> None:
     if ref is None:
         rows.append([shape.id, DEFAULT, "", "error", "", "", "", "", results[-1].get("error", "")])
         return
-    if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused) beside the default
+    if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused, writer) beside the default
         wgmma("fused dQ", None, None, "fused")
+        wgmma("fused dQ writer", None, None, "writer")
         if os.environ.get("FAV_SWEEP_FUSED_SINGLE"):
             wgmma("fused dQ single", None, None, "fused_single")
     for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):

@@ -127,11 +127,24 @@ struct DqShares {
     int exchanges;
 };
 
+// dkdv_block's shared memory, byte offsets from its 1024-aligned base: K_j, V_j (NO_V: K_j only), STAGES of (Q_i,
+// dO_i), STAGES of the queries' LSE and D, then (FUSED) dS^T and the dQ buffers: PAIR's two of the peer's half, or
+// WRITER's two shares of both halves (64 x 64 fp32 each) with their full and empty mbarriers.
+template <int D, int BN, int BM, int STAGES, bool NO_V>
+struct DkdvSmem {
+    static constexpr u32 KV = (NO_V ? 1 : 2) * SwizzledTile<BN, 2 * D>::BYTES;
+    static constexpr u32 QDO = 2 * SwizzledTile<BM, 2 * D>::BYTES;  // a stage of (Q_i, dO_i), from KV on
+    static constexpr u32 STATS = KV + STAGES * QDO;
+    static constexpr u32 DS = STATS + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
+    static constexpr u32 DQ = DS + SwizzledTile<BN, 2 * BM>::BYTES;
+    static constexpr u32 HALF = 64 * 64 * 4, DQ_BARS = DQ + 2 * 2 * HALF;  // WRITER: full(k) at +8k, empty at +16
+};
+
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
 // each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would. PIPE: step
 // s+1's S^T issued before step s's dV/dK are waited on (the header).
 template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false,
-          int DIAG = 0, bool PAIR = false>
+          int DIAG = 0, bool PAIR = false, bool WRITER = false>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, int b, DqOrder order = {},
                                            DqShares* dq = nullptr) {
     constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
@@ -149,14 +162,19 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     extern __shared__ unsigned char smem[];
     // Shared memory (1024-byte aligned for the swizzle): K_j, V_j, STAGES of (Q_i, dO_i), then STAGES of the
     // queries' LSE (log2 units; PIPE: as stored, scaled at use) and D.
+    using L = DkdvSmem<D, BN, BM, STAGES, NO_V>;
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
     const u32 sK = base, sV = sK + TKV::BYTES;
-    constexpr int KV_BYTES = (NO_V ? 1 : 2) * TKV::BYTES;
-    auto sQ = [&](int stage) { return sK + KV_BYTES + stage * 2 * TQ::BYTES; };
+    auto sQ = [&](int stage) { return base + L::KV + stage * L::QDO; };
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
-    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + KV_BYTES + STAGES * 2 * TQ::BYTES);
-    const u32 sdS = base + KV_BYTES + STAGES * 2 * TQ::BYTES + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
-    const u32 sdQ = sdS + TdS::BYTES;  // PAIR: two buffers of the peer's half (64 x 64 fp32 each)
+    float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + L::STATS);
+    const u32 sdS = base + L::DS, sdQ = base + L::DQ;
+    static_assert(!WRITER || (FUSED && !PAIR), "the dQ writer serves the fused single CTAs");
+    // WRITER: a warpgroup of its own does the adds, so only the 2 BN compute threads meet at the CTA's barriers
+    auto sync_cta = [&] {
+        if constexpr (WRITER) named_sync(3, THREADS);
+        else __syncthreads();
+    };
 
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -276,6 +294,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // warpgroup wg takes its 64 x 64 half (rows qr0.., columns dc0..) and, once the Q block's count reaches this
     // CTA's rank, stores (rank 0) or adds it to dQ's fp32 accumulator. The count is released one step later,
     // after a barrier every thread of the CTA passes after its adds (`pending`).
+    // WRITER: the share goes to shared memory instead, and the writer warpgroup (dq_writer) waits for the turn,
+    // adds it by a bulk copy and releases the count; the compute warps only wait when both buffers are unread.
     constexpr int QR0 = BM == 128 ? 64 : 0, DC0 = BM == 128 ? 0 : 64;  // times wg
     constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     int* pending = nullptr;
@@ -284,6 +304,10 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         pending = nullptr;
     };
     auto add_dq_share = [&](int h, int i) {
+        const int share = dq->exchanges, buf = share % 2;  // WRITER: this CTA's share-th share, its buffer
+        const u32 full = base + L::DQ_BARS + 8 * buf, empty = full + 16;
+        if constexpr (WRITER) mbar_wait(empty, ((share / 2) & 1) ^ 1);  // the writer has read share - 2's (a
+                                                                         // branch: not under a wgmma)
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk)
 #pragma unroll
@@ -291,7 +315,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
                 st_shared(sdS + TdS::offset(kr0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)),
                           (int)ads[kk][r]);
         fence_proxy_async();
-        __syncthreads();  // both warpgroups' dS^T in
+        sync_cta();  // both warpgroups' dS^T in
         float dqs[8][4];
         wgmma_fence();
 #pragma unroll
@@ -299,6 +323,21 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             wgmma_16_ss<T, 1, 1>(dqs, TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
                                  TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
         wgmma_commit();
+        if constexpr (WRITER) {
+            // Fragment order, 8-byte pairs contiguous by thread (conflict-free; fa2_bwd_dq_convert<..., true>
+            // reads it back): the (n, r) pair of thread x at float ((n * 2 + r) * 128 + x) * 2 of its half.
+            ++dq->exchanges;
+            wgmma_wait<0>();
+            hold_registers(dqs);
+            const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF + (threadIdx.x % 128) * 8;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) st_shared_f32x2(half + (n * 2 + r) * 128 * 8, dqs[n][2 * r], dqs[n][2 * r + 1]);
+            fence_proxy_async();  // visible to the bulk copy that reads it
+            mbar_arrive_if(full, true);
+            return;
+        }
         const int n_q = (seqlen_q + BM - 1) / BM;
         const int rank = order.rank<BM, (PAIR ? 2 : 1) * BN>(i, seqlen_q, seqlen_k);
         int* count = dq->counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
@@ -349,7 +388,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         load_q(1, 1);
         cp_async_wait<1>();
         fence_proxy_async();
-        __syncthreads();  // step 0 visible to the tensor cores
+        sync_cta();  // step 0 visible to the tensor cores
         issue_st(0, true, false);
         wgmma_wait<0>();
     }
@@ -361,7 +400,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         } else {
             cp_async_wait<0>();
             fence_proxy_async();
-            __syncthreads();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
+            sync_cta();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
             if (s + 1 < steps) load_q(s + 1, stage ^ 1);
             issue_st(stage, true, true);
         }
@@ -381,7 +420,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         if constexpr (PIPE) {
             cp_async_wait<0>();
             fence_proxy_async();
-            __syncthreads();  // step s+1 visible; every warpgroup has waited on step s-1's wgmmas (its stage is free)
+            sync_cta();  // step s+1 visible; every warpgroup has waited on step s-1's wgmmas (its stage is free)
             load_q(s + 2, (s + 2) % STAGES);
             issue_st((s + 1) % STAGES, true, false);  // behind step s's dV, dK
         }
@@ -392,7 +431,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         if constexpr (DV) hold_registers(dv[0]);
     }
     cp_async_wait<0>();
-    __syncthreads();  // every warpgroup is done with the tiles (and K_j's copies have landed with no step to run)
+    sync_cta();  // every warpgroup is done with the tiles (and K_j's copies have landed with no step to run)
     if constexpr (FUSED) release_dq_share();
 
     // dK = scale * dS^T Q and dV, each staged through shared memory (this warp's own 16 rows) for 16-byte stores
@@ -441,27 +480,87 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 namespace fav {
 // PAIR: contributors are clusters of two CTAs (K/V blocks 2P and 2P + 1; the second may lie past seqlen_k, and
 // then adds zeros), n_kv counting pairs.
-template <class T, int D, int BN, int BM, int DIAG, bool PAIR>
+// The items of this CTA (PAIR: of its cluster), item = first, first + groups, ..., and the order of the m-th:
+// fused_items and dq_writer walk the same sequence.
+template <int BN, int BM, bool PAIR>
+struct FusedWalk {
+    int n_kv, n_q, heads_kv, c, groups, first;
+    __forceinline__ __device__ explicit FusedWalk(const BwdParams& p) {
+        const int blocks = (p.seqlen_k + BN - 1) / BN, cta = PAIR ? blockIdx.x / 2 : blockIdx.x;
+        n_kv = PAIR ? (blocks + 1) / 2 : blocks;
+        n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
+        c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv, first = cta / n_kv;
+    }
+    __forceinline__ __device__ DqOrder order(const BwdParams& p, int m) const {
+        const bool down = p.causal && (m & 1);
+        const int u = down ? n_kv - 1 - c : c;
+        const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
+        return {p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q, i_first};
+    }
+};
+
+template <class T, int D, int BN, int BM, int DIAG, bool PAIR, bool WRITER = false>
 __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
-    const int blocks = (p.seqlen_k + BN - 1) / BN, n_kv = PAIR ? (blocks + 1) / 2 : blocks;
-    const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
-    const int cta = PAIR ? blockIdx.x / 2 : blockIdx.x;  // (PAIR: the cluster)
-    const int c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv;
+    const FusedWalk<BN, BM, PAIR> walk(p);
     DqShares shares{dq_acc, dq_counts, 0};
     if constexpr (PAIR) {  // the peer has started (its shared memory exists) before the first swap writes into it
         cluster_arrive();
         cluster_wait();
     }
-    for (int item = cta / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
-        const bool down = p.causal && (m & 1);
-        const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
-        const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
-        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q,
-                            i_first};
-        dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR>(p, j, item % heads_kv, item / heads_kv,
-                                                                             order, &shares);
-        __syncthreads();  // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
+    for (int item = walk.first, m = 0; item < batch * walk.heads_kv; item += walk.groups, ++m) {
+        const DqOrder order = walk.order(p, m);
+        const int j = PAIR ? 2 * order.j + (int)cluster_ctarank() : order.j;
+        dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR, WRITER>(
+            p, j, item % walk.heads_kv, item / walk.heads_kv, order, &shares);
+        // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
+        if constexpr (WRITER) named_sync(3, 2 * BN);
+        else __syncthreads();
     }
+}
+
+// The dQ writer (fa2_bwd_fused_writer_sm90's last warpgroup): lane 0 of its warps 0 and 1 each take one half of
+// every share the compute warpgroups leave in shared memory (buffer k % 2 of the CTA's k-th share): wait for the
+// full barrier, then for the Q block's count to reach this CTA's rank, store (rank 0) or add the 16 KB half by one
+// bulk copy, hand the buffer back once it is read, and release the count once the copy is complete. The compute
+// warps go on meanwhile; they wait only when both buffers are still unread. DIAG as the kernel's.
+template <int D, int BN, int BM, int DIAG>
+__forceinline__ __device__ void dq_writer(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
+    constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
+    using L = DkdvSmem<D, BN, BM, 2, false>;
+    extern __shared__ unsigned char smem[];
+    const u32 base = (smem_u32(smem) + 1023) & ~1023u;
+    const int half = threadIdx.x / 32 % 4;
+    if (half >= 2 || threadIdx.x % 32 != 0) return;
+    const FusedWalk<BN, BM, false> walk(p);
+    int share = 0;
+    for (int item = walk.first, m = 0; item < batch * walk.heads_kv; item += walk.groups, ++m) {
+        const DqOrder order = walk.order(p, m);
+        const int h_kv = item % walk.heads_kv, b = item / walk.heads_kv, n_i = max(0, walk.n_q - order.i_first);
+        for (int s = 0; s < p.group * n_i; ++s, ++share) {
+            const int h = h_kv * p.group + s / n_i, i = order.block(s % n_i), buf = share % 2;
+            const u32 full = base + L::DQ_BARS + 8 * buf, empty = full + 16;
+            const i64 at = (((i64)b * p.heads + h) * walk.n_q + i) * 2 + half;  // (Q block, half)
+            mbar_wait(full, (share / 2) & 1);
+            if constexpr (WAIT) {
+                wait_count_at_least(dq_counts + at, order.rank<BM, BN>(i, p.seqlen_q, p.seqlen_k));
+                fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
+            }
+            if constexpr (ADDS) {
+                const u32 src = base + L::DQ + buf * 2 * L::HALF + half * L::HALF;
+                if (order.rank<BM, BN>(i, p.seqlen_q, p.seqlen_k) == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
+                else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
+                bulk_commit();
+                bulk_wait_read<0>();
+            }
+            mbar_arrive_if(empty, true);
+            if constexpr (RELEASE) {
+                bulk_wait<0>();
+                fence_proxy_async_global();
+                release_count(dq_counts + at);
+            }
+        }
+    }
+    bulk_wait<0>();
 }
 }  // namespace fav
 
@@ -477,9 +576,37 @@ fa2_bwd_fused_pair_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, i
     fav::fused_items<T, D, BN, BM, DIAG, true>(p, dq_acc, dq_counts, batch);
 }
 
+// The fused dQ with a warpgroup that only writes dQ (FA3's backward has one): the compute warpgroups leave each
+// share in shared memory and go on; the writer takes the turns and adds them by bulk copies (dq_writer). The
+// shares then lie in fragment order (fa2_bwd_dq_convert's FRAG). Registers: 240 a compute thread, 24 a writer's.
+template <class T, int D, int BN, int BM, int DIAG = 0>
+__global__ void __launch_bounds__(2 * BN + 128, 1)
+fa2_bwd_fused_writer_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
+    using namespace fav;
+    extern __shared__ unsigned char smem[];
+    const u32 bars = ((smem_u32(smem) + 1023) & ~1023u) + DkdvSmem<D, BN, BM, 2, false>::DQ_BARS;
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < 2; ++k) {
+            mbar_init(bars + 8 * k, 2 * BN);  // full: every compute thread, once its part of the share is stored
+            mbar_init(bars + 16 + 8 * k, 2);  // empty: both writer threads, once their copies have read it
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 2 * BN) {
+        setmaxnreg_inc<240>();
+        fused_items<T, D, BN, BM, DIAG, false, true>(p, dq_acc, dq_counts, batch);
+    } else {
+        setmaxnreg_dec<24>();
+        dq_writer<D, BN, BM, DIAG>(p, dq_acc, dq_counts, batch);
+    }
+}
+
 // dQ = scale x the fused pass's fp32 sum, into q's layout (contiguous); Q blocks that see no key get zeros (no
-// share was stored there). One thread per 8 columns of a row.
-template <class T, int D, int BN, int BM>
+// share was stored there). One thread per 8 columns of a row. FRAG: the writer's layout, (batch, heads, n_q, half,
+// 64 x 64 in fragment order: the pair of columns 8n + 2t, + 1 of row 16 w + 8 r + g at float ((n * 2 + r) * 128 +
+// 32 w + 4 g + t) * 2 of its half), so that a row's 8 columns from 8n on are again 8 consecutive floats.
+template <class T, int D, int BN, int BM, bool FRAG = false>
 __global__ void __launch_bounds__(256)
 fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
     using namespace fav;
@@ -489,6 +616,12 @@ fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
     const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = (p.seqlen_q + BM - 1) / BM;
     const bool seen = kv_block_range<BM, BN>(i * BM, p.seqlen_q, p.seqlen_k, p.causal).count() > 0;
     const float* src = dq_acc + (((i64)b * p.heads + h) * n_q * BM + q) * D + col;
+    if constexpr (FRAG) {  // halves by rows at BM 128 (d 64), by columns at BM 64 (d 128)
+        static_assert(BM * D == 2 * 64 * 64, "two 64 x 64 halves");
+        const int rq = q % BM, half = BM == 128 ? rq / 64 : col / 64, row = rq % 64, n = col % 64 / 8;
+        src = dq_acc + ((((i64)b * p.heads + h) * n_q + i) * 2 + half) * 64 * 64 +
+              ((n * 2 + row % 16 / 8) * 128 + row / 16 * 32 + row % 8 * 4) * 2;
+    }
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = seen ? src[e] : 0.f;

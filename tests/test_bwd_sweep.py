@@ -56,7 +56,9 @@ def test_default_names_unchanged():
                                                  "fa2_bwd_dq_sm90<fav::BFloat16, 128, 192, 64>",
                                                  "fa2_bwd_fused_pair_sm90<fav::BFloat16, 128, 128, 64>",
                                                  "fa2_bwd_fused_sm90<fav::BFloat16, 128, 128, 64>",
-                                                 "fa2_bwd_dq_convert<fav::BFloat16, 128, 128, 64>")
+                                                 "fa2_bwd_fused_writer_sm90<fav::BFloat16, 128, 128, 64>",
+                                                 "fa2_bwd_dq_convert<fav::BFloat16, 128, 128, 64>",
+                                                 "fa2_bwd_dq_convert<fav::BFloat16, 128, 128, 64, true>")
     assert k.dkdv_instance("T", 128, (128, False)) == "fa2_bwd_dkdv_sm90<T, 128, 128, false>"
     assert k.dq_instance("T", 128, (128, 64)) == "fa2_bwd_dq_sm90<T, 128, 128, 64>"
     assert k.dkdv_instance("T", 64, (128, False, 64)) == "fa2_bwd_dkdv_sm90<T, 64, 128, false>"

@@ -48,7 +48,8 @@ def test_tiles_fit_the_h200():
         assert (1 if split else 2) * bn * (d + 8) * 2 <= k.dkdv_smem(d, k.DKDV_TILES[d][0]) - 1024
         assert k.DQ_TILES[d][0][0] * (d + 8) * 2 <= k.dq_smem(d, k.DQ_TILES[d][0]) - 1024
     for d in k.FUSED_TILES:
-        assert k.fused_smem(d) <= common.SM90_SMEM
+        for mode in k.FUSED_KERNELS:
+            assert k.fused_smem(d, mode) <= common.SM90_SMEM
 
 
 # ------------------------------------------------------------------------------------------- the fused dQ's order

@@ -26,10 +26,10 @@ from fa_variants import registry
 pytestmark = pytest.mark.gpu
 
 BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.directions]
-# fa2 on Hopper: "fused" the fused dQ (FA_VARIANTS_FA2_DQ=fused), "fused_few_sms" the same with its grid cut to 8
-# SMs, so that each group of CTAs takes several heads (causal: both directions)
-IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync", "fa2:fused", "fa2:fused_single", "fa2:fused_few_sms"]
-                             if "fa2" in BACKWARD_VARIANTS else [])
+# fa2 on Hopper: the fused dQ's kernels (FA_VARIANTS_FA2_DQ=fused, fused_single, writer), and "..._few_sms" with
+# the grid cut to 8 SMs, so that each group of CTAs takes several heads (causal: both directions)
+FUSED = ["fused", "fused_single", "writer", "fused_few_sms", "writer_few_sms"]
+IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in FUSED] if "fa2" in BACKWARD_VARIANTS else [])
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations
 
@@ -67,14 +67,17 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
-        if not kernel.startswith("fused"):
+        if kernel not in FUSED:
             monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", kernel)
             return name
-        monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "fused_single" if kernel == "fused_single" else "fused")
-        if kernel == "fused_few_sms":  # 8 SMs: 4 clusters of two
+        mode, _, few = kernel.partition("_few")
+        monkeypatch.setenv("FA_VARIANTS_FA2_DQ", mode)
+        if few:  # 8 SMs (pairs: 4 clusters of two)
             import cupy
             from fa_variants.kernels import fa2_bwd_sm90
-            monkeypatch.setitem(fa2_bwd_sm90._SMS, (cupy.cuda.Device().id, "pair"), 4)
+            device = cupy.cuda.Device().id
+            monkeypatch.setitem(fa2_bwd_sm90._SMS, (device, "pair") if mode == "fused" else device,
+                                4 if mode == "fused" else 8)
     return name
 
 

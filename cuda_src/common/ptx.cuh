@@ -20,6 +20,9 @@ __forceinline__ __device__ int ld_shared(u32 addr) {
     asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(addr) : "memory");
     return x;
 }
+__forceinline__ __device__ void st_shared_f32x2(u32 addr, float x, float y) {  // (8-byte aligned)
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
 __forceinline__ __device__ float2 ld_shared_f32x2(u32 addr) {  // (8-byte aligned)
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");

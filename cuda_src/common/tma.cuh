@@ -57,6 +57,25 @@ __forceinline__ __device__ void tma_load_4d(u32 dst, const TmaDesc& map, u32 bar
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// 1-d bulk copies from shared to global memory (no tensor map): `bytes` (a multiple of 16; both addresses 16-byte
+// aligned) stored, or added element-wise as fp32 at L2, by the TMA unit. They form bulk groups per thread: commit,
+// then wait until at most N groups are unread (the shared memory may be overwritten) or incomplete (written).
+__forceinline__ __device__ void bulk_store(void* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+__forceinline__ __device__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes) : "memory");
+}
+__forceinline__ __device__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__forceinline__ __device__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
+template <int N>
+__forceinline__ __device__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
+// Orders this thread's generic-proxy accesses of global memory with its async-proxy ones (bulk copies), both ways.
+__forceinline__ __device__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 __forceinline__ __device__ void tma_prefetch_desc(const TmaDesc& map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
 }

@@ -72,23 +72,36 @@ def dq_smem(d: int, cfg) -> int:
     return 1024 + 2 * bm * 2 * d + 4 * bn * 2 * d  # align; Q, dO; two stages of K, V
 
 
-def fused_smem(d: int) -> int:
+# The fused pass's kernels (FA_VARIANTS_FA2_DQ): CTAs that add their own shares ("fused_single"), pairs of CTAs
+# that sum theirs on chip first ("fused"), and CTAs with a warpgroup that does nothing but the adds ("writer")
+FUSED_KERNELS = {"fused": "fa2_bwd_fused_pair_sm90", "fused_single": "fa2_bwd_fused_sm90",
+                 "writer": "fa2_bwd_fused_writer_sm90"}
+
+
+def fused_threads(d: int, mode: str) -> int:
+    return 2 * FUSED_TILES[d][0] + (128 if mode == "writer" else 0)
+
+
+def fused_smem(d: int, mode: str = "fused") -> int:
     bn, bm = FUSED_TILES[d]
     stats = -(-2 * bm * 2 * 4 // 1024) * 1024  # two stages of LSE and D, padded to the swizzle's alignment
-    # align; K, V; Q, dO stages; dS^T; (pair) two buffers of the peer's 64 x 64 fp32 half
-    return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm + 2 * 64 * 64 * 4
+    # align; K, V; Q, dO stages; dS^T; the pair's two buffers of the peer's 64 x 64 fp32 half, or the writer's two
+    # of a whole share and their four mbarriers
+    buffers = 2 * 2 * 64 * 64 * 4 + 4 * 8 if mode == "writer" else 2 * 64 * 64 * 4
+    return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm + buffers
 
 
-def fused_instance(ctype: str, d: int, pair: bool = True) -> str:
+def fused_instance(ctype: str, d: int, mode: str = "fused") -> str:
     # FA_VARIANTS_FA2_DQ_DIAG: the kernel's DIAG, a measurement switch that leaves out the ordering or the adds
     # (so its dQ is WRONG): what bench/NOTES.md's breakdown of the fused pass ran; 0 (unset) in use
     diag = os.environ.get("FA_VARIANTS_FA2_DQ_DIAG", "0")
-    name = "fa2_bwd_fused_pair_sm90" if pair else "fa2_bwd_fused_sm90"
-    return f"{name}<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{'' if diag == '0' else ', ' + diag}>"
+    return (f"{FUSED_KERNELS[mode]}<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}"
+            f"{'' if diag == '0' else ', ' + diag}>")
 
 
-def convert_instance(ctype: str, d: int) -> str:
-    return f"fa2_bwd_dq_convert<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}>"
+def convert_instance(ctype: str, d: int, frag: bool = False) -> str:
+    """The conversion of the fused pass's fp32 sum; frag: the writer's layout (shares in fragment order)."""
+    return f"fa2_bwd_dq_convert<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{', true' if frag else ''}>"
 
 
 def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block, kv_blocks_seen):
@@ -145,8 +158,8 @@ def dq_instance(ctype: str, d: int, cfg) -> str:
 
 
 def instances(ctype: str, d: int):
-    fused = ((fused_instance(ctype, d), fused_instance(ctype, d, pair=False), convert_instance(ctype, d))
-             if d in FUSED_TILES else ())
+    fused = (tuple(fused_instance(ctype, d, mode) for mode in FUSED_KERNELS)
+             + (convert_instance(ctype, d), convert_instance(ctype, d, frag=True)) if d in FUSED_TILES else ())
     return (tuple(dkdv_instance(ctype, d, cfg) for cfg in DKDV_TILES[d])
             + tuple(dq_instance(ctype, d, cfg) for cfg in DQ_TILES[d]) + fused)
 
@@ -180,18 +193,18 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
     grid, mode = 0, os.environ.get("FA_VARIANTS_FA2_DQ", "")
-    if D in FUSED_TILES and mode in ("fused", "fused_single"):
+    if D in FUSED_TILES and mode in FUSED_KERNELS:
         bn, bm = FUSED_TILES[D]
-        pair, smem = mode == "fused", fused_smem(D)
-        func = function_of(jit.kernel(SOURCE, fused_instance(ctype, D, pair), exprs), smem)
+        pair, smem = mode == "fused", fused_smem(D, mode)
+        func = function_of(jit.kernel(SOURCE, fused_instance(ctype, D, mode), exprs), smem)
         grid = fused_grid(q.device.id, cdiv(cdiv(nk, bn), 2 if pair else 1), b * hkv, pair, func, smem)
     if grid:  # the fused dQ: two launches instead of two passes
         n_q = cdiv(nq, bm)
         acc = cupy.empty((b, h, n_q * bm, D), cupy.float32)
         counts = cupy.zeros((b, h, n_q, 2), cupy.int32)
-        launch(func, (grid, 1, 1), 2 * bn, smem, stream, template, BWD.pointers_format, *ptrs,
+        launch(func, (grid, 1, 1), fused_threads(D, mode), smem, stream, template, BWD.pointers_format, *ptrs,
                extra=(ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr), ctypes.c_int(b)))
-        launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D), exprs), 0),
+        launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D, frag=mode == "writer"), exprs), 0),
                (cdiv(nq * (d // 8), 256), h, b), 256, 0, stream, template, BWD.pointers_format, *ptrs,
                extra=(ctypes.c_uint64(acc.data.ptr),))
         return dq, dk, dv
