@@ -70,6 +70,18 @@ __forceinline__ __device__ void wgmma_rs_rows(float (&acc)[D / 8][4], const u32 
                            TB::desc_mn(tile_b, kk * 16, n * DN * 2), 1);
 }
 
+// The same with A from shared memory: rows [a_row, a_row + 64) of the K-major tile TA, columns [0, 16 KSTEPS)
+// (the fused dQ's writer variant, whose P^T and dS^T sit there): n64 wgmmas with B read MN-major.
+template <class T, class TA, class TB, int D, int KSTEPS>
+__forceinline__ __device__ void wgmma_ss_rows(float (&acc)[D / 8][4], u32 tile_a, int a_row, u32 tile_b) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+        for (int n = 0; n < D / 64; ++n)
+            wgmma_16_ss<T, 0, 1>(reinterpret_cast<float(&)[8][4]>(acc[n * 8]), TA::desc(tile_a, a_row, kk * 32),
+                                 TB::desc_mn(tile_b, kk * 16, n * 128), 1);
+}
+
 // acc (64 x 8 NT) = A B^T over d: A rows [a_row, a_row + 64) of tile TA, B rows [0, 8 NT) of tile TB, both K-major.
 template <class T, class TA, class TB, int D, int NT>
 __forceinline__ __device__ void wgmma_ss_abt(float (&acc)[NT][4], u32 tile_a, int a_row, u32 tile_b) {
@@ -137,7 +149,8 @@ struct DkdvSmem {
     static constexpr u32 STATS = KV + STAGES * QDO;
     static constexpr u32 DS = STATS + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
     static constexpr u32 DQ = DS + SwizzledTile<BN, 2 * BM>::BYTES;
-    static constexpr u32 HALF = 64 * 64 * 4, DQ_BARS = DQ + 2 * 2 * HALF;  // WRITER: full(k) at +8k, empty at +16
+    // WRITER: full(k) at DQ_BARS + 8k, empty(k) at + 16; the slots (a share's Q block and rank) at DQ_SLOTS + 8k
+    static constexpr u32 HALF = 64 * 64 * 4, DQ_BARS = DQ + 2 * 2 * HALF, DQ_SLOTS = DQ_BARS + 32;
 };
 
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
@@ -294,8 +307,6 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // warpgroup wg takes its 64 x 64 half (rows qr0.., columns dc0..) and, once the Q block's count reaches this
     // CTA's rank, stores (rank 0) or adds it to dQ's fp32 accumulator. The count is released one step later,
     // after a barrier every thread of the CTA passes after its adds (`pending`).
-    // WRITER: the share goes to shared memory instead, and the writer warpgroup (dq_writer) waits for the turn,
-    // adds it by a bulk copy and releases the count; the compute warps only wait when both buffers are unread.
     constexpr int QR0 = BM == 128 ? 64 : 0, DC0 = BM == 128 ? 0 : 64;  // times wg
     constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     int* pending = nullptr;
@@ -303,41 +314,31 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         if (pending != nullptr && threadIdx.x % 128 == 0) release_count(pending);
         pending = nullptr;
     };
-    auto add_dq_share = [&](int h, int i) {
-        const int share = dq->exchanges, buf = share % 2;  // WRITER: this CTA's share-th share, its buffer
-        const u32 full = base + L::DQ_BARS + 8 * buf, empty = full + 16;
-        if constexpr (WRITER) mbar_wait(empty, ((share / 2) & 1) ^ 1);  // the writer has read share - 2's (a
-                                                                         // branch: not under a wgmma)
+    // this warp's 16 rows of a 64 x BM operand in A fragments (repack_a's) into the tile at sdS (dS^T; WRITER
+    // also P^T): a[kk][r] holds row g + 8 (r % 2), columns 16 kk + 8 (r / 2) + 2t, + 1
+    auto store_rows = [&](const u32 (&a)[NT / 2][4]) {
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk)
 #pragma unroll
-            for (int r = 0; r < 4; ++r)  // a[r]: row g + 8 (r % 2), columns 16 kk + 8 (r / 2) + 2t, + 1
-                st_shared(sdS + TdS::offset(kr0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)),
-                          (int)ads[kk][r]);
+            for (int r = 0; r < 4; ++r)
+                st_shared(sdS + TdS::offset(kr0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)), (int)a[kk][r]);
+    };
+    auto dq_share_issue = [&](float (&dqs)[8][4]) {  // dS_wg-half K_j: both warpgroups' keys in the reduction
+        wgmma_fence();
+        // (WRITER: two base descriptors stepped by constants, not BN / 8 of them held across the loop)
+        const u64 a0 = TdS::desc_mn(sdS, 0, 2 * QR0 * wg), b0 = TKV::desc_mn(sK, 0, 2 * DC0 * wg);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_16_ss<T, 1, 1>(dqs, WRITER ? a0 + kk * TdS::W : TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
+                                 WRITER ? b0 + kk * TKV::W : TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
+        wgmma_commit();
+    };
+    auto add_dq_share = [&](int h, int i) {
+        store_rows(ads);
         fence_proxy_async();
         sync_cta();  // both warpgroups' dS^T in
         float dqs[8][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_16_ss<T, 1, 1>(dqs, TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
-                                 TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
-        wgmma_commit();
-        if constexpr (WRITER) {
-            // Fragment order, 8-byte pairs contiguous by thread (conflict-free; fa2_bwd_dq_convert<..., true>
-            // reads it back): the (n, r) pair of thread x at float ((n * 2 + r) * 128 + x) * 2 of its half.
-            ++dq->exchanges;
-            wgmma_wait<0>();
-            hold_registers(dqs);
-            const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF + (threadIdx.x % 128) * 8;
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) st_shared_f32x2(half + (n * 2 + r) * 128 * 8, dqs[n][2 * r], dqs[n][2 * r + 1]);
-            fence_proxy_async();  // visible to the bulk copy that reads it
-            mbar_arrive_if(full, true);
-            return;
-        }
+        dq_share_issue(dqs);
         const int n_q = (seqlen_q + BM - 1) / BM;
         const int rank = order.rank<BM, (PAIR ? 2 : 1) * BN>(i, seqlen_q, seqlen_k);
         int* count = dq->counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
@@ -384,6 +385,58 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         pending = RELEASE ? count : nullptr;
     };
 
+    // WRITER (FA3's backward): P^T and dS^T go through shared memory (sdS, one after the other) and dV, dK read
+    // them from there, so that no A fragments stay live under a wgmma: the compute warps then fit the 240
+    // registers that setmaxnreg leaves them. P^T's rows of a warpgroup are read by its own dV only, so a
+    // warpgroup barrier suffices before dV and dS^T may overwrite them once that dV is done; dS^T's rows are
+    // read by both warpgroups' dQ halves (the CTA barrier). The share then goes to buffer `share % 2` for the
+    // writer warpgroup (dq_writer), in fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128
+    // + x) * 2 of its half (8-byte pairs contiguous by thread: conflict-free; fa2_bwd_dq_convert's FRAG).
+    auto writer_step = [&](int stage, const float* delta, int h, int i) {
+        {
+            u32 a[NT / 2][4];
+            repack_all<T>(a, pt);
+            store_rows(a);
+        }
+        fence_proxy_async();
+        named_sync(1 + wg, 128);  // this warpgroup's rows of P^T in
+        wgmma_fence();
+        wgmma_ss_rows<T, TdS, TQ, D, BM / 16>(dv[0], sdS, wg * 64, sdO(stage));
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T is in (dV may still run)
+        hold_registers(dpt);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
+        repack_all<T>(ads, dst);
+        wgmma_wait<0>();  // dV has read P^T
+        hold_registers(dv[0]);
+        store_rows(ads);
+        fence_proxy_async();
+        sync_cta();  // both warpgroups' dS^T in
+        wgmma_fence();
+        wgmma_ss_rows<T, TdS, TQ, D, BM / 16>(dk[0], sdS, wg * 64, sQ(stage));
+        wgmma_commit();
+        float dqs[8][4];
+        dq_share_issue(dqs);
+        wgmma_wait<0>();
+        hold_registers(dqs);
+        const int share = dq->exchanges++, buf = share % 2;
+        const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF + (threadIdx.x % 128) * 8;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) st_shared_f32x2(half + (n * 2 + r) * 128 * 8, dqs[n][2 * r], dqs[n][2 * r + 1]);
+        fence_proxy_async();  // visible to the bulk copy that reads it
+        if (threadIdx.x == 0) {  // where it goes (an int: batch x heads x Q blocks < 2^31), and its turn
+            const int n_q = (seqlen_q + BM - 1) / BM;
+            st_shared(base + L::DQ_SLOTS + 8 * buf, ((b * p.heads + h) * n_q + i));
+            st_shared(base + L::DQ_SLOTS + 8 * buf + 4, order.rank<BM, BN>(i, seqlen_q, seqlen_k));
+        }
+        mbar_arrive_if(base + L::DQ_BARS + 8 * buf, true);
+    };
+
     if constexpr (PIPE) {
         load_q(1, 1);
         cp_async_wait<1>();
@@ -402,6 +455,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             fence_proxy_async();
             sync_cta();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
             if (s + 1 < steps) load_q(s + 1, stage ^ 1);
+            if constexpr (WRITER)  // the writer has read share - 2 from the buffer this step's share will take
+                mbar_wait(base + L::DQ_BARS + 16 + 8 * (dq->exchanges % 2), ((dq->exchanges / 2) & 1) ^ 1);
             issue_st(stage, true, true);
         }
         const float* lse2 = stats + (2 * stage) * BM;
@@ -409,6 +464,10 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         wgmma_wait<DK ? 1 : 0>();  // S^T is in (dP^T may still run)
         hold_registers(st);
         p_of_st(lse2, m0);
+        if constexpr (WRITER) {
+            writer_step(stage, delta, h_kv * p.group + s / n_i, m0 / BM);
+            continue;
+        }
         if constexpr (DV) issue_dv(stage);
         if constexpr (FUSED) release_dq_share();  // the previous step's (its fence waits here, under dV and dP^T)
         if constexpr (DK) {
@@ -480,84 +539,76 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 namespace fav {
 // PAIR: contributors are clusters of two CTAs (K/V blocks 2P and 2P + 1; the second may lie past seqlen_k, and
 // then adds zeros), n_kv counting pairs.
-// The items of this CTA (PAIR: of its cluster), item = first, first + groups, ..., and the order of the m-th:
-// fused_items and dq_writer walk the same sequence.
-template <int BN, int BM, bool PAIR>
-struct FusedWalk {
-    int n_kv, n_q, heads_kv, c, groups, first;
-    __forceinline__ __device__ explicit FusedWalk(const BwdParams& p) {
-        const int blocks = (p.seqlen_k + BN - 1) / BN, cta = PAIR ? blockIdx.x / 2 : blockIdx.x;
-        n_kv = PAIR ? (blocks + 1) / 2 : blocks;
-        n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
-        c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv, first = cta / n_kv;
-    }
-    __forceinline__ __device__ DqOrder order(const BwdParams& p, int m) const {
-        const bool down = p.causal && (m & 1);
-        const int u = down ? n_kv - 1 - c : c;
-        const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
-        return {p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q, i_first};
-    }
-};
-
 template <class T, int D, int BN, int BM, int DIAG, bool PAIR, bool WRITER = false>
 __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
-    const FusedWalk<BN, BM, PAIR> walk(p);
+    const int blocks = (p.seqlen_k + BN - 1) / BN, n_kv = PAIR ? (blocks + 1) / 2 : blocks;
+    const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
+    const int cta = PAIR ? blockIdx.x / 2 : blockIdx.x;  // (PAIR: the cluster)
+    const int c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv;
     DqShares shares{dq_acc, dq_counts, 0};
     if constexpr (PAIR) {  // the peer has started (its shared memory exists) before the first swap writes into it
         cluster_arrive();
         cluster_wait();
     }
-    for (int item = walk.first, m = 0; item < batch * walk.heads_kv; item += walk.groups, ++m) {
-        const DqOrder order = walk.order(p, m);
-        const int j = PAIR ? 2 * order.j + (int)cluster_ctarank() : order.j;
+    for (int item = cta / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
+        const bool down = p.causal && (m & 1);
+        const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
+        const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
+        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q,
+                            i_first};
         dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR, WRITER>(
-            p, j, item % walk.heads_kv, item / walk.heads_kv, order, &shares);
+            p, j, item % heads_kv, item / heads_kv, order, &shares);
         // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
         if constexpr (WRITER) named_sync(3, 2 * BN);
         else __syncthreads();
     }
+    if constexpr (WRITER) {  // the end, for the writer: a last share of rank -1
+        using L = DkdvSmem<D, BN, BM, 2, false>;
+        extern __shared__ unsigned char smem[];
+        const u32 base = (smem_u32(smem) + 1023) & ~1023u, buf = shares.exchanges % 2;
+        mbar_wait(base + L::DQ_BARS + 16 + 8 * buf, ((shares.exchanges / 2) & 1) ^ 1);
+        if (threadIdx.x == 0) st_shared(base + L::DQ_SLOTS + 8 * buf + 4, -1);
+        mbar_arrive_if(base + L::DQ_BARS + 8 * buf, true);
+    }
 }
 
 // The dQ writer (fa2_bwd_fused_writer_sm90's last warpgroup): lane 0 of its warps 0 and 1 each take one half of
-// every share the compute warpgroups leave in shared memory (buffer k % 2 of the CTA's k-th share): wait for the
-// full barrier, then for the Q block's count to reach this CTA's rank, store (rank 0) or add the 16 KB half by one
-// bulk copy, hand the buffer back once it is read, and release the count once the copy is complete. The compute
-// warps go on meanwhile; they wait only when both buffers are still unread. DIAG as the kernel's.
+// every share the compute warpgroups leave in shared memory (buffer k % 2 of the CTA's k-th share, with its slot:
+// the (batch, head, Q block) it belongs to and its rank; rank -1 ends the walk): wait for the full barrier, then
+// for the Q block's count to reach the rank, store (rank 0) or add the 16 KB half by one bulk copy, hand the
+// buffer back once it is read, and release the count once the copy is complete. The compute warps go on
+// meanwhile; they wait only when both buffers are still unread. DIAG as the kernel's.
 template <int D, int BN, int BM, int DIAG>
-__forceinline__ __device__ void dq_writer(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
+__forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
     constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     using L = DkdvSmem<D, BN, BM, 2, false>;
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
     const int half = threadIdx.x / 32 % 4;
     if (half >= 2 || threadIdx.x % 32 != 0) return;
-    const FusedWalk<BN, BM, false> walk(p);
-    int share = 0;
-    for (int item = walk.first, m = 0; item < batch * walk.heads_kv; item += walk.groups, ++m) {
-        const DqOrder order = walk.order(p, m);
-        const int h_kv = item % walk.heads_kv, b = item / walk.heads_kv, n_i = max(0, walk.n_q - order.i_first);
-        for (int s = 0; s < p.group * n_i; ++s, ++share) {
-            const int h = h_kv * p.group + s / n_i, i = order.block(s % n_i), buf = share % 2;
-            const u32 full = base + L::DQ_BARS + 8 * buf, empty = full + 16;
-            const i64 at = (((i64)b * p.heads + h) * walk.n_q + i) * 2 + half;  // (Q block, half)
-            mbar_wait(full, (share / 2) & 1);
-            if constexpr (WAIT) {
-                wait_count_at_least(dq_counts + at, order.rank<BM, BN>(i, p.seqlen_q, p.seqlen_k));
-                fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
-            }
-            if constexpr (ADDS) {
-                const u32 src = base + L::DQ + buf * 2 * L::HALF + half * L::HALF;
-                if (order.rank<BM, BN>(i, p.seqlen_q, p.seqlen_k) == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
-                else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
-                bulk_commit();
-                bulk_wait_read<0>();
-            }
-            mbar_arrive_if(empty, true);
-            if constexpr (RELEASE) {
-                bulk_wait<0>();
-                fence_proxy_async_global();
-                release_count(dq_counts + at);
-            }
+    for (int share = 0;; ++share) {
+        const int buf = share % 2;
+        const u32 full = base + L::DQ_BARS + 8 * buf, empty = full + 16, slot = base + L::DQ_SLOTS + 8 * buf;
+        mbar_wait(full, (share / 2) & 1);
+        const int block = ld_shared(slot), rank = ld_shared(slot + 4);
+        if (rank < 0) break;
+        const i64 at = 2 * (i64)block + half;  // (batch, head, Q block, half)
+        if constexpr (WAIT) {
+            wait_count_at_least(dq_counts + at, rank);
+            fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
+        }
+        if constexpr (ADDS) {
+            const u32 src = base + L::DQ + buf * 2 * L::HALF + half * L::HALF;
+            if (rank == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
+            else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
+            bulk_commit();
+            bulk_wait_read<0>();
+        }
+        mbar_arrive_if(empty, true);
+        if constexpr (RELEASE) {
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            release_count(dq_counts + at);
         }
     }
     bulk_wait<0>();
@@ -598,7 +649,7 @@ fa2_bwd_fused_writer_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts,
         fused_items<T, D, BN, BM, DIAG, false, true>(p, dq_acc, dq_counts, batch);
     } else {
         setmaxnreg_dec<24>();
-        dq_writer<D, BN, BM, DIAG>(p, dq_acc, dq_counts, batch);
+        dq_writer<D, BN, BM, DIAG>(dq_acc, dq_counts);
     }
 }
 
