@@ -70,6 +70,18 @@ __forceinline__ __device__ void wgmma_rs_rows(float (&acc)[D / 8][4], const u32 
                            TB::desc_mn(tile_b, kk * 16, n * DN * 2), 1);
 }
 
+// A warp's 16 rows [row0, row0 + 16) of a 16-bit operand in A fragments (repack_all's: a[kk][r] holds row g + 8
+// (r % 2), columns 16 kk + 8 (r / 2) + 2t, + 1) into a K-major tile in shared memory, for a wgmma to read.
+template <class Tile, int NT>
+__forceinline__ __device__ void store_a_rows(u32 tile, int row0, const u32 (&a)[NT / 2][4]) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            st_shared(tile + Tile::offset(row0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)), (int)a[kk][r]);
+}
+
 // The same with A from shared memory: rows [a_row, a_row + 64) of the K-major tile TA, columns [0, 16 KSTEPS)
 // (the fused dQ's writer variant, whose P^T and dS^T sit there): n64 wgmmas with B read MN-major.
 template <class T, class TA, class TB, int D, int KSTEPS>
@@ -314,15 +326,6 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         if (pending != nullptr && threadIdx.x % 128 == 0) release_count(pending);
         pending = nullptr;
     };
-    // this warp's 16 rows of a 64 x BM operand in A fragments (repack_a's) into the tile at sdS (dS^T; WRITER
-    // also P^T): a[kk][r] holds row g + 8 (r % 2), columns 16 kk + 8 (r / 2) + 2t, + 1
-    auto store_rows = [&](const u32 (&a)[NT / 2][4]) {
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-                st_shared(sdS + TdS::offset(kr0 + g + 8 * (r % 2), 2 * (16 * kk + 8 * (r / 2) + 2 * t)), (int)a[kk][r]);
-    };
     auto dq_share_issue = [&](float (&dqs)[8][4]) {  // dS_wg-half K_j: both warpgroups' keys in the reduction
         wgmma_fence();
         // (WRITER: two base descriptors stepped by constants, not BN / 8 of them held across the loop)
@@ -334,7 +337,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         wgmma_commit();
     };
     auto add_dq_share = [&](int h, int i) {
-        store_rows(ads);
+        store_a_rows<TdS, NT>(sdS, kr0, ads);
         fence_proxy_async();
         sync_cta();  // both warpgroups' dS^T in
         float dqs[8][4];
@@ -385,49 +388,44 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         pending = RELEASE ? count : nullptr;
     };
 
-    // WRITER (FA3's backward): P^T and dS^T go through shared memory (sdS, one after the other) and dV, dK read
-    // them from there, so that no A fragments stay live under a wgmma: the compute warps then fit the 240
-    // registers that setmaxnreg leaves them. P^T's rows of a warpgroup are read by its own dV only, so a
-    // warpgroup barrier suffices before dV and dS^T may overwrite them once that dV is done; dS^T's rows are
-    // read by both warpgroups' dQ halves (the CTA barrier). The share then goes to buffer `share % 2` for the
-    // writer warpgroup (dq_writer), in fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128
-    // + x) * 2 of its half (8-byte pairs contiguous by thread: conflict-free; fa2_bwd_dq_convert's FRAG).
+    // WRITER: P^T goes through shared memory and dV reads it from there, so that its A fragments (32 registers)
+    // are not live under the dP^T wgmma: the compute warps then fit the 240 registers that setmaxnreg leaves
+    // them. Its place is this warpgroup's half of the buffer this step's share will take (`share % 2`, 16 KB; a
+    // SwizzledTile of 64 keys x BM queries): only this warpgroup's dV reads it, and the share overwrites it once
+    // every wgmma of the step is done. The share then goes there for the writer warpgroup (dq_writer) in
+    // fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128 + x) * 2 of the half (8-byte pairs
+    // contiguous by thread: conflict-free; fa2_bwd_dq_convert's FRAG).
+    using TP = SwizzledTile<64, 2 * BM>;
     auto writer_step = [&](int stage, const float* delta, int h, int i) {
+        const int share = dq->exchanges++, buf = share % 2;
+        const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF;
         {
             u32 a[NT / 2][4];
             repack_all<T>(a, pt);
-            store_rows(a);
+            store_a_rows<TP, NT>(half, warp * 16, a);
         }
         fence_proxy_async();
-        named_sync(1 + wg, 128);  // this warpgroup's rows of P^T in
+        named_sync(1 + wg, 128);  // this warpgroup's P^T in
         wgmma_fence();
-        wgmma_ss_rows<T, TdS, TQ, D, BM / 16>(dv[0], sdS, wg * 64, sdO(stage));
+        wgmma_ss_rows<T, TP, TQ, D, BM / 16>(dv[0], half, 0, sdO(stage));
         wgmma_commit();
         wgmma_wait<1>();  // dP^T is in (dV may still run)
         hold_registers(dpt);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
-        repack_all<T>(ads, dst);
-        wgmma_wait<0>();  // dV has read P^T
-        hold_registers(dv[0]);
-        store_rows(ads);
+        issue_dk(stage, delta);
+        store_a_rows<TdS, NT>(sdS, kr0, ads);
         fence_proxy_async();
         sync_cta();  // both warpgroups' dS^T in
-        wgmma_fence();
-        wgmma_ss_rows<T, TdS, TQ, D, BM / 16>(dk[0], sdS, wg * 64, sQ(stage));
-        wgmma_commit();
         float dqs[8][4];
         dq_share_issue(dqs);
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // dV, dK, the share: P^T and dS^T are read
         hold_registers(dqs);
-        const int share = dq->exchanges++, buf = share % 2;
-        const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF + (threadIdx.x % 128) * 8;
+        hold_registers(dv[0]);
+        hold_registers(dk[0]);
+        const u32 mine = half + (threadIdx.x % 128) * 8;
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) st_shared_f32x2(half + (n * 2 + r) * 128 * 8, dqs[n][2 * r], dqs[n][2 * r + 1]);
+            for (int r = 0; r < 2; ++r) st_shared_f32x2(mine + (n * 2 + r) * 128 * 8, dqs[n][2 * r], dqs[n][2 * r + 1]);
         fence_proxy_async();  // visible to the bulk copy that reads it
         if (threadIdx.x == 0) {  // where it goes (an int: batch x heads x Q blocks < 2^31), and its turn
             const int n_q = (seqlen_q + BM - 1) / BM;
