@@ -396,19 +396,24 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128 + x) * 2 of the half (8-byte pairs
     // contiguous by thread: conflict-free; fa2_bwd_dq_convert's FRAG).
     using TP = SwizzledTile<64, 2 * BM>;
+    constexpr bool P_SMEM = BM == 128;  // (at BM 64 its 16 registers fit)
     auto writer_step = [&](int stage, const float* delta, int h, int i) {
         const int share = dq->exchanges++, buf = share % 2;
         const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF;
-        {
-            u32 a[NT / 2][4];
-            repack_all<T>(a, pt);
-            store_a_rows<TP, NT>(half, warp * 16, a);
+        if constexpr (P_SMEM) {
+            {
+                u32 a[NT / 2][4];
+                repack_all<T>(a, pt);
+                store_a_rows<TP, NT>(half, warp * 16, a);
+            }
+            fence_proxy_async();
+            named_sync(1 + wg, 128);  // this warpgroup's P^T in
+            wgmma_fence();
+            wgmma_ss_rows<T, TP, TQ, D, BM / 16>(dv[0], half, 0, sdO(stage));
+            wgmma_commit();
+        } else {
+            issue_dv(stage);
         }
-        fence_proxy_async();
-        named_sync(1 + wg, 128);  // this warpgroup's P^T in
-        wgmma_fence();
-        wgmma_ss_rows<T, TP, TQ, D, BM / 16>(dv[0], half, 0, sdO(stage));
-        wgmma_commit();
         wgmma_wait<1>();  // dP^T is in (dV may still run)
         hold_registers(dpt);
         issue_dk(stage, delta);
@@ -606,7 +611,7 @@ __forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
         if constexpr (RELEASE) {
             bulk_wait<0>();
             fence_proxy_async_global();
-            release_count(dq_counts + at);
+            release_own_count(dq_counts + at);
         }
     }
     bulk_wait<0>();

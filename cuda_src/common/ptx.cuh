@@ -32,14 +32,21 @@ __forceinline__ __device__ float2 ld_shared_f32x2(u32 addr) {  // (8-byte aligne
 // ---- An ordered sum in global memory (fa2_bwd_sm90's fused dQ) ---------------------------------------------
 // Writers take turns on a counter: a writer waits until it reaches its rank (acquire), adds its share, and after
 // a barrier of the threads that added one of them counts itself in (release). CUTLASS's semaphore pattern: the
-// barrier orders the other threads' adds before the releasing thread's fence, which is cumulative.
+// barrier orders the other threads' adds before the releasing thread's fence, which is cumulative. The wait
+// spins on relaxed loads and acquires once (an acquire at gpu scope invalidates the SM's L1: CCTL.IVALL).
 __forceinline__ __device__ void wait_count_at_least(const int* counter, int rank) {
     int seen;
-    do asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
     while (seen < rank);
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
 }
 __forceinline__ __device__ void release_count(int* counter) {
     asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+// The same when the releasing thread made every write it releases itself: a release reduction, no fence (whose
+// acquire half would invalidate L1).
+__forceinline__ __device__ void release_own_count(int* counter) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 // Two consecutive floats (8-byte aligned): stored (the first share) or added at L2 (the others).
 __forceinline__ __device__ void st_global_f32x2(float* p, float x, float y) {
