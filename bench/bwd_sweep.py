@@ -79,7 +79,7 @@ def tiles(head_dim: int, dkdv=None, dq=None, dq_mode="separate"):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
     (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
     runs the three-pass scheme, whose tables these are; ``dq_mode`` is FA_VARIANTS_FA2_DQ within the block
-    ("separate": the three passes, or one of sm90.FUSED_KERNELS: the fused dQ)."""
+    ("separate": the three passes, or one of sm90.FUSED_KERNELS: the fused dQ; None: sm90.dq_mode's choice)."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
     env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
@@ -87,7 +87,10 @@ def tiles(head_dim: int, dkdv=None, dq=None, dq_mode="separate"):
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
-        os.environ["FA_VARIANTS_FA2_DQ"] = dq_mode
+        if dq_mode is None:  # the library's own choice
+            os.environ.pop("FA_VARIANTS_FA2_DQ", None)
+        else:
+            os.environ["FA_VARIANTS_FA2_DQ"] = dq_mode
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
@@ -241,7 +244,7 @@ def run_shape(shape, args, torch, rows, record) -> None:
         nonlocal ref
         config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if dq_mode != "separate"
                   else default_text(d) if dkdv is None and dq is None else cfg_text(dkdv, dq))
-        res = dict(impl=label, config=config, kv=dkdv, q=dq)
+        res = dict(impl=label, config=config, kv=dkdv, q=dq, mode=dq_mode)
         try:
             with tiles(d, dkdv, dq, dq_mode):
                 grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale)
@@ -311,6 +314,7 @@ def run_shape(shape, args, torch, rows, record) -> None:
             _progress(f"  {peer}: {res.get('ms', res.get('error'))}")
 
     flash = next((r["ms"] for r in results if r["impl"] == "torch-flash" and "ms" in r), None)
+    library = sm90.DEFAULT_DQ.get((d, shape.causal), "separate")  # the row fa2's backward runs (env unset)
     for r in results:
         if "error" in r:
             rows.append([shape.id, r["impl"], r["config"], "", "", "", "", "", r["error"]])
@@ -320,7 +324,10 @@ def run_shape(shape, args, torch, rows, record) -> None:
         regs, local, ctas = r.get("info", ("", "", ""))
         rows.append([shape.id, r["impl"], r["config"], f"{r['ms']:.3f}", f"{timing.tflops(flops, r['ms']):.1f}",
                      f"{flash / r['ms']:.2f}" if flash else "", f"{regs} / {ctas}" if regs else "", errs + verdict,
-                     f"local memory {local} B (spills)" if local and local != "0|0" else ""])
+                     "; ".join(n for n in ("library default" if r.get("mode") == library and r.get("kv") is None
+                                           and r.get("q") is None else "",
+                                           f"local memory {local} B (spills)" if local and local != "0|0" else "")
+                               if n)])
         record.append(dict(shape=shape.id, head_dim=d, causal=shape.causal, impl=r["impl"], config=r["config"],
                            dkdv=r.get("kv"), dq=r.get("q"), ms=r["ms"], tflops=timing.tflops(flops, r["ms"]),
                            x_flash=flash / r["ms"] if flash else None, rel_vs_default=r["errs"],
@@ -344,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mma-sync", action="store_true", help="leave out the mma.sync backward's row")
     ap.add_argument("--seqlens", default=str(SEQLEN),
                     help=f"comma-separated N (default {SEQLEN}); B = {BATCH * SEQLEN} / N (B * N = 16K tokens)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default=DTYPE,
+                    help="the inputs' dtype (the candidates are precompiled for bf16 only; others compile when first run)")
     ap.add_argument("--no-candidates", action="store_true",
                     help="only the default (and, at d 64 and 128, the fused dQ) beside the peers")
     ap.add_argument("--json", help="also write the rows to this JSON file")
@@ -398,7 +407,7 @@ def main(argv=None) -> int:
         seqlens = [int(x) for x in args.seqlens.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--seqlens takes comma-separated integers, got {args.seqlens!r}")
-    shapes = [timing.Shape(batch=max(1, BATCH * SEQLEN // n), heads=HD // d, seqlen_q=n, head_dim=d, dtype=DTYPE,
+    shapes = [timing.Shape(batch=max(1, BATCH * SEQLEN // n), heads=HD // d, seqlen_q=n, head_dim=d, dtype=args.dtype,
                            causal=c)
               for d in dims for n in seqlens for c in ((False, True) if args.causal == "both" else (args.causal == "yes",))]
     rows, record = [], []
@@ -406,7 +415,7 @@ def main(argv=None) -> int:
         run_shape(shape, args, torch, rows, record)
         cupy.get_default_memory_pool().free_all_blocks()   # this shape's inputs are gone with run_shape
 
-    print(f"GPU: {gpu.probe().name}; bf16, N {args.seqlens}, B = {BATCH * SEQLEN} / N, H = {HD} / d; backward call alone, median of "
+    print(f"GPU: {gpu.probe().name}; {args.dtype}, N {args.seqlens}, B = {BATCH * SEQLEN} / N, H = {HD} / d; backward call alone, median of "
           f"{args.repeats} after {args.warmup} warm-up; TFLOP/s = 2.5 x 4BHN^2d (/2 causal)")
     print(tabulate(rows, headers=["shape", "impl", "config", "ms", "TFLOP/s", "x flash",
                                   "regs kv|q / CTAs/SM kv|q", "rel vs default dq/dk/dv", "note"],

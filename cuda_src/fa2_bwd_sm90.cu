@@ -396,7 +396,9 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128 + x) * 2 of the half (8-byte pairs
     // contiguous by thread: conflict-free; fa2_bwd_dq_convert's FRAG).
     using TP = SwizzledTile<64, 2 * BM>;
-    constexpr bool P_SMEM = BM == 128;  // (at BM 64 its 16 registers fit)
+    // (at BM 64 its 16 registers fit. Issuing dP^T only behind dV instead does not help at BM 128: pt stays live
+    // for dS^T, and ptxas serializes the wgmmas all the same)
+    constexpr bool P_SMEM = BM == 128;
     auto writer_step = [&](int stage, const float* delta, int h, int i) {
         const int share = dq->exchanges++, buf = share % 2;
         const u32 half = sdQ + buf * 2 * L::HALF + wg * L::HALF;

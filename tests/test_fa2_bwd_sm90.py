@@ -92,3 +92,16 @@ def test_fused_dq_order_is_a_fixed_order_in_arrival_order(causal, seqlen_q, seql
             roles = [j for _, _, j in got]
             if causal:
                 assert roles == sorted(roles, reverse=not odd), (odd, i, roles)
+
+
+def test_dq_mode_defaults_and_override(monkeypatch):
+    """The scheme by shape where FA_VARIANTS_FA2_DQ is unset (DEFAULT_DQ: only kernels that exist, at head dims
+    the fused pass serves), and the variable naming one overrides it."""
+    monkeypatch.delenv("FA_VARIANTS_FA2_DQ", raising=False)
+    for (d, causal), mode in k.DEFAULT_DQ.items():
+        assert d in k.FUSED_TILES and mode in k.FUSED_KERNELS and k.dq_mode(d, causal) == mode
+    assert k.dq_mode(256, True) == "separate" and k.dq_mode(128, False) == "separate"
+    monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "separate")
+    assert k.dq_mode(128, True) == "separate"
+    monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "writer")
+    assert k.dq_mode(64, False) == "writer"

@@ -26,9 +26,10 @@ from fa_variants import registry
 pytestmark = pytest.mark.gpu
 
 BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.directions]
-# fa2 on Hopper: the fused dQ's kernels (FA_VARIANTS_FA2_DQ=fused, fused_single, writer), and "..._few_sms" with
-# the grid cut to 8 SMs, so that each group of CTAs takes several heads (causal: both directions)
-FUSED = ["fused", "fused_single", "writer", "fused_few_sms", "writer_few_sms"]
+# fa2 on Hopper: each scheme of FA_VARIANTS_FA2_DQ on every shape (the default picks by shape): the three passes
+# ("separate") and the fused dQ's kernels, "..._few_sms" with the grid cut to 8 SMs, so that each group of CTAs
+# takes several heads (causal: both directions)
+FUSED = ["separate", "fused", "fused_single", "writer", "fused_few_sms", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in FUSED] if "fa2" in BACKWARD_VARIANTS else [])
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations

@@ -1,11 +1,12 @@
 """Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic backward on Hopper's wgmma (sm_90a only).
-Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then the three-pass scheme: dK, dV per K/V
-block, then dQ per Q block (recomputing S and dP). FA_VARIANTS_FA2_DQ=fused takes, at d 64 and 128 where its grid
-fits (FUSED_TILES, ``fused_grid``), the fused dQ instead: one pass computes dK, dV per K/V block and adds each
-block's share of dQ into an fp32 sum in a fixed order, and a second converts that sum. It is deterministic and
-does 5 products instead of 7, but on the H200 its 32 fp32 adds per dQ element (N 4K, 128-key blocks) at L2 make it
-slower than the three passes (bench/NOTES.md, fifth session): off by default. Same contract as
-``fa2_bwd.backward``; head dims up to 256.
+Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then one of two schemes (``dq_mode``):
+  the three passes   dK, dV per K/V block, then dQ per Q block (recomputing S and dP: 7 products);
+  the fused dQ       at d 64 and 128 where its grid fits (FUSED_TILES, ``fused_grid``): one pass computes dK, dV
+                     per K/V block and adds each block's share of dQ into an fp32 sum in a fixed order (5
+                     products), and a second converts that sum. Deterministic. Its adds at L2 (32 per dQ element at
+                     N 4K) are what it costs; the "writer" kernel hands them to a warpgroup of their own and is the
+                     default on causal shapes, where it measured faster (DEFAULT_DQ; bench/NOTES.md, sixth session).
+Same contract as ``fa2_bwd.backward``; head dims up to 256.
 
 fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
 """
@@ -76,6 +77,15 @@ def dq_smem(d: int, cfg) -> int:
 # that sum theirs on chip first ("fused"), and CTAs with a warpgroup that does nothing but the adds ("writer")
 FUSED_KERNELS = {"fused": "fa2_bwd_fused_pair_sm90", "fused_single": "fa2_bwd_fused_sm90",
                  "writer": "fa2_bwd_fused_writer_sm90"}
+# The scheme used where FA_VARIANTS_FA2_DQ does not name one ("separate": the three passes), by (template head
+# dim, causal): the writer where it measured faster (bench/NOTES.md, sixth session, bf16 N 1K-16K: causal d 128
+# -4 to -9 %, d 64 -1 to -2 %; not causal d 128 +-1.5 %, d 64 +2-3 %).
+DEFAULT_DQ = {(64, True): "writer", (128, True): "writer"}
+
+
+def dq_mode(d: int, causal: bool) -> str:
+    """The backward's scheme for template head dim d: FA_VARIANTS_FA2_DQ if set, else DEFAULT_DQ's."""
+    return os.environ.get("FA_VARIANTS_FA2_DQ") or DEFAULT_DQ.get((d, causal), "separate")
 
 
 def fused_threads(d: int, mode: str) -> int:
@@ -192,7 +202,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     def run(kern, grid, block, smem):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
-    grid, mode = 0, os.environ.get("FA_VARIANTS_FA2_DQ", "")
+    grid, mode = 0, dq_mode(D, causal)
     if D in FUSED_TILES and mode in FUSED_KERNELS:
         bn, bm = FUSED_TILES[D]
         pair, smem = mode == "fused", fused_smem(D, mode)
