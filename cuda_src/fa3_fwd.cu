@@ -236,16 +236,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             };
             // fp8: S_j in log2 units is S_j times the scales of Q's tile and of K's block j (the softmax then
             // runs with scale 1, m in log2 units); 16-bit: the softmax applies scale_log2 itself.
-            const i64 bhk = (i64)w.b * (p.heads / p.group) + w.h / p.group;  // (batch, kv head), once a tile
+            const int h_kv = w.h / p.group;
             float q_scale = 1.f;
-            const float* k_scales = nullptr;  // fp8: the K block scales of this kv head
-            if constexpr (FP8) {
-                q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
-                k_scales = p.sk + bhk * ((seqlen_k + BN - 1) / BN);
-            }
+            if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
             auto to_log2 = [&](float (&s)[1][NT][4], int j) {
                 if constexpr (FP8) {
-                    const float f = q_scale * k_scales[j];
+                    const i64 bhk = (i64)w.b * (p.heads / p.group) + h_kv;
+                    const float f = q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -321,7 +318,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, w.b, w.h, m0 + row0};
             if constexpr (FP8) {
-                Fp8DequantOut<T, (int)P_SCALE>::store(rows, p, p.sv + bhk * D);
+                Fp8DequantOut<T, (int)P_SCALE>::store(rows, p, p.sv + ((i64)w.b * (p.heads / p.group) + h_kv) * D);
             } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {
