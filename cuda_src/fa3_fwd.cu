@@ -235,7 +235,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
             };
             // fp8: S_j in log2 units is S_j times the scales of Q's tile and of K's block j (the softmax then
-            // runs with scale 1, m in log2 units); 16-bit: the softmax applies scale_log2 itself.
+            // runs with scale 1, m in log2 units); 16-bit: the softmax applies scale_log2 itself. (K's scale is
+            // addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions fewer, made
+            // fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
             const int h_kv = w.h / p.group;
             float q_scale = 1.f;
             if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
