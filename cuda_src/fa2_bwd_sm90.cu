@@ -22,6 +22,9 @@
 // read by step s-1's wgmmas, which every warpgroup has waited on before the barrier), and the queries' LSE and D
 // travel by cp.async with the tiles (the default loads them with blocking LDGs right before S^T). Past the last
 // step the issue reads a zero-filled stage (no branch while dK is in flight).
+// The fused dQ (d = 64, 128; below DqOrder): the dkdv pass also adds each K/V block's share dS_ij K_j into an fp32
+// dQ sum, in a fixed order (FUSED), by its own threads (fa2_bwd_fused_sm90, _pair_sm90) or by a writer warpgroup
+// that takes the shares from shared memory (WRITER, fa2_bwd_fused_writer_sm90: the default on causal shapes).
 // d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the dkdv grid doubles:
 // even CTAs compute dK only (S^T, dP^T, dK), odd ones dV only (S^T, dV), each recomputing S^T (1.25x the work).
 // Tile parameters (kernels/fa2_bwd_sm90.py's tables; the trailing template arguments default to the first
