@@ -7,17 +7,10 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-import re
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from fa_variants import jit, registry
+from fa_variants.sass import cuobjdump, sass_by_function
 from fa_variants.kernels import fa3_fp8
 
 # source -> the instructions every function in it must hold, and those none may hold
@@ -31,36 +24,6 @@ WGMMA_SOURCES = {
 ELEMENTWISE = ("fa2_bwd_dq_convert<",)  # the fused dQ's fp32 sum scaled into the input dtype
 # fa3_fwd.cu serves both 16-bit fa3 and fa3_fp8: the FP8 flag picks the MMA (must hold, must not hold)
 FA3_MMA = {False: ("HGMMA", "QGMMA"), True: ("QGMMA", "HGMMA")}
-
-
-@functools.lru_cache(maxsize=1)
-def cuobjdump() -> str | None:
-    """cuobjdump on PATH, or the one the nvidia-cuda-cuobjdump wheel puts in site-packages/nvidia/cu*/bin."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for exe in sorted(Path(root).glob("cu*/bin/cuobjdump")):
-            return str(exe)
-    return None
-
-
-def sass_by_function(cubin: Path) -> dict[str, list[str]]:
-    """{mangled name: opcodes} of every function in a cubin (cuobjdump calls nvdisasm, found beside it)."""
-    exe = cuobjdump()
-    env = dict(os.environ, PATH=f"{Path(exe).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    text = subprocess.run([exe, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
-    out = {}
-    for block in text.split("Function : ")[1:]:
-        name, _, body = block.partition("\n")
-        ops = []
-        for line in body.splitlines():
-            m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-            if m:
-                ops.append(m.group(1))
-        out[name.strip()] = ops
-    return out
 
 
 def units():

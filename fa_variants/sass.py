@@ -1,0 +1,58 @@
+"""The machine code (SASS) of a cubin, read by cuobjdump: no GPU needed. Serves the Hopper kernels' instruction
+checks (tests/test_sass.py) and bench/sass_diff.py (the same kernels in two trees, instruction for instruction).
+cuobjdump comes with the ``test`` extra (nvidia-cuda-cuobjdump; it calls nvdisasm, which comes beside it)."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+# an instruction line of cuobjdump --dump-sass: /*address*/ [predicate] OPCODE operands ;
+_INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+((?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*);")
+
+
+@functools.lru_cache(maxsize=1)
+def cuobjdump() -> str | None:
+    """cuobjdump on PATH, or the one the nvidia-cuda-cuobjdump wheel puts in site-packages/nvidia/cu*/bin."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for exe in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(exe)
+    return None
+
+
+def _dump(cubin: Path) -> str:
+    exe = cuobjdump()
+    if exe is None:
+        raise RuntimeError("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, PATH=f"{Path(exe).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run([exe, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True,
+                          env=env).stdout
+
+
+def instructions_by_function(cubin: Path) -> dict[str, list[tuple[str, str]]]:
+    """{mangled name: [(opcode, instruction text)]} of every function in a cubin."""
+    out = {}
+    for block in _dump(cubin).split("Function : ")[1:]:
+        name, _, body = block.partition("\n")
+        out[name.strip()] = [(m.group(2), m.group(1).strip()) for m in map(_INSTRUCTION.match, body.splitlines())
+                             if m]
+    return out
+
+
+def sass_by_function(cubin: Path) -> dict[str, list[str]]:
+    """{mangled name: opcodes} of every function in a cubin."""
+    return {name: [op for op, _ in ins] for name, ins in instructions_by_function(cubin).items()}
+
+
+def comparable(text: str) -> str:
+    """An instruction with its immediates and addresses masked (branch targets and constant offsets move when
+    code before them changes length; the instruction stays the same)."""
+    return re.sub(r"0x[0-9a-f]+", "X", text)
