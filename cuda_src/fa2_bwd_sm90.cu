@@ -147,7 +147,8 @@ struct DqOrder {
 // Where the fused dQ's shares go: acc (batch, heads, n_q BM, D) fp32, dQ_i's rows contiguous; counts (batch,
 // heads, n_q, 2): the shares added so far to each Q block, per half of it (a warpgroup's).
 // PAIR: the shares of a cluster's two CTAs (K/V blocks 2P, 2P + 1) are summed on chip first, each CTA adding one
-// half of the pair's sum; `exchanges` counts the pair's swaps (their buffers alternate).
+// half of the pair's sum; `exchanges` counts the pair's swaps (their buffers alternate) or, WRITER, the CTA's
+// shares (buffer k % 2 takes share k).
 struct DqShares {
     float* acc;
     int* counts;
@@ -164,7 +165,8 @@ struct DkdvSmem {
     static constexpr u32 STATS = KV + STAGES * QDO;
     static constexpr u32 DS = STATS + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
     static constexpr u32 DQ = DS + SwizzledTile<BN, 2 * BM>::BYTES;
-    // WRITER: full(k) at DQ_BARS + 8k, empty(k) at + 16; the slots (a share's Q block and rank) at DQ_SLOTS + 8k
+    // WRITER: full(k) at DQ_BARS + 8k, empty(k) at + 16; the slots (a share's Q block and rank, two ints) at
+    // DQ_SLOTS + 8k, ending 16 bytes on (kernels/fa2_bwd_sm90.py's fused_smem counts them)
     static constexpr u32 HALF = 64 * 64 * 4, DQ_BARS = DQ + 2 * 2 * HALF, DQ_SLOTS = DQ_BARS + 32;
 };
 

@@ -96,8 +96,8 @@ def fused_smem(d: int, mode: str = "fused") -> int:
     bn, bm = FUSED_TILES[d]
     stats = -(-2 * bm * 2 * 4 // 1024) * 1024  # two stages of LSE and D, padded to the swizzle's alignment
     # align; K, V; Q, dO stages; dS^T; the pair's two buffers of the peer's 64 x 64 fp32 half, or the writer's two
-    # of a whole share and their four mbarriers
-    buffers = 2 * 2 * 64 * 64 * 4 + 4 * 8 if mode == "writer" else 2 * 64 * 64 * 4
+    # of a whole share, their four mbarriers and two slots (DkdvSmem's END)
+    buffers = 2 * 2 * 64 * 64 * 4 + 4 * 8 + 2 * 8 if mode == "writer" else 2 * 64 * 64 * 4
     return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm + buffers
 
 
