@@ -314,7 +314,7 @@ def run_shape(shape, args, torch, rows, record) -> None:
             _progress(f"  {peer}: {res.get('ms', res.get('error'))}")
 
     flash = next((r["ms"] for r in results if r["impl"] == "torch-flash" and "ms" in r), None)
-    library = sm90.DEFAULT_DQ.get((d, shape.causal), "separate")  # the row fa2's backward runs (env unset)
+    library = sm90.default_dq(d, shape.causal)  # the row fa2's backward runs (env unset)
     for r in results:
         if "error" in r:
             rows.append([shape.id, r["impl"], r["config"], "", "", "", "", "", r["error"]])

@@ -29,8 +29,8 @@ BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.dire
 # fa2 on Hopper: each scheme of FA_VARIANTS_FA2_DQ on every shape (the default picks by shape): the three passes
 # ("separate") and the fused dQ's kernels, "..._few_sms" with the grid cut to 8 SMs, so that each group of CTAs
 # takes several heads (causal: both directions)
-FUSED = ["separate", "fused", "fused_single", "writer", "fused_few_sms", "writer_few_sms"]
-IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in FUSED] if "fa2" in BACKWARD_VARIANTS else [])
+SCHEMES = ["separate", "fused", "fused_single", "writer", "fused_few_sms", "writer_few_sms"]
+IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations
 
@@ -68,7 +68,7 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
-        if kernel not in FUSED:
+        if kernel not in SCHEMES:
             monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", kernel)
             return name
         mode, _, few = kernel.partition("_few")

@@ -83,9 +83,14 @@ FUSED_KERNELS = {"fused": "fa2_bwd_fused_pair_sm90", "fused_single": "fa2_bwd_fu
 DEFAULT_DQ = {(64, True): "writer", (128, True): "writer"}
 
 
+def default_dq(d: int, causal: bool) -> str:
+    """The scheme DEFAULT_DQ picks for template head dim d (where FA_VARIANTS_FA2_DQ is unset)."""
+    return DEFAULT_DQ.get((d, causal), "separate")
+
+
 def dq_mode(d: int, causal: bool) -> str:
-    """The backward's scheme for template head dim d: FA_VARIANTS_FA2_DQ if set, else DEFAULT_DQ's."""
-    return os.environ.get("FA_VARIANTS_FA2_DQ") or DEFAULT_DQ.get((d, causal), "separate")
+    """The backward's scheme for template head dim d: FA_VARIANTS_FA2_DQ if set, else ``default_dq``'s."""
+    return os.environ.get("FA_VARIANTS_FA2_DQ") or default_dq(d, causal)
 
 
 def fused_threads(d: int, mode: str) -> int:
