@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,8 @@ print(json.dumps({e: [c.lowered[e], regs.get(e)] for e in exprs}))
 def compile_in(tree: Path, source: str, exprs: list[str], arch: str, cubin: Path) -> dict:
     """{expression: (mangled name, registers)}, the cubin written to ``cubin``, as ``tree``'s code compiles them."""
     run = subprocess.run([sys.executable, "-c", _COMPILE, source, arch, str(cubin), *exprs], capture_output=True,
-                         text=True, cwd=tree, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
-                                                   "FA_VARIANTS_CACHE": str(cubin.parent / "cache")})
+                         text=True, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree),
+                                                       FA_VARIANTS_CACHE=str(cubin.parent / "cache")))
     if run.returncode:
         raise SystemExit(f"compiling in {tree} failed:\n{run.stderr[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
