@@ -18,7 +18,7 @@ Timing is fa_variants.timing's (CUDA events, pad kernel, inputs rotating through
 / ||dX_default|| for dq / dk / dv on the first input set (a candidate above 1e-2 is WRONG: shown in the table).
 Registers, local memory (spills) and CTAs per SM are read off the loaded kernels (dK/dV pass | dQ pass).
 
-Candidate configs: dK/dV (BN keys per CTA, split, BM queries per step[, MINB CTAs/SM of the launch bounds[, BM of
+Candidate configs: dK/dV (BN keys per CTA, split (0 none, 1 CTAs, 2 warpgroups), BM queries per step[, MINB CTAs/SM of the launch bounds[, BM of
 the split's dV CTAs[, PIPE: the next step's S^T issued behind this step's dV/dK]]]); dQ (BM queries per CTA, BN keys per step[, MINB]). All compile for sm_90a without spills
 or ptxas's C7512 "wgmma serialized" note (``--list`` checks it again).
 """
@@ -64,6 +64,8 @@ CANDIDATES = {
         ("kv (old default)", (128, False), None),  # 234 regs, 130 KB: the default without PIPE (240, 162.5 KB)
     ],
     256: [
+        ("kv CTA split (old default)", (128, True, 32, 1, 64), None),  # 202 regs, 2 CTAs a block, S^T in both
+        ("kv WG split BM32", (64, 2, 32), None),            # 184 regs, 1 x 2 WG on 64 keys (default BM64: 216)
         ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too
         ("kv BN64 (old default)", (64, True), None),       # 1 x 1 WG (default BN128 BM32/dV64: 187 regs)
         ("q 64x64 (old default)", None, (64, 64)),          # 1 WG (default 128x32: 202 regs, 1 x 2 WG, 193 KB)
@@ -201,7 +203,7 @@ def kernel_info(ctype: str, d: int, dkdv=None, dq=None) -> str:
     exprs = modules(ctype, d, dkdv, dq)
     with tiles(d, dkdv, dq):
         kv, qc = sm90.DKDV_TILES[d][0], sm90.DQ_TILES[d][0]
-    launches = ((exprs[0], 2 * sm90.dkdv_config(kv)[0], sm90.dkdv_smem(d, kv)),
+    launches = ((exprs[0], sm90.dkdv_threads(kv), sm90.dkdv_smem(d, kv)),
                 (exprs[1], 2 * sm90.dq_config(qc)[0], sm90.dq_smem(d, qc)))
     regs, local, ctas = [], [], []
     for expr, block, smem in launches:

@@ -25,8 +25,11 @@
 // The fused dQ (d = 64, 128; below DqOrder): the dkdv pass also adds each K/V block's share dS_ij K_j into an fp32
 // dQ sum, in a fixed order (FUSED), by its own threads (fa2_bwd_fused_sm90, _pair_sm90) or by a writer warpgroup
 // that takes the shares from shared memory (WRITER, fa2_bwd_fused_writer_sm90: the default on causal shapes).
-// d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the dkdv grid doubles:
-// even CTAs compute dK only (S^T, dP^T, dK), odd ones dV only (S^T, dV), each recomputing S^T (1.25x the work).
+// d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the two gradients go to
+// different warpgroups. SPLIT 2 (the default): one CTA of two warpgroups per 64 keys, warpgroup 0 computes S^T,
+// P^T and dV and hands P^T (fp32, through shared memory) to warpgroup 1, which computes dP^T, dS^T and dK: the
+// four products of the step, once each. SPLIT 1 (the first version): the dkdv grid doubles, even CTAs compute dK
+// only (S^T, dP^T, dK), odd ones dV only (S^T, dV), each recomputing S^T (1.25x the work).
 // Tile parameters (kernels/fa2_bwd_sm90.py's tables; the trailing template arguments default to the first
 // version's tiles, whose machine code they leave as it was): dkdv BN = 64, 128 or 192 keys (one to three
 // warpgroups), BM = 32, 64 or 128 queries per step (the N of S^T and dP^T), BM_DV the dV CTAs' BM where the d = 256
@@ -163,6 +166,7 @@ struct DkdvSmem {
     static constexpr u32 KV = (NO_V ? 1 : 2) * SwizzledTile<BN, 2 * D>::BYTES;
     static constexpr u32 QDO = 2 * SwizzledTile<BM, 2 * D>::BYTES;  // a stage of (Q_i, dO_i), from KV on
     static constexpr u32 STATS = KV + STAGES * QDO;
+    // DS: dS^T for the fused dQ, or (XCHG) the step's P^T, 64 x BM fp32 in fragment order
     static constexpr u32 DS = STATS + ((STAGES * 2 * BM * 4 + 1023) & ~1023);
     static constexpr u32 DQ = DS + SwizzledTile<BN, 2 * BM>::BYTES;
     // WRITER: full(k) at DQ_BARS + 8k, empty(k) at + 16; the slots (a share's Q block and rank, two ints) at
@@ -172,18 +176,21 @@ struct DkdvSmem {
 
 // One dkdv CTA: K/V block j of BN keys, BM queries per step; DK, DV: which gradients it computes (both, or one
 // each at d = 256). NO_V (dV only): V gets no shared memory, the Q/dO stages start where it would. PIPE: step
-// s+1's S^T issued before step s's dV/dK are waited on (the header).
+// s+1's S^T issued before step s's dV/dK are waited on (the header). XCHG (SPLIT 2, d = 256): one warpgroup of a
+// CTA of two on the same 64 keys, with the other's gradient: the dV one (warpgroup 0) computes P^T and leaves it in
+// shared memory, the dK one takes it from there instead of computing S^T.
 template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false,
-          int DIAG = 0, bool PAIR = false, bool WRITER = false>
+          int DIAG = 0, bool PAIR = false, bool WRITER = false, bool XCHG = false>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, int b, DqOrder order = {},
                                            DqShares* dq = nullptr) {
-    constexpr int THREADS = 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
+    constexpr int THREADS = XCHG ? 256 : 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
     using TQ = SwizzledTile<BM, 2 * D>;   // Q_i, dO_i [query][d]: K-major B of S^T, dP^T; N-major B of dK, dV
     using TKV = SwizzledTile<BN, 2 * D>;  // K_j, V_j [key][d]: K-major A of S^T, dP^T; N-major B of dQ (FUSED)
     using TdS = SwizzledTile<BN, 2 * BM>; // dS^T [key][query] (FUSED): the MN-major A of dQ = dS K
     static_assert((BN == 64 || BN == 128 || BN == 192) && (D == 64 || D == 128 || D == 256), "1-3 warpgroups");
     static_assert(BM == 32 || BM == 64 || BM == 128, "wgmma n32 / n64 / n128 blocks");
     static_assert(!(NO_V && DK), "dK needs V (dP^T)");
+    static_assert(!XCHG || (BN == 64 && DK != DV && !NO_V && !PIPE && !FUSED), "a warpgroup per gradient");
     static_assert(!PIPE || BN <= 128, "PIPE's loads are branch-free for <= 256 threads");
     // FUSED: the two warpgroups split dQ_i (BM x D) in halves of 64 x 64: by rows at BM 128, by columns at BM 64
     static_assert(!FUSED || (DK && DV && !PIPE && BN == 128 && BM * D == 128 * 64),
@@ -200,9 +207,10 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + L::STATS);
     const u32 sdS = base + L::DS, sdQ = base + L::DQ;
     static_assert(!WRITER || (FUSED && !PAIR), "the dQ writer serves the fused single CTAs");
-    // WRITER: a warpgroup of its own does the adds, so only the 2 BN compute threads meet at the CTA's barriers
+    // WRITER: a warpgroup of its own does the adds, so only the 2 BN compute threads meet at the CTA's barriers.
+    // XCHG: the two warpgroups run different instances of this function, which meet at barrier 3 as well.
     auto sync_cta = [&] {
-        if constexpr (WRITER) named_sync(3, THREADS);
+        if constexpr (WRITER || XCHG) named_sync(3, THREADS);
         else __syncthreads();
     };
 
@@ -210,7 +218,8 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
     const bool causal = p.causal;
-    const int key0 = j * BN, kr0 = wg * 64 + warp * 16;  // the block's first key; this warp's first row of it
+    const int kw0 = XCHG ? 0 : wg * 64;        // this warpgroup's first key of the block (XCHG: both take all 64)
+    const int key0 = j * BN, kr0 = kw0 + warp * 16;  // the block's first key; this warp's first row of it
     // (FUSED: the order's, a pair's first block for both of its CTAs, so that they visit the same Q blocks)
     const int i_first = FUSED ? order.i_first : first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
     const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
@@ -275,11 +284,11 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     auto issue_st = [&](int stage, bool with_st, bool with_dp) {
         wgmma_fence();
         if (with_st) {
-            wgmma_ss_abt<T, TKV, TQ, D>(st, sK, wg * 64, sQ(stage));
+            wgmma_ss_abt<T, TKV, TQ, D>(st, sK, kw0, sQ(stage));
             wgmma_commit();
         }
         if (DK && with_dp) {
-            wgmma_ss_abt<T, TKV, TQ, D>(dpt, sV, wg * 64, sdO(stage));
+            wgmma_ss_abt<T, TKV, TQ, D>(dpt, sV, kw0, sdO(stage));
             wgmma_commit();
         }
     };
@@ -447,6 +456,26 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         mbar_arrive_if(base + L::DQ_BARS + 8 * buf, true);
     };
 
+    // XCHG: P^T from the dV warpgroup to the dK one, in fragment order (thread x's float4 of column block nt at
+    // (nt * 128 + x) * 16 bytes: the same thread of the other warpgroup holds the same keys and queries). One buffer
+    // is enough: it is written again only after the next step's CTA barrier, which the reader passes after reading.
+    // Barrier 4: P^T is in; barrier 5: S^T is issued (dP^T goes to the tensor cores behind it, so that S^T, whose
+    // softmax both warpgroups then wait for, comes out first).
+    float4* const px = reinterpret_cast<float4*>(smem + (base - smem_u32(smem)) + L::DS) + threadIdx.x % 128;
+    auto give_pt = [&] {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) px[nt * 128] = make_float4(pt[nt][0], pt[nt][1], pt[nt][2], pt[nt][3]);
+        named_arrive(4, 256);
+    };
+    auto take_pt = [&] {
+        named_sync(4, 256);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float4 v = px[nt * 128];
+            pt[nt][0] = v.x, pt[nt][1] = v.y, pt[nt][2] = v.z, pt[nt][3] = v.w;
+        }
+    };
+
     if constexpr (PIPE) {
         load_q(1, 1);
         cp_async_wait<1>();
@@ -467,13 +496,20 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             if (s + 1 < steps) load_q(s + 1, stage ^ 1);
             if constexpr (WRITER)  // the writer has read share - 2 from the buffer this step's share will take
                 mbar_wait(base + L::DQ_BARS + 16 + 8 * (dq->exchanges % 2), ((dq->exchanges / 2) & 1) ^ 1);
-            issue_st(stage, true, true);
+            if constexpr (XCHG && DK) named_sync(5, 256);
+            issue_st(stage, !(XCHG && DK), true);  // (XCHG: S^T in the dV warpgroup, dP^T in the dK one)
+            if constexpr (XCHG && DV) named_arrive(5, 256);
         }
         const float* lse2 = stats + (2 * stage) * BM;
         const float* delta = lse2 + BM;
-        wgmma_wait<DK ? 1 : 0>();  // S^T is in (dP^T may still run)
-        hold_registers(st);
-        p_of_st(lse2, m0);
+        if constexpr (XCHG && DK) {
+            take_pt();
+        } else {
+            wgmma_wait<DK ? 1 : 0>();  // S^T is in (dP^T may still run)
+            hold_registers(st);
+            p_of_st(lse2, m0);
+            if constexpr (XCHG) give_pt();
+        }
         if constexpr (WRITER) {
             writer_step(stage, delta, h_kv * p.group + s / n_i, m0 / BM);
             continue;
@@ -521,13 +557,21 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
 
 }  // namespace fav
 
-// SPLIT (d = 256): blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV (with BM_DV queries per step; when that
-// differs from BM the dV part leaves V out of its shared memory). PIPE: dkdv_block's.
-template <class T, int D, int BN, bool SPLIT, int BM = 64, int MINB = 1, int BM_DV = BM, bool PIPE = false>
-__global__ void __launch_bounds__(2 * BN, MINB)
+// SPLIT (d = 256) 1: blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV (with BM_DV queries per step; when
+// that differs from BM the dV part leaves V out of its shared memory). 2: warpgroup 0 of the CTA computes dV and
+// P^T, warpgroup 1 dK (dkdv_block's XCHG), on the same BN = 64 keys. PIPE: dkdv_block's.
+template <class T, int D, int BN, int SPLIT, int BM = 64, int MINB = 1, int BM_DV = BM, bool PIPE = false>
+__global__ void __launch_bounds__((SPLIT == 2 ? 4 : 2) * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
-    static_assert(SPLIT || BM_DV == BM, "BM_DV is the split's");
-    if constexpr (SPLIT) {
+    static_assert(SPLIT == 1 || BM_DV == BM, "BM_DV is the CTA split's");
+    if constexpr (SPLIT == 2) {
+        if (threadIdx.x < 128)
+            fav::dkdv_block<T, D, BN, BM, false, true, false, false, false, 0, false, false, true>(
+                p, blockIdx.x, blockIdx.y, blockIdx.z);
+        else
+            fav::dkdv_block<T, D, BN, BM, true, false, false, false, false, 0, false, false, true>(
+                p, blockIdx.x, blockIdx.y, blockIdx.z);
+    } else if constexpr (SPLIT == 1) {
         if (blockIdx.x % 2 == 0)
             fav::dkdv_block<T, D, BN, BM, true, false, false, PIPE>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
         else

@@ -36,7 +36,8 @@ def test_candidates_well_formed(sweep):
             bn, split, bm, minb, bm_dv, pipe = k.dkdv_config(kv)
             assert pipe in (False, True) and (not pipe or bn <= 128)
             assert 2 <= len(kv) <= 6 and bn in (64, 128, 192) and bm in (32, 64, 128) and bm_dv in (32, 64, 128)
-            assert split == (d == 256) and (split or bm_dv == bm) and minb >= 1
+            assert (split != k.SPLIT_NONE) == (d == 256) and (split == k.SPLIT_CTAS or bm_dv == bm) and minb >= 1
+            assert split != k.SPLIT_WARPGROUPS or bn == 64
             qbm, qbn, qminb = k.dq_config(qc)
             assert 2 <= len(qc) <= 3 and qbm in (64, 128, 192) and qbn in (32, 64, 128) and qminb >= 1
             # shared memory fits a Hopper CTA, the epilogues' staging (rows of D + 8) fits over the tiles, and the
@@ -44,7 +45,7 @@ def test_candidates_well_formed(sweep):
             assert k.dkdv_smem(d, kv) <= common.SM90_SMEM and k.dq_smem(d, qc) <= common.SM90_SMEM
             assert 2 * bn * (d + 8) * 2 <= k.dkdv_smem(d, kv) - 1024
             assert qbm * (d + 8) * 2 <= k.dq_smem(d, qc) - 1024
-            assert 65536 // (minb * 2 * bn) >= 64 and 65536 // (qminb * 2 * qbm) >= 64
+            assert 65536 // (minb * k.dkdv_threads(kv)) >= 64 and 65536 // (qminb * 2 * qbm) >= 64
             # a candidate is a module of its own, apart from the default's
             assert sweep.modules("fav::BFloat16", d, dkdv, dq) != k.instances("fav::BFloat16", d)
         assert len({sweep.modules("fav::BFloat16", d, kv, q) for _, kv, q in cands}) == len(cands)
@@ -74,6 +75,11 @@ def test_default_names_unchanged():
     assert k.dkdv_instance("T", 128, (128, False, 64, 1, 64, True)) == \
         "fa2_bwd_dkdv_sm90<T, 128, 128, false, 64, 1, 64, true>"
     assert k.dkdv_config((128, False)) == (128, False, 64, 1, 64, False)
+    # the warpgroup split: its own template argument, 256 threads on 64 keys, one CTA per K/V block
+    assert k.dkdv_instance("T", 256, (64, k.SPLIT_WARPGROUPS, 64)) == "fa2_bwd_dkdv_sm90<T, 256, 64, 2>"
+    assert k.dkdv_threads((64, k.SPLIT_WARPGROUPS)) == 256 and k.dkdv_threads((128, k.SPLIT_CTAS)) == 256
+    assert k.dkdv_ctas((64, k.SPLIT_WARPGROUPS), 1000) == 16 and k.dkdv_ctas((128, k.SPLIT_CTAS), 1000) == 16
+    assert k.dkdv_ctas((128, k.SPLIT_NONE), 1000) == 8
     # without the split, the smem is K, V, and per stage (two, three with PIPE) Q, dO, LSE and D
     for d in k.DIMS:
         bn, split, bm, _, _, pipe = k.dkdv_config(k.DKDV_TILES[d][0])
@@ -83,6 +89,9 @@ def test_default_names_unchanged():
     # the split's dV CTAs with a BM of their own hold no V: the larger of the two layouts
     # PIPE: three stages of Q, dO, LSE and D
     assert k.dkdv_smem(128, (128, False, 64, 1, 64, True)) == 1024 + 2 * 128 * 256 + 3 * (2 * 64 * 256 + 2 * 64 * 4)
+    # the warpgroup split: K, V, two stages of Q and dO, the LSE/D stages padded to 1 KB (DkdvSmem's DS), P^T
+    assert k.dkdv_smem(256, (64, 2, 64)) == 1024 + 2 * 64 * 512 + 2 * 2 * 64 * 512 + 1024 + 64 * 64 * 4
+    assert k.dkdv_smem(256, (64, 2, 32)) == 1024 + 2 * 64 * 512 + 2 * 2 * 32 * 512 + 1024 + 64 * 32 * 4
     assert k.dkdv_smem(256, (128, True, 32, 1, 64)) == max(1024 + 2 * 128 * 512 + 4 * 32 * 512 + 4 * 32 * 4,
                                                            1024 + 128 * 512 + 4 * 64 * 512 + 4 * 64 * 4)
 

@@ -50,7 +50,8 @@ CASES = [
     Case(1, 130, 97, 4, 2, 160, False),          # mma.sync: dK/dV in two column slices of 80
     Case(1, 130, 97, 4, 2, 192, False),          # wgmma: padded to 256
     Case(1, 97, 130, 4, 2, 200, True),           # template 224; seqlen_q < seqlen_k
-    Case(1, 200, 300, 4, 2, 256, True),          # wgmma: dK and dV in separate CTAs; mma.sync: two slices
+    Case(1, 200, 300, 4, 2, 256, True),          # wgmma: a warpgroup per gradient; mma.sync: two slices
+    Case(2, 333, 1000, 4, 2, 256, False),        # d 256 over many Q blocks, seqlen_q < seqlen_k, GQA
     Case(1, 300, 120, 8, 1, 256, True),          # MQA at 256, seqlen_q > seqlen_k
     Case(1, 1000, 1000, 2, 2, 64, False, True),  # strided inputs
     Case(1, 257, 300, 4, 2, 128, True, True),    # strided, causal
@@ -173,14 +174,15 @@ def test_gradients_match_float64(request, monkeypatch, poisoned, case, dtype, im
 # ------------------------------------------------------------------------------------------------ flash-attn
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_flash_attn_criterion_against_torch(request, monkeypatch, poisoned, dtype, impl):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_flash_attn_criterion_against_torch(request, monkeypatch, poisoned, head_dim, dtype, impl):
     """max |grad - ref| at most 3x torch's own same-dtype error (math SDPA), flash-attn's test criterion."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
     _seed(request)
     name = _variant(impl, monkeypatch)
-    case = Case(2, 257, 257, 4, 4, 64, True)
+    case = Case(2, 257, 257, 4, 4, head_dim, True)
     host, dout_h, ref = _host(case, dtype)
     grads = _grads(name, case, _inputs(name, case, dtype), poisoned)
     scale = 1.0 / math.sqrt(case.head_dim)

@@ -25,17 +25,20 @@ SOURCE = "fa2_bwd_sm90.cu"
 DIMS = (64, 128, 256)   # the swizzled tiles' rows of 128, 256 or 512 bytes; other d pad to the next one
 DKDV_BM = 64            # queries per step of the dK/dV pass by default (a config's third entry)
 
-# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split: dK and dV of 64 keys
-# at d = 256 would take 256 registers a thread, so each K/V block gets two CTAs, one per gradient.
+# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split (d = 256, where dK and dV
+# of 64 keys would take 256 registers a thread): SPLIT_CTAS, each K/V block gets two CTAs, one per gradient (each
+# computing S^T); SPLIT_WARPGROUPS, a CTA of two warpgroups per 64 keys, one per gradient, P^T computed once.
 # A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
 # CTAs' BM, PIPE: step s+1's S^T issued behind step s's dV/dK wgmmas, three Q/dO stages); left out, they are
 # (64, 1, BM, False). bench/bwd_sweep.py times such alternatives.
-# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas); d 256: 128-key CTAs of 32 queries a step, the split's
-# dV CTAs 64 (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms at d 64, 6.91 -> 5.38 ms at d 256, both passes).
+# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas) (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms, both
+# passes); d 256: the warpgroup split, 64 queries a step (the CTA split before it: 128-key CTAs of 32 queries a step,
+# the dV CTAs 64; 6.91 -> 5.38 ms; bench/NOTES.md, seventh session, for the warpgroups').
 # PIPE at d 64 and 128 (bench/bwd_sweep.py on the H200, bf16 N 4096, both passes): 5.23 -> 5.07 ms and
 # 4.18 -> 4.03 ms; at d 256 the pipelined split (its dV CTAs then BM 32) is not faster.
+SPLIT_NONE, SPLIT_CTAS, SPLIT_WARPGROUPS = 0, 1, 2
 DKDV_TILES = {64: [(128, False, 128, 1, 128, True)], 128: [(128, False, 64, 1, 64, True)],
-              256: [(128, True, 32, 1, 64)]}
+              256: [(64, SPLIT_WARPGROUPS, 64), (128, SPLIT_CTAS, 32, 1, 64)]}
 # template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
 # 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (4.38 -> 4.18 ms both passes, outputs as
 # 128 x 64's); d 256: 128 x 32 (same sweeps).
@@ -48,9 +51,22 @@ DQ_DEFAULTS = (1,)                  # MINB
 
 
 def dkdv_config(cfg) -> tuple:
-    """(BN, split, BM, MINB, BM_DV, PIPE) of a DKDV_TILES entry, the left-out trailing entries filled in."""
+    """(BN, split, BM, MINB, BM_DV, PIPE) of a DKDV_TILES entry, the left-out trailing entries filled in; split
+    one of SPLIT_NONE, SPLIT_CTAS, SPLIT_WARPGROUPS (False and True stand for the first two)."""
     bn, split, bm, minb, bm_dv, pipe = tuple(cfg) + DKDV_DEFAULTS[len(cfg) - 2:]
-    return bn, bool(split), bm, minb, bm if bm_dv is None else bm_dv, bool(pipe)
+    return bn, int(split), bm, minb, bm if bm_dv is None else bm_dv, bool(pipe)
+
+
+def dkdv_threads(cfg) -> int:
+    """Threads of a dK/dV CTA: 64 keys per warpgroup, or (SPLIT_WARPGROUPS) two warpgroups on 64 keys."""
+    bn, split = dkdv_config(cfg)[:2]
+    return (4 if split == SPLIT_WARPGROUPS else 2) * bn
+
+
+def dkdv_ctas(cfg, seqlen_k: int) -> int:
+    """dK/dV CTAs per (kv head, batch): one per K/V block, two with SPLIT_CTAS."""
+    bn, split = dkdv_config(cfg)[:2]
+    return cdiv(seqlen_k, bn) * (2 if split == SPLIT_CTAS else 1)
 
 
 def dq_config(cfg) -> tuple:
@@ -64,6 +80,8 @@ def dkdv_smem(d: int, cfg) -> int:
 
     def part(bm, kv):  # align; K (and V); stages x (Q, dO, LSE, D)
         return 1024 + kv * bn * 2 * d + stages * bm * (2 * 2 * d + 2 * 4)
+    if split == SPLIT_WARPGROUPS:  # the LSE/D stages padded to 1 KB, then the step's P^T (64 x BM fp32)
+        return part(bm, 2) - stages * bm * 2 * 4 + -(-stages * bm * 2 * 4 // 1024) * 1024 + 64 * bm * 4
     # the split's dV CTAs with their own BM hold no V (the kernel's NO_V)
     return max(part(bm, 2), part(bm_dv, 1 if bm_dv != bm else 2))
 
@@ -162,7 +180,8 @@ def _template_args(full: tuple, defaults: tuple) -> tuple:
 def dkdv_instance(ctype: str, d: int, cfg) -> str:
     bn, split, bm, minb, bm_dv, pipe = dkdv_config(cfg)
     extra = _template_args((bm, minb, bm_dv, pipe), (DKDV_BM, 1, bm, False))
-    args = [ctype, d, bn, *("true" if x is True else "false" if x is False else x for x in (split, *extra))]
+    args = [ctype, d, bn, ("false", "true", "2")[split], *("true" if x is True else "false" if x is False else x
+                                                          for x in extra)]
     return f"fa2_bwd_dkdv_sm90<{', '.join(map(str, args))}>"
 
 
@@ -224,9 +243,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
                extra=(ctypes.c_uint64(acc.data.ptr),))
         return dq, dk, dv
     kv = pick_tiles(DKDV_TILES, dkdv_smem, D)
-    bn, split = dkdv_config(kv)[:2]
-    run(jit.kernel(SOURCE, dkdv_instance(ctype, D, kv), exprs), (cdiv(nk, bn) * (2 if split else 1), hkv, b),
-        2 * bn, dkdv_smem(D, kv))
+    run(jit.kernel(SOURCE, dkdv_instance(ctype, D, kv), exprs), (dkdv_ctas(kv, nk), hkv, b), dkdv_threads(kv),
+        dkdv_smem(D, kv))
     qc = pick_tiles(DQ_TILES, dq_smem, D)
     bm = dq_config(qc)[0]
     run(jit.kernel(SOURCE, dq_instance(ctype, D, qc), exprs), (cdiv(nq, bm), h, b), 2 * bm, dq_smem(D, qc))
