@@ -230,7 +230,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     load_rows_async<BN, 2 * D, THREADS>(sK, reinterpret_cast<const unsigned char*>(p.k + b * p.k_b + h_kv * p.k_h +
                                                                                    (i64)key0 * p.k_n),
                                         p.k_n * 2, seqlen_k - key0, row_bytes);
-    if constexpr (DK)  // V enters dP^T only
+    if constexpr (DK || XCHG)  // V enters dP^T only (XCHG: each warpgroup copies its share of both tiles)
         load_rows_async<BN, 2 * D, THREADS>(sV, reinterpret_cast<const unsigned char*>(p.v + b * p.v_b +
                                                                                        h_kv * p.v_h +
                                                                                        (i64)key0 * p.v_n),
