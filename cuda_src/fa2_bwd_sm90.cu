@@ -493,12 +493,15 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             cp_async_wait<0>();
             fence_proxy_async();
             sync_cta();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
-            if (s + 1 < steps) load_q(s + 1, stage ^ 1);
+            if (!XCHG && s + 1 < steps) load_q(s + 1, stage ^ 1);
             if constexpr (WRITER)  // the writer has read share - 2 from the buffer this step's share will take
                 mbar_wait(base + L::DQ_BARS + 16 + 8 * (dq->exchanges % 2), ((dq->exchanges / 2) & 1) ^ 1);
             if constexpr (XCHG && DK) named_sync(5, 256);
             issue_st(stage, !(XCHG && DK), true);  // (XCHG: S^T in the dV warpgroup, dP^T in the dK one)
             if constexpr (XCHG && DV) named_arrive(5, 256);
+            // XCHG: the next step's loads behind the first product, whose issue they delayed (load_q waits for
+            // its LSE/D loads to store them; the dK warpgroup then waited at barrier 5: 18 % of its samples)
+            if (XCHG && s + 1 < steps) load_q(s + 1, stage ^ 1);
         }
         const float* lse2 = stats + (2 * stage) * BM;
         const float* delta = lse2 + BM;
