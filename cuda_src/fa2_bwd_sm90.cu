@@ -44,7 +44,6 @@
 #include "common/wgmma_n.cuh"
 
 namespace fav {
-
 // load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
 // wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
 // A CTA of three warpgroups (384 threads) copies with its first 256 threads (whole passes of 64-row tiles).
@@ -476,6 +475,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
         }
     };
 
+    constexpr bool LOAD_LATE = XCHG || FUSED;  // (not PIPE: its LSE/D go by cp.async)
     if constexpr (PIPE) {
         load_q(1, 1);
         cp_async_wait<1>();
@@ -493,15 +493,16 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             cp_async_wait<0>();
             fence_proxy_async();
             sync_cta();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
-            if (!XCHG && s + 1 < steps) load_q(s + 1, stage ^ 1);
+            if (!LOAD_LATE && s + 1 < steps) load_q(s + 1, stage ^ 1);
             if constexpr (WRITER)  // the writer has read share - 2 from the buffer this step's share will take
                 mbar_wait(base + L::DQ_BARS + 16 + 8 * (dq->exchanges % 2), ((dq->exchanges / 2) & 1) ^ 1);
             if constexpr (XCHG && DK) named_sync(5, 256);
             issue_st(stage, !(XCHG && DK), true);  // (XCHG: S^T in the dV warpgroup, dP^T in the dK one)
             if constexpr (XCHG && DV) named_arrive(5, 256);
-            // XCHG: the next step's loads behind the first product, whose issue they delayed (load_q waits for
-            // its LSE/D loads to store them; the dK warpgroup then waited at barrier 5: 18 % of its samples)
-            if (XCHG && s + 1 < steps) load_q(s + 1, stage ^ 1);
+            // LOAD_LATE: the next step's loads behind the first products, whose issue they delayed (load_q waits
+            // for its LSE/D loads to store them; at d 256 the dK warpgroup then waited at barrier 5: 18 % of its
+            // samples)
+            if (LOAD_LATE && s + 1 < steps) load_q(s + 1, stage ^ 1);
         }
         const float* lse2 = stats + (2 * stage) * BM;
         const float* delta = lse2 + BM;
