@@ -100,7 +100,8 @@ def test_dq_mode_defaults_and_override(monkeypatch):
     monkeypatch.delenv("FA_VARIANTS_FA2_DQ", raising=False)
     for (d, causal), mode in k.DEFAULT_DQ.items():
         assert d in k.FUSED_TILES and mode in k.FUSED_KERNELS and k.dq_mode(d, causal) == mode
-    assert k.dq_mode(256, True) == "separate" and k.dq_mode(128, False) == "separate"
+    assert k.dq_mode(256, True) == "separate" and k.dq_mode(256, False) == "separate"
+    assert k.dq_mode(128, False) == "writer" and k.dq_mode(64, True) == "writer"
     monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "separate")
     assert k.dq_mode(128, True) == "separate"
     monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "writer")

@@ -5,7 +5,7 @@ Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then one of 
                      per K/V block and adds each block's share of dQ into an fp32 sum in a fixed order (5
                      products), and a second converts that sum. Deterministic. Its adds at L2 (32 per dQ element at
                      N 4K) are what it costs; the "writer" kernel hands them to a warpgroup of their own and is the
-                     default on causal shapes, where it measured faster (DEFAULT_DQ; bench/NOTES.md, sixth session).
+                     default (DEFAULT_DQ; bench/NOTES.md, sixth and seventh sessions).
 Same contract as ``fa2_bwd.backward``; head dims up to 256.
 
 fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
@@ -96,9 +96,10 @@ def dq_smem(d: int, cfg) -> int:
 FUSED_KERNELS = {"fused": "fa2_bwd_fused_pair_sm90", "fused_single": "fa2_bwd_fused_sm90",
                  "writer": "fa2_bwd_fused_writer_sm90"}
 # The scheme used where FA_VARIANTS_FA2_DQ does not name one ("separate": the three passes), by (template head
-# dim, causal): the writer where it measured faster (bench/NOTES.md, sixth session, bf16 N 1K-16K: causal d 128
-# -4 to -9 %, d 64 -1 to -2 %; not causal d 128 +-1.5 %, d 64 +2-3 %).
-DEFAULT_DQ = {(64, True): "writer", (128, True): "writer"}
+# dim, causal): the writer wherever it exists. Sixth session: faster on causal shapes only (d 128 -4 to -9 %); since
+# its loads go behind the step's first products (LOAD_LATE, seventh session, bf16 N 1K-16K): d 64 -3 to -10 %,
+# d 128 -8 to -18 % against the three passes, causal or not (bench/NOTES.md).
+DEFAULT_DQ = {(d, causal): "writer" for d in FUSED_TILES for causal in (False, True)}
 
 
 def default_dq(d: int, causal: bool) -> str:
