@@ -131,10 +131,11 @@ __forceinline__ __device__ void repack_all(u32 (&a)[NT / 2][4], const float (&ac
 struct DqOrder {
     enum Mode { ROTATED, UP, DOWN };
     int mode, j, n_kv, n_q, i_first;
+    int i_lo;  // ROTATED: the first Q block, j n_q / n_kv (divided once, not at every step)
     __forceinline__ __device__ int block(int k) const {  // the Q block of this CTA's k-th step of a query head
         if (mode == UP) return i_first + k;
         if (mode == DOWN) return n_q - 1 - k;
-        const int i = j * n_q / n_kv + k;
+        const int i = i_lo + k;
         return i < n_q ? i : i - n_q;
     }
     template <int BM, int BN>  // BN: the keys of one contributor (a CTA's block, or a pair's two)
@@ -224,7 +225,11 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
     const int steps = p.group * n_i;                              // (query head, Q block), head-major
     const int row_bytes = 2 * p.head_dim;                         // columns past it are zero-filled
-    auto q_block = [&](int step) { return FUSED ? order.block(step % n_i) : i_first + step % n_i; };
+    // A step's query head (hq: h_kv's hq-th) and k-th Q block of that head, advanced one step at a time: divisions
+    // by n_i at every step took about 10 % of the writer's compute-warp samples at d 64 (ncu, seventh session).
+    struct Step { int hq, k; };
+    auto after = [&](Step c) { return c.k + 1 < n_i ? Step{c.hq, c.k + 1} : Step{c.hq + 1, 0}; };
+    auto q_block = [&](Step c) { return FUSED ? order.block(c.k) : i_first + c.k; };
 
     load_rows_async<BN, 2 * D, THREADS>(sK, reinterpret_cast<const unsigned char*>(p.k + b * p.k_b + h_kv * p.k_h +
                                                                                    (i64)key0 * p.k_n),
@@ -236,10 +241,9 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
                                             p.v_n * 2, seqlen_k - key0, row_bytes);
     // One cp.async group per step (the first also carries K_j, V_j). PIPE loads every step number it is given: a
     // step past the last one is all zero-fill (no reads).
-    auto load_q = [&](int step, int stage) {
+    auto load_q = [&](int step, Step c, int stage) {  // c: step's
         const bool live = !PIPE || step < steps;
-        const int at_step = live ? step : 0, ni = PIPE ? max(n_i, 1) : n_i;
-        const int h = h_kv * p.group + at_step / ni, m0 = (PIPE ? i_first + at_step % ni : q_block(at_step)) * BM;
+        const int h = h_kv * p.group + (live ? c.hq : 0), m0 = (live ? q_block(c) : i_first) * BM;
         const int rows = live ? seqlen_q - m0 : 0;
         load_rows_async<BM, 2 * D, THREADS>(sQ(stage), reinterpret_cast<const unsigned char*>(p.q + b * p.q_b +
                                                                                               h * p.q_h +
@@ -269,7 +273,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             }
         }
     };
-    if (PIPE || steps > 0) load_q(0, 0);
+    if (PIPE || steps > 0) load_q(0, Step{0, 0}, 0);
     else cp_async_commit();
 
     float dk[1][DT][4] = {}, dv[1][DT][4] = {};  // this warp's 16 keys x D (rows 16 warp + g, + 8 of the warpgroup)
@@ -477,15 +481,18 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
 
     constexpr bool LOAD_LATE = XCHG || FUSED;  // (not PIPE: its LSE/D go by cp.async)
     if constexpr (PIPE) {
-        load_q(1, 1);
+        load_q(1, after(Step{0, 0}), 1);
         cp_async_wait<1>();
         fence_proxy_async();
         sync_cta();  // step 0 visible to the tensor cores
         issue_st(0, true, false);
         wgmma_wait<0>();
     }
-    for (int s = 0; s < steps; ++s) {
-        const int stage = s % STAGES, m0 = q_block(s) * BM;
+    // (the cursor alone is carried around the loop, not the step number too: one register more made ptxas spill in
+    // the writer at d 64)
+    for (Step cur{n_i > 0 ? 0 : p.group, 0}; cur.hq < p.group; cur = after(cur)) {
+        const int s = cur.hq * n_i + cur.k;  // the step number
+        const int stage = s % STAGES, m0 = q_block(cur) * BM, h = h_kv * p.group + cur.hq;
         if constexpr (PIPE) {  // S^T came in with the previous step's last wait
             hold_registers(st);
             issue_st(stage, false, true);
@@ -493,7 +500,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             cp_async_wait<0>();
             fence_proxy_async();
             sync_cta();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
-            if (!LOAD_LATE && s + 1 < steps) load_q(s + 1, stage ^ 1);
+            if (!LOAD_LATE && s + 1 < steps) load_q(s + 1, after(cur), stage ^ 1);
             if constexpr (WRITER)  // the writer has read share - 2 from the buffer this step's share will take
                 mbar_wait(base + L::DQ_BARS + 16 + 8 * (dq->exchanges % 2), ((dq->exchanges / 2) & 1) ^ 1);
             if constexpr (XCHG && DK) named_sync(5, 256);
@@ -502,7 +509,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             // LOAD_LATE: the next step's loads behind the first products, whose issue they delayed (load_q waits
             // for its LSE/D loads to store them; at d 256 the dK warpgroup then waited at barrier 5: 18 % of its
             // samples)
-            if (LOAD_LATE && s + 1 < steps) load_q(s + 1, stage ^ 1);
+            if (LOAD_LATE && s + 1 < steps) load_q(s + 1, after(cur), stage ^ 1);
         }
         const float* lse2 = stats + (2 * stage) * BM;
         const float* delta = lse2 + BM;
@@ -515,7 +522,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             if constexpr (XCHG) give_pt();
         }
         if constexpr (WRITER) {
-            writer_step(stage, delta, h_kv * p.group + s / n_i, m0 / BM);
+            writer_step(stage, delta, h, m0 / BM);
             continue;
         }
         if constexpr (DV) issue_dv(stage);
@@ -525,12 +532,12 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             hold_registers(dpt);
             issue_dk(stage, delta);
         }
-        if constexpr (FUSED) add_dq_share(h_kv * p.group + s / n_i, m0 / BM);
+        if constexpr (FUSED) add_dq_share(h, m0 / BM);
         if constexpr (PIPE) {
             cp_async_wait<0>();
             fence_proxy_async();
             sync_cta();  // step s+1 visible; every warpgroup has waited on step s-1's wgmmas (its stage is free)
-            load_q(s + 2, (s + 2) % STAGES);
+            load_q(s + 2, after(after(cur)), (s + 2) % STAGES);
             issue_st((s + 1) % STAGES, true, false);  // behind step s's dV, dK
         }
         // Before the next barrier lets this stage be overwritten. (PIPE: also S^T of step s+1; a wgmma in flight
@@ -613,7 +620,7 @@ __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, i
         const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
         const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
         const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q,
-                            i_first};
+                            i_first, u * n_q / n_kv};
         dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR, WRITER>(
             p, j, item % heads_kv, item / heads_kv, order, &shares);
         // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
