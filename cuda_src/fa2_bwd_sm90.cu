@@ -24,7 +24,7 @@
 // step the issue reads a zero-filled stage (no branch while dK is in flight).
 // The fused dQ (d = 64, 128; below DqOrder): the dkdv pass also adds each K/V block's share dS_ij K_j into an fp32
 // dQ sum, in a fixed order (FUSED), by its own threads (fa2_bwd_fused_sm90, _pair_sm90) or by a writer warpgroup
-// that takes the shares from shared memory (WRITER, fa2_bwd_fused_writer_sm90: the default on causal shapes).
+// that takes the shares from shared memory (WRITER, fa2_bwd_fused_writer_sm90: the default at d 64 and 128).
 // d = 256: a warpgroup's dK and dV of 64 keys would take 256 fp32 registers a thread, so the two gradients go to
 // different warpgroups. SPLIT 2 (the default): one CTA of two warpgroups per 64 keys, warpgroup 0 computes S^T,
 // P^T and dV and hands P^T (fp32, through shared memory) to warpgroup 1, which computes dP^T, dS^T and dK: the
