@@ -316,7 +316,9 @@ def _explain_backward(entry, N, d, M, blocks) -> str:
                   f"{flops / fwd_flops:.3g}x the forward, against 2.5x with atomic adds) and re-reads K, V per Q "
                   f"block (2d T_r N = {2 * d * math.ceil(N / B_r) * N:,}), so that dQ is written once, "
                   f"deterministically",
-                  f"dq_mode=\"atomic\" (flash-attn's: dQ_i read-modify-written in fp32 per (i, j)): total "
+                  f"dq_mode=\"atomic\" (flash-attn's: dQ_i read-modify-written in fp32 per (i, j); fa2's Hopper "
+                  f"kernel at d 64 and 128 makes the same dQ accesses, its adds in a fixed order by a writer warpgroup, "
+                  f"so still deterministic): total "
                   f"{atomic['total']:,} (dQ {atomic['dQ']:,} vs {formula['dQ']:,}, K+V {atomic['K'] + atomic['V']:,} "
                   f"vs {formula['K'] + formula['V']:,}; ~ (4d+2)/B_c N^2 = {c_atomic:.3g} N^2), matmul FLOPs "
                   f"{a_flops:,} = {a_flops / fwd_flops:.3g}x the forward"]
