@@ -16,12 +16,13 @@
 // Overlap inside a step only: S^T and dP^T are issued together (two commit groups) so that the tensor cores run
 // dP^T while the threads compute P^T; dV runs while they compute dS^T. Q/dO (dkdv) and K/V (dq) tiles are
 // double-buffered with cp.async, one barrier per step.
-// dkdv PIPE (off by default; FA3's backward order): step s ends by issuing step s+1's S^T behind its own dV and
-// dK wgmmas, then waits on all three, so the tensor cores go from dK_s straight into S^T_{s+1} across the barrier
-// and the load of step s+2; step s+1 then opens with dP^T. Q/dO take three stages (the stage being loaded was last
-// read by step s-1's wgmmas, which every warpgroup has waited on before the barrier), and the queries' LSE and D
-// travel by cp.async with the tiles (the default loads them with blocking LDGs right before S^T). Past the last
-// step the issue reads a zero-filled stage (no branch while dK is in flight).
+// dkdv PIPE (the three passes' dK/dV pass at d 64 and 128; FA3's backward order): step s ends by issuing step
+// s+1's S^T behind its own dV and dK wgmmas, then waits on all three, so the tensor cores go from dK_s straight
+// into S^T_{s+1} across the barrier and the load of step s+2; step s+1 then opens with dP^T. Q/dO take three
+// stages (the stage being loaded was last read by step s-1's wgmmas, which every warpgroup has waited on before
+// the barrier), and the queries' LSE and D travel by cp.async with the tiles (the other steps load them with
+// blocking LDGs: before S^T, or, LOAD_LATE, behind the step's first products). Past the last step the issue reads
+// a zero-filled stage (no branch while dK is in flight).
 // The fused dQ (d = 64, 128; below DqOrder): the dkdv pass also adds each K/V block's share dS_ij K_j into an fp32
 // dQ sum, in a fixed order (FUSED), by its own threads (fa2_bwd_fused_sm90, _pair_sm90) or by a writer warpgroup
 // that takes the shares from shared memory (WRITER, fa2_bwd_fused_writer_sm90: the default at d 64 and 128).
@@ -44,6 +45,7 @@
 #include "common/wgmma_n.cuh"
 
 namespace fav {
+
 // load_swizzled_async needs 8 whole rows per pass of THREADS 16-byte copies (rows of at most 2 THREADS bytes);
 // wider rows (d = 256 with one warpgroup) go in column parts of 2 THREADS bytes, each a tile of the same slabs.
 // A CTA of three warpgroups (384 threads) copies with its first 256 threads (whole passes of 64-row tiles).
@@ -241,7 +243,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
                                             p.v_n * 2, seqlen_k - key0, row_bytes);
     // One cp.async group per step (the first also carries K_j, V_j). PIPE loads every step number it is given: a
     // step past the last one is all zero-fill (no reads).
-    auto load_q = [&](int step, Step c, int stage) {  // c: step's
+    auto load_q = [&](int step, Step c, int stage) {  // c: the cursor of step `step`
         const bool live = !PIPE || step < steps;
         const int h = h_kv * p.group + (live ? c.hq : 0), m0 = (live ? q_block(c) : i_first) * BM;
         const int rows = live ? seqlen_q - m0 : 0;
