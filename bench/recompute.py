@@ -8,7 +8,8 @@ which recomputes P from Q, K and the LSE: more FLOPs, O(N) memory.
 Rows, for each N (default bf16, d = 128, B = 1, H = 16, N = 2K, 4K, 8K, 16K, not causal):
 
   naive            ours, fav.attention_backward(variant="naive", backend="cuda"): the standard backward (P stored)
-  fa2              ours, fav.attention_backward(variant="fa2", backend="cuda"): recomputation, deterministic dQ pass
+  fa2              ours, fav.attention_backward(variant="fa2", backend="cuda"): recomputation, deterministic dQ
+                   (on sm_90 at d 64 and 128 the fused dQ: 5 products; else the separate dQ pass: 7)
   fa2_bwd_kernel   fa2's mma.sync backward kernel, kernels.fa2_bwd.backward called directly (skipping the API's
                    checks), only with --unvalidated-kernel
   torch-math       torch SDPA's MATH backend: autograd keeps the forward's softmax P (torch's standard backward)
@@ -18,7 +19,8 @@ torch-math is torch's stored-P backward and torch-flash its recomputing one, bes
 fav.attention_backward, both GPU kernels tested on the H200).
 
 Columns: the FLOPs the backward computes (``iomodel.backward_flops`` x B x H: the standard backward 2x the forward's
-4BHN^2d, fa2 with its separate dQ pass 3.5x, FA2 with atomic dQ 2.5x; causal counted on 64 x 64 blocks), the
+4BHN^2d, fa2 with its separate dQ pass 3.5x, FA2 with atomic dQ 2.5x, and so fa2's fused dQ, which ``fa2_dq_mode``
+picks as the kernels do; causal counted on 64 x 64 blocks), the
 median CUDA-event time of the backward call alone (its forward ran beforehand, untimed), TFLOP/s by the 2.5x
 convention (anchors/h200-peers.md) and by those FLOPs, and device memory beyond inputs and outputs:
 
@@ -28,7 +30,8 @@ convention (anchors/h200-peers.md) and by those FLOPs, and device memory beyond 
              allocator for torch); for naive this is where P, dP and dS live
 
 The memory check (skip with --no-memory-check): fa2's backward at B = 1, H = 16, N = 131072, d = 128 allocates
-O(N) beyond dq, dk, dv (its D = rowsum(dO o O): B H N floats), printed with the figures; naive refuses the size
+O(N) beyond dq, dk, dv (its D = rowsum(dO o O): B H N floats; the fused dQ also its fp32 dQ sum, B H N d floats, as
+torch flash's dq_accum), printed with the figures; naive refuses the size
 (its S/P alone would be B H N^2 fp32 = 1 TiB). torch-flash's backward at that size beside it.
 
 Without a GPU every measured cell is empty and each row says why; the FLOPs columns and the memory model still
@@ -58,7 +61,7 @@ class Impl:
     name: str
     kind: str              # "ours" (through the API), "kernel" (kernels.fa2_bwd directly), "torch"
     what: str
-    flops_variant: str     # iomodel.backward_flops' variant and dq_mode
+    flops_variant: str     # iomodel.backward_flops' variant and dq_mode ("kernels": as fa2_dq_mode picks)
     dq_mode: str = "separate"
     stores_p: bool = False
     forward: str = ""      # the variant whose forward gives out and lse (ours)
@@ -68,8 +71,8 @@ class Impl:
 IMPLS = (
     Impl("naive", "ours", "fav.attention_backward(variant='naive'): the standard backward, P stored", "naive",
          stores_p=True, forward="naive"),
-    Impl("fa2", "ours", "fav.attention_backward(variant='fa2'): recomputation, separate dQ pass", "fa2",
-         forward="fa2"),
+    Impl("fa2", "ours", "fav.attention_backward(variant='fa2'): recomputation, deterministic dQ", "fa2",
+         dq_mode="kernels", forward="fa2"),
     Impl("fa2_bwd_kernel", "kernel", "kernels.fa2_bwd.backward called directly (UNVALIDATED)", "fa2",
          forward="fa2"),
     Impl("torch-math", "torch", "torch SDPA MATH: autograd keeps P", "naive", stores_p=True,
@@ -84,16 +87,52 @@ def shapes(seqlens, batch=1, heads=16, head_dim=128, dtype="bfloat16", causal=Fa
     return [Shape(batch, heads, n, head_dim, dtype, causal) for n in seqlens]
 
 
+H200_SMS = 132
+
+
+def fa2_dq_mode(shape: Shape) -> str:
+    """The iomodel dq_mode of what fav.attention_backward(variant="fa2") runs on ``shape``: "atomic" (5 products)
+    where the Hopper kernels' scheme is a fused dQ whose grid fits (every K/V block's CTA of a head resident at once:
+    n_kv <= SMs, so up to N = 16.9K at BN 128 on 132 SMs; fa2_bwd_sm90.fused_grid), else "separate" (7). For the GPU
+    here if there is one (the mma.sync kernel off sm_90), else for the H200."""
+    from fa_variants.kernels import fa2_bwd_sm90 as sm90
+    from fa_variants.kernels.common import cdiv, sm_count, template_dim
+    if gpu.available() and gpu.compute_capability() != 90:
+        return "separate"
+    d = template_dim(shape.head_dim, sm90.DIMS)
+    mode = sm90.dq_mode(d, shape.causal)
+    if d not in sm90.FUSED_TILES or mode not in sm90.FUSED_KERNELS:
+        return "separate"
+    n_kv = cdiv(cdiv(shape.nk, sm90.FUSED_TILES[d][0]), 2 if mode == "fused" else 1)  # ("fused": pairs)
+    sms = sm_count() if gpu.available() else H200_SMS
+    return "atomic" if n_kv <= (sms // 2 if mode == "fused" else sms) else "separate"
+
+
 def flops_of(impl: Impl, shape: Shape) -> int:
     """Matmul FLOPs of ``impl``'s backward on ``shape``: ``iomodel.backward_flops`` per head x B x H."""
+    mode = fa2_dq_mode(shape) if impl.dq_mode == "kernels" else impl.dq_mode
     per_head = iomodel.backward_flops(impl.flops_variant, shape.seqlen_q, shape.nk, shape.head_dim, *BLOCKS,
-                                      causal=shape.causal, dq_mode=impl.dq_mode)
+                                      causal=shape.causal, dq_mode=mode)
     return per_head * shape.batch * shape.heads
 
 
 def p_bytes(shape: Shape, itemsize: int = 4) -> int:
     """Bytes of one N_q x N_k matrix per (batch, head): S, P, dP or dS (fp32 by default)."""
     return itemsize * shape.batch * shape.heads * shape.seqlen_q * shape.nk
+
+
+def fused_dq_bytes(shape: Shape) -> int:
+    """The fused dQ's own buffers where fa2_dq_mode picks it (else 0): its fp32 dQ sum (batch, heads, Q blocks x BM,
+    d template) and the per-half counters (batch, heads, Q blocks, 2) of int32, as kernels/fa2_bwd_sm90.py
+    allocates them."""
+    from fa_variants.kernels import fa2_bwd_sm90 as sm90
+    from fa_variants.kernels.common import template_dim
+    if fa2_dq_mode(shape) != "atomic":
+        return 0
+    d = template_dim(shape.head_dim, sm90.DIMS)
+    bm = sm90.FUSED_TILES[d][1]
+    n_q = -(-shape.seqlen_q // bm)
+    return 4 * shape.batch * shape.heads * n_q * (bm * d + 2)
 
 
 def delta_bytes(shape: Shape) -> int:
@@ -264,10 +303,15 @@ def memory_check(args, torch) -> dict:
         _sync()
     res["fa2_forward_peak_bytes"] = pm.peak
     res["out_lse_bytes"] = timing.nbytes_rounded(out, lse)
+    res["fused_dq_bytes"] = fused_dq_bytes(shape)
     try:
-        fav.attention_backward(dout, q, k, v, out, lse, variant="fa2", causal=shape.causal, softmax_scale=scale,
-                               backend="cuda")
-        res["fa2_api"] = "ran"
+        with timing.PeakMemory() as pm:
+            grads = fav.attention_backward(dout, q, k, v, out, lse, variant="fa2", causal=shape.causal,
+                                           softmax_scale=scale, backend="cuda")
+            _sync()
+        gb = timing.nbytes_rounded(*grads)
+        res.update(fa2_api="ran", fa2_api_peak_bytes=pm.peak, fa2_api_extra_bytes=max(0, pm.peak - gb))
+        del grads
     except fav.BackendUnavailable as e:
         res["fa2_api"] = f"skipped: {e}"
     _free()
@@ -324,12 +368,19 @@ def memory_lines(res: dict) -> list[str]:
     s = Shape.parse(res["shape"])
     lines = [f"memory check at {s.id} (B={s.batch}, H={s.heads}, N={s.seqlen_q}, d={s.head_dim}):",
              f"  an N x N fp32 matrix (S, P, dP or dS) would take {res['p_fp32_bytes'] / 2**30:,.0f} GiB; fa2's "
-             f"backward's own buffer D = rowsum(dO o O) takes {res['delta_bytes'] / MIB:.1f} MiB"]
+             f"backward's own buffer D = rowsum(dO o O) takes {res['delta_bytes'] / MIB:.1f} MiB"
+             + (f", the fused dQ's fp32 sum and counters {res['fused_dq_bytes'] / MIB:,.1f} MiB (B H N d floats: "
+                f"linear in N, as torch flash's dq_accum)" if res.get("fused_dq_bytes") else "")]
     if "input_bytes" in res:
         lines.append(f"  inputs q, k, v, dout {res['input_bytes'] / MIB:,.0f} MiB; fa2 forward pool peak "
                      f"{res['fa2_forward_peak_bytes'] / MIB:,.1f} MiB (out + lse: "
                      f"{res['out_lse_bytes'] / MIB:,.1f} MiB)")
         lines.append(f"  fa2 backward through the API: {res['fa2_api']}")
+        if "fa2_api_peak_bytes" in res:
+            extra, own = res["fa2_api_extra_bytes"], res["delta_bytes"] + res.get("fused_dq_bytes", 0)
+            lines.append(f"    pool peak {res['fa2_api_peak_bytes'] / MIB:,.1f} MiB, {extra / MIB:,.1f} MiB beyond dq, "
+                         f"dk, dv (its own buffers: {own / MIB:,.1f} MiB): "
+                         f"{'O(N)' if extra <= 4 * own + MIB else 'MORE THAN O(N): look'}")
         if "fa2_kernel_peak_bytes" in res:
             extra = res["fa2_kernel_extra_bytes"]
             lines.append(f"  fa2 GPU backward kernel (UNVALIDATED, called directly): pool peak "
@@ -395,7 +446,8 @@ def main(argv=None) -> int:
                 for impl in IMPLS]
         failed = False
         mem = None if args.no_memory_check else dict(shape=MEMORY_SHAPE.id, p_fp32_bytes=p_bytes(MEMORY_SHAPE),
-                                                     delta_bytes=delta_bytes(MEMORY_SHAPE), why=f"no CUDA GPU ({why})")
+                                                     delta_bytes=delta_bytes(MEMORY_SHAPE),
+                                                     fused_dq_bytes=fused_dq_bytes(MEMORY_SHAPE), why=f"no CUDA GPU ({why})")
     else:
         rows, failed = measure_all(args, torch)
         mem = None if args.no_memory_check else memory_check(args, torch)

@@ -443,29 +443,44 @@ def test_torch_backward_helpers_on_the_cpu(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ recompute
-def test_recompute_flops_and_memory_model():
+@pytest.fixture
+def h200_choice(monkeypatch):
+    """No GPU here: fa2's FLOPs follow the H200's choice of scheme (the fused dQ where its grid fits)."""
+    from fa_variants import gpu
+    monkeypatch.setattr(gpu, "probe", lambda device_id=None: gpu.Probe(None, "no CUDA device"))
+    monkeypatch.delenv("FA_VARIANTS_FA2_DQ", raising=False)
+
+
+def test_recompute_flops_and_memory_model(h200_choice):
     s = Shape(1, 16, 4096, 128, "bfloat16", False)
     by = {i.name: i for i in recompute.IMPLS}
     fwd = 4 * 16 * 4096 ** 2 * 128
     assert recompute.flops_of(by["naive"], s) == 2 * fwd          # P stored: 4 products
     assert recompute.flops_of(by["torch-math"], s) == 2 * fwd
-    assert recompute.flops_of(by["fa2"], s) == 3.5 * fwd          # recompute + the separate dQ pass: 7 products
-    assert recompute.flops_of(by["fa2_bwd_kernel"], s) == 3.5 * fwd
+    assert recompute.flops_of(by["fa2"], s) == 2.5 * fwd          # the fused dQ (sm_90, d 128): 5 products
+    assert recompute.flops_of(by["fa2_bwd_kernel"], s) == 3.5 * fwd   # mma.sync: the separate dQ pass, 7
     assert recompute.flops_of(by["torch-flash"], s) == 2.5 * fwd  # FA2 with atomic dQ: 5 products
+    long = Shape(1, 16, 32768, 128, "bfloat16", False)            # 256 K/V blocks: more than 132 SMs hold at once
+    assert recompute.fa2_dq_mode(long) == "separate" and recompute.flops_of(by["fa2"], long) == 3.5 * 64 * fwd
+    assert recompute.fa2_dq_mode(Shape(1, 16, 4096, 256, "bfloat16", False)) == "separate"  # no fused dQ at d 256
     c = Shape(1, 16, 4096, 128, "bfloat16", True)
     assert recompute.flops_of(by["naive"], c) == 2 * fwd          # the standard backward does not skip masked scores
-    assert 1.75 * fwd < recompute.flops_of(by["fa2"], c) < 1.8 * fwd   # about half, plus the diagonal blocks
+    assert 1.25 * fwd < recompute.flops_of(by["fa2"], c) < 1.3 * fwd   # about half, plus the diagonal blocks
+    assert 1.75 * fwd < recompute.flops_of(by["fa2_bwd_kernel"], c) < 1.8 * fwd
     m = recompute.MEMORY_SHAPE
     assert recompute.p_bytes(m) == 4 * 16 * 131072 ** 2 == 2**40            # 1 TiB
     assert recompute.delta_bytes(m) == 4 * 16 * 131072 == 8 * 2**20         # 8 MiB
+    assert recompute.fused_dq_bytes(m) == 0                                 # 1024 K/V blocks: the three passes
+    # the fused dQ's fp32 sum (64-query blocks at d 128) and its two counters per Q block
+    assert recompute.fused_dq_bytes(Shape(1, 16, 16384, 128, "bfloat16", False)) == 4 * 16 * 256 * (64 * 128 + 2)
 
 
-def test_recompute_rows_and_table():
+def test_recompute_rows_and_table(h200_choice):
     s = Shape(1, 16, 2048, 128, "bfloat16", False)
     fa2 = next(i for i in recompute.IMPLS if i.name == "fa2")
     r = recompute.row_values(fa2, s, ms=2.0, held=4096, bwd_peak=3 * 2**20)
     assert r["tflops_convention"] == pytest.approx(2.5 * s.flops / 2e-3 / 1e12)
-    assert r["tflops_actual"] == pytest.approx(3.5 * s.flops / 2e-3 / 1e12)
+    assert r["tflops_actual"] == pytest.approx(2.5 * s.flops / 2e-3 / 1e12)   # the fused dQ: 5 products
     skipped = recompute.row_values(fa2, s, status="skipped: variant 'fa2' has no GPU backward kernel yet")
     headers, body = recompute.table([r, skipped])
     assert headers[0] == "impl" and len(body) == 2 and all(len(b) == len(headers) for b in body)
