@@ -578,10 +578,11 @@ __global__ void __launch_bounds__((SPLIT == 2 ? 4 : 2) * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
     static_assert(SPLIT == 1 || BM_DV == BM, "BM_DV is the CTA split's");
     if constexpr (SPLIT == 2) {
-        if (threadIdx.x < 128)
+        // (template arguments: DK, DV, NO_V, PIPE, FUSED, DIAG, PAIR, WRITER, XCHG)
+        if (threadIdx.x < 128)  // warpgroup 0: S^T, P^T, dV
             fav::dkdv_block<T, D, BN, BM, false, true, false, false, false, 0, false, false, true>(
                 p, blockIdx.x, blockIdx.y, blockIdx.z);
-        else
+        else  // warpgroup 1: dP^T, dS^T, dK
             fav::dkdv_block<T, D, BN, BM, true, false, false, false, false, 0, false, false, true>(
                 p, blockIdx.x, blockIdx.y, blockIdx.z);
     } else if constexpr (SPLIT == 1) {
