@@ -96,16 +96,17 @@ def fa2_dq_mode(shape: Shape) -> str:
     n_kv <= SMs, so up to N = 16.9K at BN 128 on 132 SMs; fa2_bwd_sm90.fused_grid), else "separate" (7). For the GPU
     here if there is one (the mma.sync kernel off sm_90), else for the H200."""
     from fa_variants.kernels import fa2_bwd_sm90 as sm90
-    from fa_variants.kernels.common import cdiv, sm_count, template_dim
+    from fa_variants.kernels.common import sm_count, template_dim
     if gpu.available() and gpu.compute_capability() != 90:
         return "separate"
     d = template_dim(shape.head_dim, sm90.DIMS)
     mode = sm90.dq_mode(d, shape.causal)
     if d not in sm90.FUSED_TILES or mode not in sm90.FUSED_KERNELS:
         return "separate"
-    n_kv = cdiv(cdiv(shape.nk, sm90.FUSED_TILES[d][0]), 2 if mode == "fused" else 1)  # ("fused": pairs)
     sms = sm_count() if gpu.available() else H200_SMS
-    return "atomic" if n_kv <= (sms // 2 if mode == "fused" else sms) else "separate"
+    # ("fused": clusters of two; fused_grid asks the driver how many fit, about half the SMs)
+    fits = sms // 2 if mode == "fused" else sms
+    return "atomic" if sm90.fused_contributors(d, shape.nk, mode) <= fits else "separate"
 
 
 def flops_of(impl: Impl, shape: Shape) -> int:
@@ -129,10 +130,8 @@ def fused_dq_bytes(shape: Shape) -> int:
     from fa_variants.kernels.common import template_dim
     if fa2_dq_mode(shape) != "atomic":
         return 0
-    d = template_dim(shape.head_dim, sm90.DIMS)
-    bm = sm90.FUSED_TILES[d][1]
-    n_q = -(-shape.seqlen_q // bm)
-    return 4 * shape.batch * shape.heads * n_q * (bm * d + 2)
+    shapes = sm90.fused_buffers(shape.batch, shape.heads, shape.seqlen_q, template_dim(shape.head_dim, sm90.DIMS))
+    return 4 * sum(math.prod(s) for s in shapes)
 
 
 def delta_bytes(shape: Shape) -> int:

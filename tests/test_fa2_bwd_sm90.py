@@ -106,3 +106,12 @@ def test_dq_mode_defaults_and_override(monkeypatch):
     assert k.dq_mode(128, True) == "separate"
     monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "writer")
     assert k.dq_mode(64, False) == "writer"
+
+
+def test_fused_pass_sizes():
+    """The fused pass's contributors per head and its buffers, as the launcher and bench/recompute.py use them."""
+    assert k.fused_contributors(128, 1000, "writer") == 8 and k.fused_contributors(128, 1000, "fused") == 4
+    assert k.fused_contributors(64, 16384, "fused_single") == 128
+    # d 128: 64-query blocks; d 64: 128-query blocks; the counts hold one int per half of a Q block
+    assert k.fused_buffers(2, 3, 1000, 128) == ((2, 3, 16 * 64, 128), (2, 3, 16, 2))
+    assert k.fused_buffers(1, 4, 300, 64) == ((1, 4, 3 * 128, 64), (1, 4, 3, 2))

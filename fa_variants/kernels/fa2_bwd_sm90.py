@@ -74,14 +74,19 @@ def dq_config(cfg) -> tuple:
     return tuple(cfg) + DQ_DEFAULTS[len(cfg) - 2:]
 
 
+def _padded_stats(stages: int, bm: int) -> int:
+    """Bytes of `stages` stages of BM queries' LSE and D, padded to the swizzle's 1 KB (DkdvSmem's STATS to DS)."""
+    return -(-stages * bm * 2 * 4 // 1024) * 1024
+
+
 def dkdv_smem(d: int, cfg) -> int:
     bn, split, bm, _, bm_dv, pipe = dkdv_config(cfg)
     stages = 3 if pipe else 2
 
     def part(bm, kv):  # align; K (and V); stages x (Q, dO, LSE, D)
         return 1024 + kv * bn * 2 * d + stages * bm * (2 * 2 * d + 2 * 4)
-    if split == SPLIT_WARPGROUPS:  # the LSE/D stages padded to 1 KB, then the step's P^T (64 x BM fp32)
-        return part(bm, 2) - stages * bm * 2 * 4 + -(-stages * bm * 2 * 4 // 1024) * 1024 + 64 * bm * 4
+    if split == SPLIT_WARPGROUPS:  # align; K, V; stages x (Q, dO); the padded LSE/D; the step's P^T (64 x BM fp32)
+        return 1024 + 2 * bn * 2 * d + stages * bm * 2 * 2 * d + _padded_stats(stages, bm) + 64 * bm * 4
     # the split's dV CTAs with their own BM hold no V (the kernel's NO_V)
     return max(part(bm, 2), part(bm_dv, 1 if bm_dv != bm else 2))
 
@@ -118,11 +123,25 @@ def fused_threads(d: int, mode: str) -> int:
 
 def fused_smem(d: int, mode: str = "fused") -> int:
     bn, bm = FUSED_TILES[d]
-    stats = -(-2 * bm * 2 * 4 // 1024) * 1024  # two stages of LSE and D, padded to the swizzle's alignment
+    stats = _padded_stats(2, bm)
     # align; K, V; Q, dO stages; dS^T; the pair's two buffers of the peer's 64 x 64 fp32 half, or the writer's two
     # of a whole share, their four mbarriers and two slots (DkdvSmem's END)
     buffers = 2 * 2 * 64 * 64 * 4 + 4 * 8 + 2 * 8 if mode == "writer" else 2 * 64 * 64 * 4
     return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm + buffers
+
+
+def fused_contributors(d: int, seqlen_k: int, mode: str) -> int:
+    """The fused pass's contributors to one head's dQ: its K/V blocks of FUSED_TILES[d]'s BN keys ("fused": pairs
+    of them, each pair a cluster). fused_grid needs them all resident at once."""
+    return cdiv(cdiv(seqlen_k, FUSED_TILES[d][0]), 2 if mode == "fused" else 1)
+
+
+def fused_buffers(batch: int, heads: int, seqlen_q: int, d: int) -> tuple[tuple, tuple]:
+    """Shapes of the fused pass's fp32 dQ sum (batch, heads, Q blocks x BM, d) and of its int32 counts (batch,
+    heads, Q blocks, 2: one per half of a Q block's share)."""
+    bm = FUSED_TILES[d][1]
+    n_q = cdiv(seqlen_q, bm)
+    return (batch, heads, n_q * bm, d), (batch, heads, n_q, 2)
 
 
 def fused_instance(ctype: str, d: int, mode: str = "fused") -> str:
@@ -229,14 +248,13 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
 
     grid, mode = 0, dq_mode(D, causal)
     if D in FUSED_TILES and mode in FUSED_KERNELS:
-        bn, bm = FUSED_TILES[D]
         pair, smem = mode == "fused", fused_smem(D, mode)
         func = function_of(jit.kernel(SOURCE, fused_instance(ctype, D, mode), exprs), smem)
-        grid = fused_grid(q.device.id, cdiv(cdiv(nk, bn), 2 if pair else 1), b * hkv, pair, func, smem)
+        grid = fused_grid(q.device.id, fused_contributors(D, nk, mode), b * hkv, pair, func, smem)
     if grid:  # the fused dQ: two launches instead of two passes
-        n_q = cdiv(nq, bm)
-        acc = cupy.empty((b, h, n_q * bm, D), cupy.float32)
-        counts = cupy.zeros((b, h, n_q, 2), cupy.int32)
+        acc_shape, counts_shape = fused_buffers(b, h, nq, D)
+        acc = cupy.empty(acc_shape, cupy.float32)
+        counts = cupy.zeros(counts_shape, cupy.int32)
         launch(func, (grid, 1, 1), fused_threads(D, mode), smem, stream, template, BWD.pointers_format, *ptrs,
                extra=(ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr), ctypes.c_int(b)))
         launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D, frag=mode == "writer"), exprs), 0),
