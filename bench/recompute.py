@@ -61,8 +61,8 @@ class Impl:
     name: str
     kind: str              # "ours" (through the API), "kernel" (kernels.fa2_bwd directly), "torch"
     what: str
-    flops_variant: str     # iomodel.backward_flops' variant and dq_mode ("kernels": as fa2_dq_mode picks)
-    dq_mode: str = "separate"
+    flops_variant: str     # iomodel.backward_flops' variant and dq_mode
+    dq_mode: str = "separate"  # ("kernels": the one fa2_dq_mode picks for the shape)
     stores_p: bool = False
     forward: str = ""      # the variant whose forward gives out and lse (ours)
     torch_backend: str = ""  # a key of timing.TORCH_BACKENDS / OTHER_TORCH_BACKENDS
