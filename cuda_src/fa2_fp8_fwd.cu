@@ -133,5 +133,5 @@ fa2_fp8_fwd(const fav::Fp8FwdParams p) {
     }
     cp_async_wait<0>();
 
-    Fp8DequantOut<T, (int)P_SCALE>::store(WarpRows<MT, DT>{o, m, l, 1.f, b, h, m0 + row0}, p, p.sv + bhk * D);
+    Fp8DequantOut<T, P_SCALE_LOG2>::store(WarpRows<MT, DT>{o, m, l, 1.f, b, h, m0 + row0}, p, p.sv + bhk * D);
 }

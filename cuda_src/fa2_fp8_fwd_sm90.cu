@@ -132,5 +132,5 @@ fa2_fp8_fwd_sm90(const fav::Fp8FwdParams p) {
     }
     cp_async_wait<0>();
 
-    Fp8DequantOut<T, (int)P_SCALE>::store(WarpRows<1, DT>{o, m, l, 1.f, b, h, m0 + row0}, p, p.sv + bhk * D);
+    Fp8DequantOut<T, P_SCALE_LOG2>::store(WarpRows<1, DT>{o, m, l, 1.f, b, h, m0 + row0}, p, p.sv + bhk * D);
 }

@@ -22,8 +22,9 @@
 //                        Otherwise one CTA per tile, O staged through shared memory (NormalizedOut).
 //   FP8 (fa3_fp8)        the same pipeline on e4m3 operands, fa2_fp8's quantized layouts and scales: Q and K
 //                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
-//                        scale per channel), QGMMA k32 steps, S times its block pair's scale before the softmax,
-//                        P x 256 repacked to e4m3 in registers, O dequantized on the way out (Fp8DequantOut).
+//                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
+//                        softmax's exponent, P repacked to e4m3 in registers, O dequantized on the way out
+//                        (Fp8DequantOut).
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
@@ -204,12 +205,25 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             float alpha[1][2];   // OVERLAP: the rescale factor O still owes to the last block's softmax
             u32 pa[BN / KK][4];  // P~ of the block whose P V is next, as A fragments (16-bit, or e4m3 x 256)
 
-            // A k-step is 32 bytes of the reduction: 16 fp16/bf16 or 32 e4m3 values.
+            // A k-step is 32 bytes of the reduction: 16 fp16/bf16 or 32 e4m3 values. STEP_DESC: the k-steps'
+            // descriptors are one per operand plus constants (SwizzledTile::step) rather than each formed from its
+            // address: ~70 uniform-datapath instructions fewer a step at d 128, +1-3 % at d 128 and 256 on the
+            // H200, but -3 % at d 64 (three consumers) and -2..+3 % on fp8 (bench/NOTES.md, eighth session).
+            constexpr bool STEP_DESC = !FP8 && D >= 128;
+            auto desc_a = [&](int kk) { return STEP_DESC ? TQ::desc(sQ, c * 64, 0) + TQ::step(0, kk * 32)
+                                                         : TQ::desc(sQ, c * 64, kk * 32); };
+            auto desc_k = [&](int stage, int kk) { return STEP_DESC ? TK::desc(sK(stage), 0, 0) + TK::step(0, kk * 32)
+                                                                    : TK::desc(sK(stage), 0, kk * 32); };
+            auto desc_v = [&](int stage, int kk, int nn) {  // fp8: V^T K-major; 16-bit: V read N-major
+                if constexpr (FP8) return TV::desc(sV(stage), nn * DN, kk * 32);
+                else if constexpr (STEP_DESC) return TV::desc_mn(sV(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
+                else return TV::desc_mn(sV(stage), kk * 16, nn * DN * 2);
+            };
             auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < D / KK; ++kk) {
-                    const u64 a = TQ::desc(sQ, c * 64, kk * 32), b = TK::desc(sK(stage), 0, kk * 32);
+                    const u64 a = desc_a(kk), b = desc_k(stage, kk);
                     if constexpr (FP8) wgmma_e4m3_ss(s[0], a, b, kk > 0);
                     else wgmma_16_ss<T>(s[0], a, b, kk > 0);
                 }
@@ -222,36 +236,38 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 #pragma unroll
                     for (int nn = 0; nn < D / DN; ++nn) {
                         auto& acc = reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]);
-                        if constexpr (FP8) wgmma_e4m3_rs(acc, pa[kk], TV::desc(sV(stage), nn * DN, kk * 32), 1);
-                        else wgmma_16_rs<T>(acc, pa[kk], TV::desc_mn(sV(stage), kk * 16, nn * DN * 2), 1);
+                        if constexpr (FP8) wgmma_e4m3_rs(acc, pa[kk], desc_v(stage, kk, nn), 1);
+                        else wgmma_16_rs<T>(acc, pa[kk], desc_v(stage, kk, nn), 1);
                     }
                 wgmma_commit();
             };
             auto pack_p = [&](const float (&s)[1][NT][4]) {
 #pragma unroll
                 for (int kk = 0; kk < BN / KK; ++kk)
-                    if constexpr (FP8)
-                        repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3]);
+                    if constexpr (FP8)  // P~ already times P_SCALE (online_softmax_rescale_folded)
+                        repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3], 1.f);
                     else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
             };
-            // fp8: S_j in log2 units is S_j times the scales of Q's tile and of K's block j (the softmax then
-            // runs with scale 1, m in log2 units); 16-bit: the softmax applies scale_log2 itself. (K's scale is
+            // fp8: S_j in log2 units is S_j times f, the scales of Q's tile and of K's block j times scale_log2;
+            // the softmax folds f (and P_SCALE) into its exponent's FMA, m in log2 units. f is kept at least
+            // FLT_MIN, so that a masked -inf times f stays -inf at softmax_scale 0; the launcher makes f positive
+            // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself. (K's scale is
             // addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions fewer, made
             // fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
             const int h_kv = w.h / p.group;
             float q_scale = 1.f;
             if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
-            auto to_log2 = [&](float (&s)[1][NT][4], int j) {
+            // Read here, once a tile: read inside the step, it moved d 64's schedule and cost 3 % (eighth session).
+            const float softmax_log2 = p.scale_log2;
+            auto softmax = [&](float (&s)[1][NT][4], int j) {
                 if constexpr (FP8) {
-                    const i64 bhk = (i64)w.b * (p.heads / p.group) + h_kv;
-                    const float f = q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j];
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) s[0][nt][e] *= f;
+                    const i64 bhk = (i64)w.b * p.heads_kv + h_kv;
+                    const float f = fmaxf(q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
+                    online_softmax_rescale_folded(s, m, l, f, (float)P_SCALE_LOG2, alpha);
+                } else {
+                    online_softmax_rescale(s, m, l, softmax_log2, alpha);
                 }
             };
-            const float softmax_log2 = FP8 ? 1.f : p.scale_log2;  // fp8: to_log2 has applied the scale
             auto stage_of = [&](int u) { return (it + u) % STAGES; };  // the tile's u-th block in the ring
             auto phase_of = [&](int u) { return ((it + u) / STAGES) & 1; };
 
@@ -275,9 +291,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 hold_registers(s[0]);
                 mbar_arrive_if(k_empty(stage_of(u)), leader);
                 mbar_arrive_if(q_empty, leader && u == n - 1);
-                to_log2(s, j);
                 if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
-                online_softmax_rescale(s, m, l, softmax_log2, alpha);
+                softmax(s, j);
                 if constexpr (PREV) {
                     wgmma_wait<0>();
                     hold_registers(o[0]);
@@ -320,7 +335,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, w.b, w.h, m0 + row0};
             if constexpr (FP8) {
-                Fp8DequantOut<T, (int)P_SCALE>::store(rows, p, p.sv + ((i64)w.b * (p.heads / p.group) + h_kv) * D);
+                Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, p.sv + ((i64)w.b * p.heads_kv + h_kv) * D);
             } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {

@@ -163,12 +163,20 @@ def _attention(q, k, v, variant, causal, softmax_scale, return_lse, backend, key
         out = inp.wrap(out)
         return (out, inp.wrap(lse)) if return_lse else out
 
-    if not inp.on_gpu:
-        qd, kd, vd = (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
-        out, lse = entry.launcher.forward(qd, kd, vd, causal=bool(causal), softmax_scale=scale,
-                                          return_lse=bool(return_lse))
-        out = inp.wrap(arrays.to_numpy(out))
-        return (out, inp.wrap(arrays.to_numpy(lse))) if return_lse else out
+    # Every kernel takes each row's max over the raw scores Q K^T: P = exp2(scale (S - m)) <= 1 needs scale > 0
+    # (with scale < 0 P would grow past fp16's range). A negative scale runs softmax(|scale| (-Q) K^T), the same
+    # function, on a negated copy of q; such a call is not cached.
+    if not inp.on_gpu or scale < 0:
+        import cupy
+        with cupy.cuda.Device(inp.q.device.id if inp.on_gpu else None):
+            qd, kd, vd = (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
+            if scale < 0:  # the sign bit of every element: exact in fp16 and bf16, a NaN stays NaN
+                qd, scale = (qd.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(qd.dtype), -scale
+            out, lse = entry.launcher.forward(qd, kd, vd, causal=bool(causal), softmax_scale=scale,
+                                              return_lse=bool(return_lse))
+        host = (lambda a: a) if inp.on_gpu else arrays.to_numpy
+        out = inp.wrap(host(out))
+        return (out, inp.wrap(host(lse))) if return_lse else out
 
     import cupy
     with cupy.cuda.Device(inp.q.device.id):

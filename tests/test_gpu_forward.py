@@ -153,6 +153,26 @@ def test_explicit_softmax_scale_and_plain_return(request, poisoned, variant, dty
     assert_matches(out, ref_out, dtype, what=f"{variant.name} softmax_scale={scale}")
 
 
+@pytest.mark.parametrize("softmax_scale", [-0.37, 0.0], ids=["negative", "zero"])
+@pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
+def test_negative_and_zero_softmax_scale(request, poisoned, variant, dtype, softmax_scale):
+    """Any finite scale is valid, as in torch SDPA. The kernels' row max over the raw scores needs a positive
+    one: at -0.37 on these scores P = exp2(scale (S - m)) would reach 2^20 or more (past fp16), so the API runs it
+    on -q. At 0 every visible key weighs the same."""
+    import cupy
+    _runnable(variant)
+    case = Case(2, 190, 211, 4, 2, _d(variant), True)
+    host, ref_out, ref_lse = case_data(request, case, dtype, softmax_scale=softmax_scale)
+    q, k, v = to_device(host)
+    before = snapshot((q, k, v))
+    with poisoned(case):
+        out, lse = fav.attention(q, k, v, variant=variant.name, causal=True, softmax_scale=softmax_scale,
+                                 return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
+    assert_matches(out, ref_out, dtype, lse, ref_lse, what=f"{variant.name} softmax_scale={softmax_scale}")
+    assert_unchanged((q, k, v), before)
+
+
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
 def test_poisoned_pool_unwritten_elements_show(request, poisoned, variant, dtype):
     """The poisoning works (a fresh allocation reads NaN), and the call still leaves no NaN behind."""

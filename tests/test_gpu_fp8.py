@@ -121,6 +121,26 @@ def test_prequantized_kv_cache_and_on_the_fly_agree_bitwise(request, fp8_kernel)
     assert np.array_equal(bits(a), bits(d)), "quantize_kv + attention(q=...) differs"
 
 
+@pytest.mark.parametrize("softmax_scale", [-1 / math.sqrt(128), 0.0], ids=["negative", "zero"])
+def test_negative_and_zero_softmax_scale(request, poisoned, fp8_kernel, softmax_scale):
+    """Pre-quantized (the kernel's own handling: fa3_fp8 folds a positive scale into its exponent and runs a
+    negative one on -Q) and on the fly (the API's), against float64; 0 is uniform attention over visible keys.
+    The negative scale has the default's magnitude: a sharper softmax has a larger e4m3 error of its own."""
+    case = Case(2, 190, 211, 4, 2, 128, True)
+    host = _data(request, case, "bfloat16")
+    ref_out, ref_lse = reference64(*host, True, softmax_scale)
+    q, k, v = to_device(host)
+    qz = fav.fp8.quantize(q, k, v, variant=fp8_kernel.variant)
+    with poisoned(case):
+        runs = {"pre-quantized": fav.fp8.attention(qz, causal=True, softmax_scale=softmax_scale, return_lse=True),
+                "on the fly": fav.attention(q, k, v, variant=fp8_kernel.variant, causal=True,
+                                            softmax_scale=softmax_scale, return_lse=True)}
+    for how, (out, lse) in runs.items():
+        err = rel_err(to_host(out).astype(np.float64), ref_out)
+        assert err <= FP8_TOL, f"{how}: relative error {err:.3e} against float64 > {FP8_TOL}"
+        assert np.abs(to_host(lse) - ref_lse).max() <= LSE_ATOL_FP8, how
+
+
 def test_rotation_matches_the_model_on_rotated_inputs(request, fp8_kernel):
     """rotate=True is Q R and K R (fp32, rounded to the input dtype), then the usual quantization: the model run on
     those rotated inputs must agree as tightly as without rotation, and Q K^T is unchanged (float64 error as usual).

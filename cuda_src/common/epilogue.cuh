@@ -142,9 +142,10 @@ struct PartialOut {
     }
 };
 
-// out = O * sv / (P_MULT * l) in T, columns >= head_dim not stored; sv: this kv head's channel scales.
-// P_MULT: the power of two P~ was multiplied by before its rounding to e4m3 (fp8.cuh's P_SCALE).
-template <class T, int P_MULT>
+// out = O * sv / (2^P_LOG2 l) in T, columns >= head_dim not stored; sv: this kv head's channel scales.
+// 2^P_LOG2: the power of two P~ was multiplied by before its rounding to e4m3 (fp8.cuh's P_SCALE). P_IN_SUM: l
+// summed the multiplied P~ (online_softmax_rescale_folded), so O / l has cancelled it and the LSE owes P_LOG2.
+template <class T, int P_LOG2, bool P_IN_SUM = false>
 struct Fp8DequantOut {
     template <int MT, int DT>
     __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const Fp8FwdParams& p,
@@ -154,8 +155,8 @@ struct Fp8DequantOut {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
-                const float inv = e.inv * (1.f / P_MULT);  // exact: a power of two
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - (P_IN_SUM ? P_LOG2 : 0));
+                const float inv = P_IN_SUM ? e.inv : e.inv * (1.f / (1 << P_LOG2));  // exact: a power of two
                 const int row = r.row0 + mt * 16 + g + 8 * h2;
                 if (row >= p.seqlen_q) continue;
                 u16* orow = p.o + r.b * p.o_b + (i64)row * p.o_n + r.h * p.o_h;

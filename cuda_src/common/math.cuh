@@ -25,6 +25,7 @@ struct Pick<false, A, B> {
 };
 
 __forceinline__ __device__ float neg_inf() { return __int_as_float(0xff800000u); }
+__forceinline__ __device__ float min_normal() { return __int_as_float(0x00800000u); }  // FLT_MIN
 
 // Base-2 exponential on the special-function unit; ex2(-inf) = +0, which masking relies on.
 __forceinline__ __device__ float exp2f_approx(float x) {

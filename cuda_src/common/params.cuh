@@ -48,6 +48,7 @@ struct Fp8FwdParams {
     int head_dim;
     float scale_log2;
     int causal;
+    int heads_kv;             // heads / group, so that a kernel's per-block scale lookup needs no division
 };
 
 // The 16-bit backward (fa2_bwd.cu): the forward's inputs and output, dO, the forward's LSE, the row statistic

@@ -35,17 +35,23 @@ __forceinline__ __device__ void mask_scores(float (&s)[MT][NT][4], int row0, int
             }
 }
 
-// Row maxima of a block (over the quad too), one per (m-tile, half): max[mt][0] row g, max[mt][1] row g+8.
+// Row maxima of a block (over the quad too), one per (m-tile, half): max[mt][0] row g, max[mt][1] row g+8,
+// each folded into the value mx holds. A thread's 2 NT values of a row are reduced as a tree (depth log2 2 NT
+// rather than a chain of 2 NT dependent FMNMX: the row max is on every block's critical path).
 template <int MT, int NT>
 __forceinline__ __device__ void row_max(const float (&s)[MT][NT][4], float (&mx)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float x = mx[mt][h];
+            float x[NT];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-            mx[mt][h] = quad_max(x);
+            for (int nt = 0; nt < NT; ++nt) x[nt] = fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+#pragma unroll
+            for (int width = 1; width < NT; width *= 2)
+#pragma unroll
+                for (int nt = 0; nt + width < NT; nt += 2 * width) x[nt] = fmaxf(x[nt], x[nt + width]);
+            mx[mt][h] = quad_max(fmaxf(mx[mt][h], x[0]));
         }
 }
 
@@ -105,6 +111,32 @@ __forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], fl
             m[mt][r] = m_new[mt][r];
         }
     exponentiate(s, ref, scale_log2, l);
+}
+
+// The same step for a kernel whose scores come with a scale per block (fa3_fp8: the dequantization scales of the
+// block's Q tile and K block times scale_log2, f > 0) and whose P~ is wanted times 2^p_log2 (fp8.cuh's P_SCALE):
+// m is kept in log2 units, the block's raw row max is scaled once per row, and both f and 2^p_log2 ride on the
+// exponent's FMA, P~ = exp2(s f - (m_new - p_log2)), instead of two multiplies per score. l sums the scaled P~:
+// the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE.
+template <int MT, int NT>
+__forceinline__ __device__ void online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
+                                                              float (&l)[MT][2], float f, float p_log2,
+                                                              float (&alpha)[MT][2]) {
+    float mx[MT][2], ref[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) mx[mt][0] = mx[mt][1] = neg_inf();
+    row_max(s, mx);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[mt][r], mx[mt][r] * f), base = exp2_ref(m_new, 1.f);
+            alpha[mt][r] = exp2f_approx(m[mt][r] - base);
+            l[mt][r] *= alpha[mt][r];
+            m[mt][r] = m_new;
+            ref[mt][r] = base - p_log2;
+        }
+    exponentiate(s, ref, f, l);
 }
 
 template <int MT, int NT, int DT>

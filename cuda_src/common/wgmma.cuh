@@ -47,6 +47,17 @@ struct SwizzledTile {
         return (u64)((addr & 0x3ffff) >> 4) | (1ull << 16) | ((u64)(8 * W / 16) << 32) | (MODE << 62);
     }
 
+    // What a descriptor's start field moves by for an operand at (row0, k0) instead of (0, 0): the byte offset / 16.
+    // desc(base, row0, k0) == desc(base, 0, 0) + step(row0, k0) while the tile lies in the first 256 KB of shared
+    // memory (always: the field holds 14 bits of address / 16), so a loop over k-steps can add constants to one
+    // descriptor instead of forming each one from its address.
+    __forceinline__ __host__ __device__ static constexpr u64 step(int row0, int k0) {
+        return ((k0 / W) * SLAB + row0 * W + k0 % W) >> 4;
+    }
+    __forceinline__ __host__ __device__ static constexpr u64 step_mn(int k_row0, int n0) {  // desc_mn's
+        return ((n0 / W) * SLAB + k_row0 * W) >> 4;
+    }
+
     // The same tile read as an MN-major B operand (wgmma's imm-trans-b = 1, 16-bit types only): rows are the
     // reduction (K) index, row bytes the N index. Operand: rows [k_row0, k_row0 + 16) and N bytes from n0 on.
     // In the MN-major canonical layout the leading offset steps between W-byte atoms of N (here: slabs) and the

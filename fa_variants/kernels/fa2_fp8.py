@@ -229,7 +229,7 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
     check_grid(b, "batch")
     template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
                             batch=b, seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
-                            scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+                            scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)), heads_kv=hkv)
     return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=32 * cfg[2], smem=smem,
                    template=template, fmt=FP8_FWD.pointers_format, out_shape=(b, nq, h, d),
                    dtype=np.dtype(qz["out_dtype"]), lse_shape=(b, h, nq) if return_lse else None, ws_rows=0,

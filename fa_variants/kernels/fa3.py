@@ -152,6 +152,7 @@ class Fa3Plan:
     lse_shape: tuple | None
     device: int
     persistent: bool = False  # the kernel's fifth parameter is then this stream's tile counter pair
+    negate_q: bool = False    # fa3_fp8 with softmax_scale < 0: run on -Q with |scale| (fa3_fp8.run_quantized)
 
     def launch(self, stream, map_ptrs, ptrs):
         """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers."""

@@ -102,12 +102,12 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
     kern = jit.kernel(SOURCE, instance(CTYPE[np.dtype(qz["out_dtype"]).name], D, cfg))
     template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
                             batch=b, seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv,
-                            head_dim=d, scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+                            head_dim=d, scale_log2=scale_log2(abs(softmax_scale)), causal=int(bool(causal)), heads_kv=hkv)
     return fa3.Fa3Plan(func=function_of(kern, smem), grid=fa3.grid(nq, h, b, cfg), block=fa3.threads(cfg),
                        smem=smem, template=template, fmt=FP8_FWD.pointers_format, maps=_maps(qz, cfg),
                        out_shape=(b, nq, h, d), dtype=np.dtype(qz["out_dtype"]),
                        lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
-                       persistent=fa3.persistent(cfg))
+                       persistent=fa3.persistent(cfg), negate_q=softmax_scale < 0)
 
 
 def run_quantized(p: fa3.Fa3Plan, qz: dict):
@@ -115,7 +115,10 @@ def run_quantized(p: fa3.Fa3Plan, qz: dict):
     import cupy
     out = cupy.empty(p.out_shape, p.dtype)
     lse = None if p.lse_shape is None else cupy.empty(p.lse_shape, cupy.float32)
-    maps = tuple(qz[n].data.ptr for n in ("q", "k", "vt"))
+    # The kernel folds a positive score scale into its exponent (its row max is of the raw scores): a negative
+    # one runs as softmax(|scale| (-Q) K^T), on a copy of Q with every sign bit flipped (exact; NaN stays NaN).
+    q = qz["q"] ^ 0x80 if p.negate_q else qz["q"]
+    maps = (q.data.ptr, qz["k"].data.ptr, qz["vt"].data.ptr)
     scales = tuple(qz[n].data.ptr for n in ("sq", "sk", "sv"))
     p.launch(cupy.cuda.get_current_stream().ptr, maps, maps + scales + (out.data.ptr, 0 if lse is None else lse.data.ptr))
     return out, lse

@@ -87,7 +87,7 @@ FP8_FWD = ParamStruct("Fp8FwdParams", (
     *_fields("q k vt sq sk sv o lse", "ptr"),
     *_fields("o_b o_n o_h", "i64"),
     *_fields("batch seqlen_q seqlen_k seqlen_k_pad heads group head_dim", "int"),
-    ("scale_log2", "float"), ("causal", "int"),
+    ("scale_log2", "float"), ("causal", "int"), ("heads_kv", "int"),
 ))
 
 BWD = ParamStruct("BwdParams", (
