@@ -163,9 +163,9 @@ def _attention(q, k, v, variant, causal, softmax_scale, return_lse, backend, key
         out = inp.wrap(out)
         return (out, inp.wrap(lse)) if return_lse else out
 
-    # Every kernel takes each row's max over the raw scores Q K^T: P = exp2(scale (S - m)) <= 1 needs scale > 0
-    # (with scale < 0 P would grow past fp16's range). A negative scale runs softmax(|scale| (-Q) K^T), the same
-    # function, on a negated copy of q; such a call is not cached.
+    # Every kernel takes each row's max over the raw scores Q K^T and scales it: that needs scale > 0 (with
+    # scale < 0 the running max's -inf start times the scale is +inf, and fa1/fa2/fa3 returned all NaN). A
+    # negative scale runs softmax(|scale| (-Q) K^T), the same function, on a negated copy of q; not cached.
     if not inp.on_gpu or scale < 0:
         import cupy
         with cupy.cuda.Device(inp.q.device.id if inp.on_gpu else None):

@@ -157,8 +157,9 @@ def test_explicit_softmax_scale_and_plain_return(request, poisoned, variant, dty
 @pytest.mark.parametrize("variant, dtype", list(_per_variant_dtype()))
 def test_negative_and_zero_softmax_scale(request, poisoned, variant, dtype, softmax_scale):
     """Any finite scale is valid, as in torch SDPA. The kernels' row max over the raw scores needs a positive
-    one: at -0.37 on these scores P = exp2(scale (S - m)) would reach 2^20 or more (past fp16), so the API runs it
-    on -q. At 0 every visible key weighs the same."""
+    one, so the API runs a negative one on -q; at 0 every visible key weighs the same (masked scores are -inf,
+    and -inf * 0 is NaN: the launchers pass float32's smallest normal instead). Before both fixes fa1, fa2 and
+    fa3 returned all NaN for either scale on the H200."""
     import cupy
     _runnable(variant)
     case = Case(2, 190, 211, 4, 2, _d(variant), True)

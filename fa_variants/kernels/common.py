@@ -139,7 +139,7 @@ def scale_log2(softmax_scale: float) -> float:
     """softmax_scale * log2(e), the kernels' score scale in log2 units. A scale of 0 becomes float32's smallest
     normal number: the kernels multiply masked scores (-inf) by it, and -inf * 0 is NaN, while any finite score
     times 2^-126 leaves an exponent that rounds to 0 (every visible key weighs the same, as a scale of 0 means)."""
-    return softmax_scale * LOG2E if softmax_scale != 0 else float(np.finfo(np.float32).tiny)
+    return softmax_scale * LOG2E if softmax_scale != 0 else 2.0 ** -126  # float32 tiny
 
 
 def cdiv(a: int, b: int) -> int:
