@@ -18,18 +18,18 @@ typedef unsigned long long u64;
 namespace fav {
 
 // ROWS rows of KB bytes each, K-major, in the canonical swizzled layout wgmma reads. Rows are cut into slabs of
-// W = min(KB, 128) bytes (slab s holds bytes [sW, sW + W) of every row, rows W apart); inside a slab the 16-byte
+// W = 128 bytes, or 64 where KB is not a multiple of 128 (64-byte swizzle: fa3_fp8's V^T over 192 keys), slab s
+// holding bytes [sW, sW + W) of every row, rows W apart; inside a slab the 16-byte
 // chunk c of row r is stored at chunk c ^ ((r * W / 128) % (W / 16)): the hardware's XOR of address bits [4, 7)
 // with bits [7, 10), which also spreads a column of chunks over all banks. Slabs must start 1024-byte aligned.
 template <int ROWS, int KB>
 struct SwizzledTile {
-    static constexpr int W = KB < 128 ? KB : 128;
+    static constexpr int W = KB % 128 == 0 ? 128 : 64;
     static constexpr int SLAB = ROWS * W;
     static constexpr int SLABS = KB / W;
     static constexpr int BYTES = ROWS * KB;
     static constexpr u64 MODE = W == 128 ? 1 : 2;  // descriptor swizzle field: 1 = 128 B, 2 = 64 B
-    static_assert(W == 128 || W == 64, "rows of 64, 128 or 256 bytes");
-    static_assert(KB % W == 0, "whole slabs: a row is 64 bytes or a multiple of 128");
+    static_assert(KB % W == 0, "whole slabs: a row is a multiple of 64 bytes");
     static_assert(SLAB % 1024 == 0, "each slab must keep the 1024-byte alignment of the swizzle pattern");
 
     // Byte offset of the 16-byte chunk holding bytes [byte, byte + 16) of row `row`.

@@ -75,7 +75,13 @@ def _maps(qz: dict, cfg) -> tuple:
     row = min(D, 128)
     return (MapTemplate(q.data.ptr, (b, nq, h, D), (h * nq * D, D, nq * D), 1, bm, "q", row),
             MapTemplate(k.data.ptr, (b, nk, hkv, D), (hkv * nk * D, D, nk * D), 1, bn, "k", row),
-            MapTemplate(vt.data.ptr, (b, D, hkv, npad), (hkv * D * npad, npad, D * npad), 1, D, "v^T", min(bn, 128)))
+            MapTemplate(vt.data.ptr, (b, D, hkv, npad), (hkv * D * npad, npad, D * npad), 1, D, "v^T", vt_slab(bn)))
+
+
+def vt_slab(bn: int) -> int:
+    """Bytes (keys) of a V^T slab, one TMA box: SwizzledTile's W for rows of BN e4m3 keys (128, or 64 with the
+    64-byte swizzle where BN is not a multiple of 128)."""
+    return 128 if bn % 128 == 0 else 64
 
 
 _PLANS = plan_cache()  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)
