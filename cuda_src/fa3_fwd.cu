@@ -254,8 +254,6 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself. (K's scale is
             // addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions fewer, made
             // fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
-            // POLY: every POLY-th n-tile's exponentials on the FMA pipe (exp2_poly), the rest on the SFU.
-            constexpr int POLY = FP8 ? 4 : 0;
             const int h_kv = w.h / p.group;
             float q_scale = 1.f;
             if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
@@ -265,9 +263,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 if constexpr (FP8) {
                     const i64 bhk = (i64)w.b * p.heads_kv + h_kv;
                     const float f = fmaxf(q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
-                    online_softmax_rescale_folded<POLY>(s, m, l, f, (float)P_SCALE_LOG2, alpha);
+                    online_softmax_rescale_folded(s, m, l, f, (float)P_SCALE_LOG2, alpha);
                 } else {
-                    online_softmax_rescale<POLY>(s, m, l, softmax_log2, alpha);
+                    online_softmax_rescale(s, m, l, softmax_log2, alpha);
                 }
             };
             auto stage_of = [&](int u) { return (it + u) % STAGES; };  // the tile's u-th block in the ring

@@ -34,18 +34,6 @@ __forceinline__ __device__ float exp2f_approx(float x) {
     return y;
 }
 
-// Base-2 exponential on the FMA pipe (FlashAttention-4's way to unload the special-function unit, which does 16
-// exponentials a clock per SM against the FMA pipe's 128 FMAs): x = j + f with j = round(x) by the 1.5 * 2^23
-// trick, 2^f for f in [-0.5, 0.5] by a cubic (relative error < 1.02e-4, below bf16's and e4m3's rounding; fitted
-// in bench/NOTES.md, eighth session), times 2^j made in the exponent bits. Like ex2: x <= -127 (a masked -inf)
-// gives exactly +0 (2^j's bits are 0), a NaN stays NaN (max.NaN keeps it); x must stay below 128.
-__forceinline__ __device__ float exp2_poly(float x) {
-    asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // -127
-    const float t = x + 12582912.f, j = t - 12582912.f, f = x - j;  // 12582912 = 1.5 * 2^23: t's low bits = j
-    const float p = fmaf(fmaf(fmaf(0.05500976f, f, 0.242211f), f, 0.6932828f), f, 1.f);
-    return p * __int_as_float((__float_as_int(t) - 0x4b400000 + 127) << 23);
-}
-
 __forceinline__ __device__ float warp_max(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

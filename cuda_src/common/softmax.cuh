@@ -63,8 +63,7 @@ __forceinline__ __device__ float exp2_ref(float m, float scale_log2) {
 
 // s <- exp2(s * scale_log2 - ref) in place (P~), and this thread's partial row sums added to sum[mt][h]
 // (not reduced over the quad: the row sum is only needed at the end, so FA2 reduces it once there).
-// POLY > 0: every POLY-th n-tile is exponentiated on the FMA pipe (exp2_poly), the rest on the SFU.
-template <int POLY = 0, int MT, int NT>
+template <int MT, int NT>
 __forceinline__ __device__ void exponentiate(float (&s)[MT][NT][4], const float (&ref)[MT][2], float scale_log2,
                                              float (&sum)[MT][2]) {
 #pragma unroll
@@ -73,8 +72,7 @@ __forceinline__ __device__ void exponentiate(float (&s)[MT][NT][4], const float 
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float x = fmaf(s[mt][nt][e], scale_log2, -ref[mt][e / 2]);
-                const float p = POLY > 0 && nt % POLY == POLY - 1 ? exp2_poly(x) : exp2f_approx(x);
+                const float p = exp2f_approx(fmaf(s[mt][nt][e], scale_log2, -ref[mt][e / 2]));
                 s[mt][nt][e] = p;
                 sum[mt][e / 2] += p;
             }
@@ -96,7 +94,7 @@ __forceinline__ __device__ void scale_rows(float (&acc)[MT][NT][4], const float 
 // sums added to l. m is kept in the units of s; scale_log2 turns them into log2 units (1 when s already is).
 // O must be rescaled by the same alpha: online_softmax_step does it at once; a kernel whose O is still being
 // written by the tensor cores (fa2_fp8_fwd_sm90.cu) takes alpha and rescales O once the MMA is done.
-template <int POLY = 0, int MT, int NT>
+template <int MT, int NT>
 __forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                        float scale_log2, float (&alpha)[MT][2]) {
     float m_new[MT][2], ref[MT][2];
@@ -112,7 +110,7 @@ __forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], fl
             l[mt][r] *= alpha[mt][r];
             m[mt][r] = m_new[mt][r];
         }
-    exponentiate<POLY>(s, ref, scale_log2, l);
+    exponentiate(s, ref, scale_log2, l);
 }
 
 // The same step for a kernel whose scores come with a scale per block (fa3_fp8: the dequantization scales of the
@@ -120,7 +118,7 @@ __forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], fl
 // m is kept in log2 units, the block's raw row max is scaled once per row, and both f and 2^p_log2 ride on the
 // exponent's FMA, P~ = exp2(s f - (m_new - p_log2)), instead of two multiplies per score. l sums the scaled P~:
 // the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE.
-template <int POLY = 0, int MT, int NT>
+template <int MT, int NT>
 __forceinline__ __device__ void online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
                                                               float (&l)[MT][2], float f, float p_log2,
                                                               float (&alpha)[MT][2]) {
@@ -138,7 +136,7 @@ __forceinline__ __device__ void online_softmax_rescale_folded(float (&s)[MT][NT]
             m[mt][r] = m_new;
             ref[mt][r] = base - p_log2;
         }
-    exponentiate<POLY>(s, ref, f, l);
+    exponentiate(s, ref, f, l);
 }
 
 template <int MT, int NT, int DT>

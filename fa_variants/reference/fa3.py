@@ -53,8 +53,8 @@ DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 176, 2), 256: (128, 80, 2)}
 #: Causal calls' tiles where they differ (kernels/fa3.py ``CAUSAL_TILES``): 128-key blocks at d = 128.
 CAUSAL_TILES = {128: (128, 128, 2)}
 #: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
-#: halved shared memory leaves d = 256 room for 128 keys.
-FP8_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 128, 2)}
+#: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread).
+FP8_TILES = {64: (192, 128, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
