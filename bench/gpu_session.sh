@@ -42,6 +42,9 @@ step() {
   echo "$name: rc $rc, $(( SECONDS - t0 )) s" >> "$tmp/times"
 }
 
+# Every instance compiled in parallel into the cache first (the tests and benchmarks would otherwise compile them one
+# at a time, on first use: minutes of device time)
+step build checks.log 240 python3 -m fa_variants.cli build --arch 90a
 step gputests checks.log 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 for tool in memcheck racecheck; do
   step $tool checks.log 120 compute-sanitizer --tool $tool python3 bench/profile_one.py fa1,fa2,fa2_fp8,fa3,fa3_fp8 $S --calls 1

@@ -866,7 +866,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ build
 def _build_one(source, expr, arch, options):
     t0 = time.perf_counter()
-    compiled = jit.compile_source(source, (expr,), arch, options)
+    compiled = jit.compile_into_cache(source, (expr,), arch, options)  # a first call then finds it compiled
     return compiled, time.perf_counter() - t0
 
 
@@ -1044,7 +1044,8 @@ def _parser() -> argparse.ArgumentParser:
                    "paper's blocks unless --blocks: there is no backward kernel yet)")
     e.set_defaults(func=cmd_explain)
 
-    b = sub.add_parser("build", help="compile every kernel specialization with NVRTC (no GPU needed); "
+    b = sub.add_parser("build", help="compile every kernel specialization with NVRTC (no GPU needed) into the "
+                       "disk cache the kernels load from (FA_VARIANTS_CACHE), so that no first call compiles; "
                        "table of registers, shared memory, spills; non-zero exit on an error or a spill")
     b.add_argument("--arch", help="comma-separated, e.g. 80,86,89,90a (default: each variant's own archs; "
                    "90 means 90a)")

@@ -269,11 +269,26 @@ def cached_cubin(name: str, name_expressions: tuple, arch: str, options: tuple =
     lowered = _read_cache(cubin_path, manifest_path, exprs)
     if lowered is None:
         compiled = _compile_code(code, name, exprs, arch, options)
-        cubin_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(cubin_path, compiled.cubin)
-        _write_atomically(manifest_path, json.dumps(_manifest(compiled.cubin, compiled.lowered)).encode())
+        _install(cubin_path, manifest_path, compiled)
         lowered = compiled.lowered
     return cubin_path, lowered
+
+
+def _install(cubin_path: Path, manifest_path: Path, compiled: Compiled) -> None:
+    cubin_path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(cubin_path, compiled.cubin)
+    _write_atomically(manifest_path, json.dumps(_manifest(compiled.cubin, compiled.lowered)).encode())
+
+
+def compile_into_cache(name: str, name_expressions: tuple, arch: str, options: tuple = ()) -> Compiled:
+    """``compile_source``, with the result installed in the disk cache under the key that ``kernel`` looks up for
+    the same instances on ``arch``: `fa-variants build` run where the kernels will run leaves nothing for a first
+    call to compile (the key holds NVRTC's version, so a build elsewhere only helps the same toolkit)."""
+    exprs, arch, options = tuple(name_expressions), normalize_arch(arch), tuple(options)
+    code = flatten(name)
+    compiled = _compile_code(code, name, exprs, arch, options)
+    _install(*_cache_paths(code, name, exprs, arch, options), compiled)
+    return compiled
 
 
 @functools.lru_cache(maxsize=None)

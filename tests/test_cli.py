@@ -95,6 +95,23 @@ def test_build_naive_for_sm90a(capsys):
     assert row and int(row[0].split("|")[4]) > 0
 
 
+def test_build_fills_the_cache_a_first_call_loads_from(monkeypatch, tmp_path, capsys):
+    """What `build` compiled, the runtime's lookup (jit.cached_cubin, as kernel() makes it) finds without NVRTC."""
+    from fa_variants import jit
+    from fa_variants.kernels import naive
+    monkeypatch.setenv("FA_VARIANTS_CACHE", str(tmp_path))
+    assert cli.main(["build", "--arch", "90a", "--variants", "naive", "--jobs", "2"]) == 0, capsys.readouterr().out
+    assert list(tmp_path.glob("*.cubin")), "build wrote no cubin into FA_VARIANTS_CACHE"
+
+    def no_compile(*a, **k):
+        raise AssertionError("a built instance was compiled again")
+    monkeypatch.setattr(jit, "_compile_code", no_compile)
+    for source, exprs in naive.LAUNCHER.compile_units("sm_90a").items():
+        for expr in exprs:
+            path, lowered = jit.cached_cubin(source, (expr,), "sm_90a")
+            assert path.exists() and expr in lowered
+
+
 def test_build_reports_a_launcher_that_does_not_import(monkeypatch, capsys):
     from fa_variants.kernels import KernelLauncher
 

@@ -64,3 +64,16 @@ def test_pack_and_pointer_fill():
     assert int(rec["seqlen_q"]) == 37 and float(rec["scale_log2"]) == 0.5
     with pytest.raises(ValueError, match="missing fields"):
         params.FWD.pack(q=0)
+
+
+def test_a_zero_softmax_scale_reaches_the_kernels_as_float32s_smallest_normal():
+    """Masked scores are -inf and the kernels multiply them by scale_log2: -inf * 0 would be NaN (fa1, fa2 and fa3
+    returned all NaN at softmax_scale=0 before this), -inf * 2^-126 stays -inf, and finite scores times it round
+    to an exponent of 0: every visible key weighs the same."""
+    import numpy as np
+    from fa_variants.kernels.common import LOG2E, scale_log2
+    tiny = scale_log2(0.0)
+    assert np.float32(tiny) == np.finfo(np.float32).tiny
+    assert np.float32(-np.inf) * np.float32(tiny) == -np.inf
+    assert np.exp2(np.float32(1e4) * np.float32(tiny)) == 1.0
+    assert scale_log2(-0.5) == -0.5 * LOG2E and scale_log2(0.125) == 0.125 * LOG2E
