@@ -17,6 +17,7 @@ import time
 from tabulate import tabulate
 
 from fa_variants import attention, registry, timing
+from fa_variants.tolerances import LSE_ATOL, LSE_ATOL_FP8, TOL
 from fa_variants.reference.dense import all_pairs, attention64, rel_error
 from fa_variants.timing import (Shape, cast_half, gpu_input_sets, median, time_cuda, torch_sdpa_fn, torch_sdpa_unsupported,
                                 torch_status, as_torch_bhnd)
@@ -74,8 +75,9 @@ def check(names):
                 lse_err = float(cupy.abs(lse[fin] - ref_lse[fin]).max()) if bool(fin.any()) else 0.0
                 lse_inf_ok = bool((cupy.isneginf(lse) == ~fin).all())
                 det = bool((out == out2).all())
-                tol = 2e-3 if dtype == "float16" else 1e-2
-                ok = err <= tol and lse_err <= 1e-3 and lse_inf_ok and det and not bool(cupy.isnan(out).any())
+                fp8 = registry.get(name).operand_dtype is not None  # the tests' tolerances, by operand format
+                tol, lse_tol = (TOL["float8_e4m3fn"], LSE_ATOL_FP8) if fp8 else (TOL[dtype], LSE_ATOL)
+                ok = err <= tol and lse_err <= lse_tol and lse_inf_ok and det and not bool(cupy.isnan(out).any())
                 bad += not ok
                 rows.append([name, dtype, f"B{b} Nq{nq} Nk{nk} H{h}/{hkv} d{d}{' causal' if causal else ''}",
                              f"{err:.2e}", f"{lse_err:.1e}", lse_inf_ok, det, "ok" if ok else "FAIL"])

@@ -19,30 +19,9 @@ import numpy as np
 import pytest
 
 # --------------------------------------------------------------------------------------------------------------
-# Tolerances: relative error ||out - ref|| / ||ref|| against the float64 reference, per input dtype.
-TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float8_e4m3fn": 6e-2}
-# Log-sum-exp, in natural-log units, where the reference is finite. e4m3 operands carry their rounding into the
-# scores: q and k each off by up to 2^-4 relative per element gives a score error of std ~0.05 for N(0,1) inputs,
-# and a row with few keys inherits it whole, so the fp8 bound is 5 sigma. (Against its own model, fa2_fp8's LSE
-# must agree to FP8_MODEL_LSE_ATOL: that is the tight check.)
-LSE_ATOL = 1e-3
-LSE_ATOL_FP8 = 0.25
-FP8_MODEL_LSE_ATOL = 2e-3
-# fa2_fp8 against its own NumPy model (same quantization, same block order): far tighter than against float64,
-# which is what shows that the remaining error is the format's and not a bug. Per kernel: the mma.sync kernel
-# (fp32 accumulation) measured 1.6e-3 on every test case; Hopper's e4m3 wgmma (QGMMA) keeps fewer accumulator
-# bits than fp32 (DeepSeek-V3 report, sec. 3.3.2: about 14), which moves scores by ~1e-4 and flips some of P's
-# e4m3 roundings: measured 2.1e-3 to 6.3e-3 on the H200, the size by which a 13-14-bit accumulator moves the
-# NumPy model (`python -m fa_variants.fp8_study --accumulation --gpu`, bench/NOTES.md).
-FP8_MODEL_TOL = {"mma_sync": 5e-3, "wgmma": 1e-2}
-# ... and in every case at most this fraction of the kernel's error against float64 (measured <= 0.16).
-FP8_MODEL_TO_FLOAT64 = 0.25
-# fp32 scores lose absolute precision as they grow (|lse| ~ 3000 when inputs are scaled by 30), so the LSE bound
-# widens by this fraction of |lse|; at the usual |lse| ~ 10 it adds 1e-5 and changes nothing.
-LSE_RTOL = 1e-6
-# Gradients (dq, dk, dv) against float64, relative norm: the backward chains four rounded matmuls (S, dP in fp32
-# from 16-bit operands; P and dS rounded to 16 bits as MMA operands), so its bound is wider than the output's.
-GRAD_TOL = {"float16": 5e-3, "bfloat16": 3e-2}
+# Tolerances: fa_variants/tolerances.py (shared with bench/devcheck.py), with why each is what it is.
+from fa_variants.tolerances import (FP8_MODEL_LSE_ATOL, FP8_MODEL_TO_FLOAT64, FP8_MODEL_TOL, GRAD_TOL,  # noqa: E402,F401
+                                    LSE_ATOL, LSE_ATOL_FP8, LSE_RTOL, TOL)
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 
