@@ -1,0 +1,91 @@
+"""A/B timing of source trees in one device call: each tree's kernels compiled in parallel into a cache of its own,
+then `bench/devcheck.py` run from each tree in turn, ROUNDS times (alternating, so that the card's state drifts
+alike for all), and one table of every tree's TFLOP/s per round with its ratio to the first tree's.
+
+    python3 bench/ab.py base=/path/to/old-tree new=. --rounds 2 -- --time short --variants fa3 --no-peers
+
+A tree is a checkout of this repository (`git worktree add --detach ../old HEAD~3`; on the device, carry it).
+The column compared is devcheck's first number on each shape row: the first variant's TFLOP/s (with --fp8-matrix:
+pass --column 2 for the pre-quantized fp8 one). Without --variants the build compiles every variant.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tabulate import tabulate
+
+
+def build(tree: Path, cache: Path, variants: str | None, jobs: int) -> int:
+    cmd = [sys.executable, "-m", "fa_variants.cli", "build", "--arch", "90a", "--jobs", str(jobs)]
+    if variants:
+        cmd += ["--variants", variants]
+    env = dict(os.environ, PYTHONPATH=str(tree), FA_VARIANTS_CACHE=str(cache))
+    return subprocess.run(cmd, cwd=tree, env=env, capture_output=True).returncode
+
+
+def devcheck(tree: Path, cache: Path, args: list[str]) -> str:
+    env = dict(os.environ, PYTHONPATH=str(tree), FA_VARIANTS_CACHE=str(cache))
+    return subprocess.run([sys.executable, "bench/devcheck.py", *args], cwd=tree, env=env, capture_output=True,
+                          text=True).stdout
+
+
+def numbers(out: str, column: int) -> dict[str, float]:
+    """{shape id: the column-th number of its row} from devcheck's tables."""
+    res = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0][:5] in ("bf16-", "fp16-"):
+            try:
+                res[cells[0]] = float(cells[column])
+            except (IndexError, ValueError):
+                pass
+    return res
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, devcheck_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="+", help="NAME=PATH, the first one the reference")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--column", type=int, default=1, help="which number of a shape row to compare (default 1)")
+    ap.add_argument("--cache-root", default="/tmp/fav-ab")
+    a = ap.parse_args(ours)
+    trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in a.trees)]
+    variants = devcheck_args[devcheck_args.index("--variants") + 1] if "--variants" in devcheck_args else None
+    caches = {n: Path(a.cache_root) / n for n, _ in trees}
+    jobs = max(1, (os.cpu_count() or 1) // len(trees))
+    with ThreadPoolExecutor(len(trees)) as pool:  # each build runs its own threads; the trees build side by side
+        rcs = list(pool.map(lambda t: build(t[1], caches[t[0]], variants, jobs), trees))
+    for (n, _), rc in zip(trees, rcs):
+        print(f"build {n}: rc {rc}" + ("" if rc == 0 else " (a spill or a compile error: see fa-variants build)"))
+    runs = {n: [] for n, _ in trees}
+    for r in range(a.rounds):
+        for n, path in trees:
+            print(f"round {r + 1}: {n}", file=sys.stderr, flush=True)
+            runs[n].append(numbers(devcheck(path, caches[n], devcheck_args), a.column))
+    ref = trees[0][0]
+    rows = []
+    for shape in runs[ref][0]:
+        row = [shape]
+        for n, _ in trees:
+            vals = [run.get(shape) for run in runs[n]]
+            row.append(" / ".join("-" if v is None else f"{v:.1f}" for v in vals))
+        for n, _ in trees[1:]:
+            mine = [run.get(shape) for run in runs[n]]
+            base = [run.get(shape) for run in runs[ref]]
+            ok = None not in mine and None not in base
+            row.append(f"{sum(mine) / sum(base):.3f}" if ok else "-")
+        rows.append(row)
+    heads = ["shape"] + [f"{n} (per round)" for n, _ in trees] + [f"{n} / {ref}" for n, _ in trees[1:]]
+    print(tabulate(rows, headers=heads, disable_numparse=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""bench/ab.py without a GPU: the parsing of devcheck's tables and the per-round table with its ratios."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import ab  # noqa: E402
+
+TABLE = """[1/2] bf16-d128-N4096-B4-H16-full
+shape                             fa3 TF/s    fa3_fp8 prequant TF/s
+------------------------------  ----------  -----------------------
+bf16-d128-N4096-B4-H16-full          650.2                    702.2
+fp16-d64-N2048-B8-H32-causal         380.6                    336.1
+"""
+
+
+def test_numbers_reads_the_chosen_column_of_each_shape_row():
+    assert ab.numbers(TABLE, 1) == {"bf16-d128-N4096-B4-H16-full": 650.2, "fp16-d64-N2048-B8-H32-causal": 380.6}
+    assert ab.numbers(TABLE, 2)["bf16-d128-N4096-B4-H16-full"] == 702.2
+    assert ab.numbers(TABLE, 5) == {}  # no such column: no number, not a crash
+
+
+def test_main_alternates_the_trees_and_gives_each_ratio_to_the_first(monkeypatch, capsys, tmp_path):
+    calls = []
+    speed = {"old": 500.0, "new": 550.0}
+    monkeypatch.setattr(ab, "build", lambda tree, cache, variants, jobs: 0)
+
+    def fake_devcheck(tree, cache, args):
+        calls.append(cache.name)
+        return f"bf16-d64-N4096-B4-H32-full   {speed[cache.name]}\n"
+    monkeypatch.setattr(ab, "devcheck", fake_devcheck)
+    assert ab.main([f"old={tmp_path}", f"new={tmp_path}", "--rounds", "2", "--cache-root", str(tmp_path),
+                    "--", "--time", "short"]) == 0
+    assert calls == ["old", "new", "old", "new"]
+    out = capsys.readouterr().out
+    assert "500.0 / 500.0" in out and "550.0 / 550.0" in out and "1.100" in out
