@@ -2,6 +2,7 @@
 the two-stage pipeline, 582 without warp specialization, 570 without the pipeline), measured on this card:
 
     PYTHONPATH=. python3 bench/ablation.py [--seqlen 8192] [--causal] [--dtype bfloat16] [--repeats 20] [--json f]
+    fa-variants explain fa3 --measured f     (the rows and what each lever buys; without --measured: the shipped run)
 
 Rows, each the same attention on the same inputs (d = 128, B * N = 16K tokens, 16 heads):
   fa2 (wgmma)                     fa2_fwd_sm90.cu: wgmma, cp.async by every thread, one barrier per K/V block;
@@ -17,6 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 from tabulate import tabulate
 
@@ -68,9 +73,23 @@ def main():
                                    "TFLOP/s", "x fa3"]))
     print("FA3 paper, H100 SXM5, d 128 (Table 2, not measured here): 661 both; 582 no warp specialization; "
           "570 no intra-warpgroup pipelining")
-    if a.json:
+    if a.json:  # what `fa-variants explain fa3 --measured FILE` prints (fa_variants/ablation.py)
+        import cupy
+        meta = dict(card=cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode(),
+                    commit=os.environ.get("COMMIT") or _git_commit(), date=time.strftime("%Y-%m-%d"),
+                    command="python3 bench/ablation.py " + " ".join(sys.argv[1:]),
+                    paper="H100 SXM5, d 128 (FA3 Table 2): 661 TFLOP/s with both, 582 without warp "
+                          "specialization, 570 without the intra-warpgroup pipelining")
         with open(a.json, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump(dict(meta=meta, rows=records), f, indent=1)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
 
 
 if __name__ == "__main__":

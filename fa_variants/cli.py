@@ -860,7 +860,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
             others = "; no backward kernel yet, so no kernel tiles; --sram M or --blocks BRxBC for others"
         line = f"(blocks {b_r}x{b_c}: {blocks.source_text(source, entry, d)}{others})"
     print(f"{head}\n{line}\n{rest}")
+    if args.measured or (entry.name == "fa3" and not args.backward):
+        print("\n" + _measured_ablation(args.measured))
     return 0
+
+
+def _measured_ablation(path: str | None) -> str:
+    """The FA3 ablation's measured rows and levers: a run's `bench/ablation.py --json` file, or the shipped one."""
+    from . import ablation
+    try:
+        data = ablation.load(path)
+    except ValueError as e:
+        raise SystemExit(f"fa-variants explain: --measured: {e}") from None
+    if path:
+        return ablation.text(data, path)
+    return ablation.text(data, "the run shipped in fa_variants/measured/; on your card: python3 bench/ablation.py "
+                               "--json f && fa-variants explain fa3 --measured f")
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -1042,6 +1057,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the backward with recomputation instead (naive, fa1, fa2): its loops, its HBM traffic "
                    "formula vs the NumPy model's count, and the FLOPs it pays for the HBM it saves (the "
                    "paper's blocks unless --blocks: there is no backward kernel yet)")
+    e.add_argument("--measured", metavar="FILE", help="the FA3 ablation measured by `bench/ablation.py --json FILE`: "
+                   "its rows and what each lever buys (fa3 prints the run shipped with the package without it)")
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser("build", help="compile every kernel specialization with NVRTC (no GPU needed) into the "

@@ -350,6 +350,7 @@ PIPELINE = "\n".join([
     "",
     "measured (the numbers live in bench/RESULTS.md; README's FA2 -> FA3 section summarizes them):",
     "  fa3 vs fa2 TFLOP/s at d = 64, 128, 256, causal and not:  measured in bench/RESULTS.md",
-    "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): measured in bench/RESULTS.md",
+    "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): measured in bench/RESULTS.md, and printed",
+    "    below from a run's JSON (the shipped one, or --measured FILE)",
     "  fa3_fp8 pre-quantized and quantizing, beside fa2_fp8 and the 16-bit ones: measured in bench/RESULTS.md",
 ])
