@@ -28,6 +28,8 @@ from tabulate import tabulate
 from fa_variants.timing import Shape, gpu_input_sets, median, time_cuda
 
 D = 128
+PAPER = ("H100 SXM5, d 128 (FA3 Table 2): 661 TFLOP/s with both, 582 without warp specialization, 570 without the "
+         "intra-warpgroup pipelining")
 
 
 def rows_for(shape: Shape, repeats: int):
@@ -71,15 +73,13 @@ def main():
             records.append(dict(shape=shape.id, **r))
     print(tabulate(table, headers=["shape", "impl", "TMA + warp spec.", "ping-pong", "intra-WG overlap", "ms",
                                    "TFLOP/s", "x fa3"]))
-    print("FA3 paper, H100 SXM5, d 128 (Table 2, not measured here): 661 both; 582 no warp specialization; "
-          "570 no intra-warpgroup pipelining")
+    print(f"FA3 paper, not measured here: {PAPER}")
     if a.json:  # what `fa-variants explain fa3 --measured FILE` prints (fa_variants/ablation.py)
         import cupy
         meta = dict(card=cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode(),
                     commit=os.environ.get("COMMIT") or _git_commit(), date=time.strftime("%Y-%m-%d"),
                     command="python3 bench/ablation.py " + " ".join(sys.argv[1:]),
-                    paper="H100 SXM5, d 128 (FA3 Table 2): 661 TFLOP/s with both, 582 without warp "
-                          "specialization, 570 without the intra-warpgroup pipelining")
+                    paper=PAPER)
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, rows=records), f, indent=1)
 

@@ -16,7 +16,7 @@ from . import fa2_fp8, fa3
 from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, plan_cache, scale_log2
 from .launch import function_of
 from .params import FP8_FWD
-from .tma import MapTemplate
+from .tma import MapTemplate, slab_bytes
 
 SOURCE = fa3.SOURCE
 ARCHS = fa3.ARCHS
@@ -73,16 +73,10 @@ def _maps(qz: dict, cfg) -> tuple:
     bm, bn = cfg[:2]
     q, k, vt = qz["q"], qz["k"], qz["vt"]
     (b, h, nq, D), (hkv, nk), npad = q.shape, k.shape[1:3], vt.shape[3]
-    row = min(D, 128)
+    row = slab_bytes(D)  # Q, K: rows of D e4m3 bytes; V^T: rows of BN keys
     return (MapTemplate(q.data.ptr, (b, nq, h, D), (h * nq * D, D, nq * D), 1, bm, "q", row),
             MapTemplate(k.data.ptr, (b, nk, hkv, D), (hkv * nk * D, D, nk * D), 1, bn, "k", row),
-            MapTemplate(vt.data.ptr, (b, D, hkv, npad), (hkv * D * npad, npad, D * npad), 1, D, "v^T", vt_slab(bn)))
-
-
-def vt_slab(bn: int) -> int:
-    """Bytes (keys) of a V^T slab, one TMA box: SwizzledTile's W for rows of BN e4m3 keys (128, or 64 with the
-    64-byte swizzle where BN is not a multiple of 128)."""
-    return 128 if bn % 128 == 0 else 64
+            MapTemplate(vt.data.ptr, (b, D, hkv, npad), (hkv * D * npad, npad, D * npad), 1, D, "v^T", slab_bytes(bn)))
 
 
 _PLANS = plan_cache()  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)

@@ -25,6 +25,12 @@ _OOB_ZERO = 0
 _INTERLEAVE_NONE = 0
 BOX_BYTES = 128          # inner box extent: one swizzled slab row
 
+
+def slab_bytes(row_bytes: int) -> int:
+    """The bytes of a row that one slab (one TMA box) holds for a tile of ``row_bytes``-byte rows: common/wgmma.cuh's
+    SwizzledTile::W, 128, or 64 (64-byte swizzle) where a row is not a multiple of 128 bytes."""
+    return 128 if row_bytes % 128 == 0 else 64
+
 _ENCODE = None
 
 
