@@ -70,9 +70,10 @@ def main(argv=None) -> int:
         old = tree_of(args.against, "tree")
         names = {}
         for label, tree in (("here", here), (args.against, old)):
-            (tmp / label).mkdir()
-            names[label] = compile_in(tree, args.source, args.exprs, args.arch, tmp / label / "k.cubin")
-            names[label]["sass"] = instructions_by_function(tmp / label / "k.cubin")
+            work = tmp / label.replace("/", "_")  # a branch name may hold slashes
+            work.mkdir()
+            names[label] = compile_in(tree, args.source, args.exprs, args.arch, work / "k.cubin")
+            names[label]["sass"] = instructions_by_function(work / "k.cubin")
         rows, differ = [], 0
         for e in args.exprs:
             (m_new, r_new), (m_old, r_old) = names["here"][e], names[args.against][e]

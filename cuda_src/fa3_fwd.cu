@@ -25,6 +25,9 @@
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
 //                        softmax's exponent, P repacked to e4m3 in registers, O dequantized on the way out
 //                        (Fp8DequantOut).
+// O's rescale (all three): after the P V that O was waited for, and only where a reference point of the warp's rows
+// moved. The references move lazily (FA4's rule, softmax.cuh's reference_moves): only when a row's max has grown
+// by more than RESCALE_TAU, so P~ <= 2^tau and most blocks skip the rescale.
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
@@ -65,6 +68,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     using TQ = SwizzledTile<BM, EB * D>;     // [row][d], in slabs of 128 (or 64) bytes, one TMA box each
     using TK = SwizzledTile<BN, EB * D>;     // [key][d]: K-major B of Q K^T (and N-major B of P V: 16-bit V)
     using TV = typename Pick<FP8, SwizzledTile<D, BN>, TK>::type;  // fp8: V^T [d][key], K-major B of P V
+    // How far a row's max may grow before its reference point (and O) is moved: P~ <= 2^tau. 16-bit P takes
+    // 2^8 (FA4's choice); e4m3 P~ x 256 must stay below 448, e4m3's largest: 2^0.75 x 256 = 431.
+    constexpr float RESCALE_TAU = FP8 ? 0.75f : 8.f;
     static_assert(BN % KK == 0 && (D == 64 || D == 128 || D == 256), "whole k-steps of P V; 64-column slabs");
     static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
 
@@ -259,21 +265,26 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
             // Read here, once a tile: read inside the step, it moved d 64's schedule and cost 3 % (eighth session).
             const float softmax_log2 = p.scale_log2;
+            // Returns whether O needs alpha (warp-uniform: the rescale below is a branch, not predicated work).
             auto softmax = [&](float (&s)[1][NT][4], int j) {
+                bool moved;
                 if constexpr (FP8) {
                     const i64 bhk = (i64)w.b * p.heads_kv + h_kv;
                     const float f = fmaxf(q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
-                    online_softmax_rescale_folded(s, m, l, f, (float)P_SCALE_LOG2, alpha);
+                    moved = online_softmax_rescale_folded(s, m, l, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
                 } else {
-                    online_softmax_rescale(s, m, l, softmax_log2, alpha);
+                    moved = online_softmax_rescale(s, m, l, softmax_log2, alpha, RESCALE_TAU);
                 }
+                return __any_sync(0xffffffffu, moved);
             };
             auto stage_of = [&](int u) { return (it + u) % STAGES; };  // the tile's u-th block in the ring
             auto phase_of = [&](int u) { return ((it + u) / STAGES) & 1; };
 
             // Visit u of n (block j = end - 1 - u). OVERLAP: S_u is issued with P_{u-1} V_{u-1}; without it,
             // S_u waits, its softmax rescales O at once and P_u V_u follows: fa2_fwd_sm90's step, with TMA
-            // barriers. The tile's last S releases Q (q_empty) for the producer's next tile.
+            // barriers. The tile's last S releases Q (q_empty) for the producer's next tile. O takes block u's
+            // alpha once nothing is in flight (after P_{u-1} V_{u-1}, before P_u V_u), where a branch is free,
+            // and only if a row of the warp moved its reference (at u = 0, O is still 0).
             auto step = [&](int u, auto masked, auto overlapped) {
                 constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
                 const int j = w.blocks.end - 1 - u;
@@ -282,25 +293,22 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 if constexpr (PREV) mbar_wait(v_full(stage_of(u - 1)), phase_of(u - 1));
                 sched_wait();
                 issue_qk(s, stage_of(u));
-                if constexpr (PREV) {
-                    scale_rows(o, alpha);  // under S_u's wgmmas: O now in block u-1's reference, ready for P V
-                    issue_pv(stage_of(u - 1));
-                }
+                if constexpr (PREV) issue_pv(stage_of(u - 1));  // O is in block u-1's reference already
                 sched_pass();
                 wgmma_wait<PREV ? 1 : 0>();
                 hold_registers(s[0]);
                 mbar_arrive_if(k_empty(stage_of(u)), leader);
                 mbar_arrive_if(q_empty, leader && u == n - 1);
                 if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
-                softmax(s, j);
+                const bool moved = softmax(s, j);
                 if constexpr (PREV) {
                     wgmma_wait<0>();
                     hold_registers(o[0]);
                     mbar_arrive_if(v_empty(stage_of(u - 1)), leader);
                 }
                 pack_p(s);
-                if constexpr (!OVERLAP) {  // P_u V_u now, O rescaled first
-                    scale_rows(o, alpha);
+                if (u > 0 && moved) scale_rows(o, alpha);
+                if constexpr (!OVERLAP) {  // P_u V_u now
                     mbar_wait(v_full(stage_of(u)), phase_of(u));
                     sched_wait();
                     issue_pv(stage_of(u));
@@ -323,7 +331,6 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 if constexpr (OVERLAP) {  // the last block's P V
                     mbar_wait(v_full(stage_of(n - 1)), phase_of(n - 1));
                     sched_wait();
-                    scale_rows(o, alpha);
                     issue_pv(stage_of(n - 1));
                     sched_pass();
                     wgmma_wait<0>();

@@ -4,6 +4,7 @@ iomodel's closed form, its block order and consumer split, the P rounding option
 Inputs are fresh each run (seed in a failed test's report; FA_VARIANTS_SEED replays)."""
 import re
 import warnings
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -176,12 +177,54 @@ def _fa2_descending(q, k, v, causal, B_r, B_c):
 @pytest.mark.parametrize("n_q,n_k,blocks", [(300, 300, (32, 48)), (200, 130, (128, 64)), (61, 83, (7, 5))])
 def test_is_fa2s_update_in_descending_order_bit_for_bit(rng, causal, n_q, n_k, blocks):
     """S_j issued before P_prev V_prev, O rescaled after it: FA2's O = a O + P V with every operation the same,
-    so the result is identical, bit for bit, to FA2's rule run over the same blocks in the same order."""
+    so with FA2's running max (rescale_tau = 0) the result is identical, bit for bit, to FA2's rule run over the
+    same blocks in the same order."""
     q, k, v = inputs(rng, 2, n_q, n_k, 2, 2, 16)
-    res = run(fa3.forward, q, k, v, causal, block_q=blocks[0], block_k=blocks[1])
+    res = run(fa3.forward, q, k, v, causal, block_q=blocks[0], block_k=blocks[1], rescale_tau=0.0)
     out, lse = _fa2_descending(q, k, v, causal, *blocks)
     assert np.array_equal(res.out, out)
     assert np.array_equal(res.lse, lse)
+
+
+# ---------------------------------------------------------------------------------------------- lazy rescaling
+
+def test_rescale_thresholds_are_the_kernels():
+    """The model's thresholds are the ones cuda_src/fa3_fwd.cu compiles in (RESCALE_TAU = FP8 ? fp8 : 16-bit)."""
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "fa3_fwd.cu").read_text()
+    found = re.search(r"RESCALE_TAU = FP8 \? ([0-9.]+)f : ([0-9.]+)f;", src)
+    assert found, "RESCALE_TAU's definition in fa3_fwd.cu"
+    assert (float(found.group(1)), float(found.group(2))) == (fa3.FP8_RESCALE_TAU, fa3.RESCALE_TAU)
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.75, 8.0, 30.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lazy_reference_changes_rounding_only(rng, tau, causal):
+    """A reference point that lags its row max by up to tau gives the same softmax: float64 rounding apart."""
+    q, k, v = inputs(rng, 1, 130, 700, 2, 1, 16, scale=2.0)
+    lazy = run(fa3.forward, q, k, v, causal, block_q=64, block_k=32, rescale_tau=tau)
+    eager = run(fa3.forward, q, k, v, causal, block_q=64, block_k=32, rescale_tau=0.0)
+    assert rel_err(lazy.out, eager.out) < EXACT
+    np.testing.assert_allclose(lazy.lse, eager.lse, rtol=1e-13)
+    check(q, k, v, causal, block_q=64, block_k=32, rescale_tau=tau)
+
+
+def test_lazy_reference_moves_past_tau_only():
+    m = np.array([-np.inf, -np.inf, 1.0, 1.0, 1.0, np.nan])
+    row_max = np.array([-np.inf, 3.0, 1.0 + 0.5 * np.log(2), 1.0 + 2 * np.log(2), np.nan, 2.0])
+    got = fa3.lazy_reference(m, row_max, tau=1.0)
+    # all -inf stays; from -inf it moves; half a log2 unit stays; two move; a NaN max keeps m; a NaN m stays NaN
+    np.testing.assert_array_equal(got, [-np.inf, 3.0, 1.0, 1.0 + 2 * np.log(2), 1.0, np.nan])
+    np.testing.assert_array_equal(fa3.lazy_reference(m[2:4], row_max[2:4], 0.0), row_max[2:4])  # tau 0: FA2's max
+
+
+def test_rescale_tau_is_checked(rng):
+    q, k, v = inputs(rng, 1, 8, 8, 1, 1, 16)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rescale_tau"):
+            fa3.forward(q, k, v, rescale_tau=bad)
+    with pytest.raises(ValueError, match="448"):
+        fa3.forward_fp8(q, k, v, rescale_tau=1.0)  # 256 x 2 > 448
+    fa3.forward_fp8(q, k, v, rescale_tau=1.0, p_scale=128.0)
 
 
 # ---------------------------------------------------------------------------------------------- structure
@@ -320,7 +363,8 @@ def test_fp8_is_fa2_fp8_on_one_k_block(rng, scaling, causal):
     """One K block: the two orders are one order, so fa3's fp8 pipeline is fa2_fp8's model up to rounding."""
     q, k, v = inputs(rng, 2, 200, 60, 2, 1, 32)
     kw = dict(block_q=128, block_k=64, scaling=scaling, rotate=True)
-    a, b = run(fa3.forward_fp8, q, k, v, causal, **kw), run(fp8.forward, q, k, v, causal, **kw)
+    a = run(fa3.forward_fp8, q, k, v, causal, rescale_tau=0.0, **kw)
+    b = run(fp8.forward, q, k, v, causal, **kw)
     np.testing.assert_allclose(a.out, b.out, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(a.lse, b.lse, rtol=1e-13)
     assert_same_traffic_but_empty_ctas(a, b, 200, 60, 128, causal, programs=4)
@@ -330,10 +374,11 @@ def test_fp8_is_fa2_fp8_on_one_k_block(rng, scaling, causal):
 def test_fp8_descending_is_fa2_fp8_on_reversed_keys(rng, accumulate_bits):
     """Several K blocks: P is rounded to e4m3 under the running max, which depends on the order, so fa3_fp8 and
     fa2_fp8 differ by fp8 rounding. Reversing the keys (N_k a multiple of B_c) gives fa2_fp8 fa3's order: the
-    same blocks, scales and maxes; then only float64 rounding separates them."""
+    same blocks, scales and maxes; then only float64 rounding separates them (with fa2_fp8's running max:
+    rescale_tau = 0)."""
     q, k, v = inputs(rng, 1, 150, 256, 2, 2, 32)
     kw = dict(block_q=64, block_k=64, accumulate_bits=accumulate_bits)
-    a = run(fa3.forward_fp8, q, k, v, False, **kw)
+    a = run(fa3.forward_fp8, q, k, v, False, rescale_tau=0.0, **kw)
     b = run(fp8.forward, q, k[:, ::-1], v[:, ::-1], False, **kw)
     c = run(fp8.forward, q, k, v, False, **kw)
     tol = 1e-12 if accumulate_bits is None else 1e-3   # a truncated accumulator sees the keys in another order

@@ -89,15 +89,24 @@ __forceinline__ __device__ void scale_rows(float (&acc)[MT][NT][4], const float 
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= f[mt][e / 2];
 }
 
-// FlashAttention-2's online-softmax step for one block, deferred normalization: the new running max, l rescaled
-// by alpha = exp2(m_old - m_new) (never divided here), then P~ = exp2(s * scale_log2 - m_new) in place with its row
-// sums added to l. m is kept in the units of s; scale_log2 turns them into log2 units (1 when s already is).
+// Where a row's reference point goes once its running max is m_cand (both in log2 units): FA2 moves it to every
+// new max (tau = 0: alpha = 1 exactly when the max did not grow). FA4's lazy rescaling (tau > 0) moves it only when
+// the max has grown by more than tau, so that P~ = exp2(s - ref) stays at most 2^tau and O's rescale is mostly
+// skipped. Moving from -inf always happens (+inf > tau); a row still all -inf stays (NaN > tau is false).
+__forceinline__ __device__ bool reference_moves(float m_cand, float m_old, float tau) { return m_cand - m_old > tau; }
+
+// FlashAttention-2's online-softmax step for one block, deferred normalization: the row's reference point m
+// (its running max, or with tau > 0 within tau of it: reference_moves), l rescaled by alpha = exp2(m_old - m_new)
+// (never divided here), then P~ = exp2(s * scale_log2 - m_new) in place with its row sums added to l. m is kept in
+// the units of s; scale_log2 turns them into log2 units (1 when s already is), as tau is. Returns whether a
+// reference point of this thread's rows moved: where none did, alpha = 1 and O needs no rescale.
 // O must be rescaled by the same alpha: online_softmax_step does it at once; a kernel whose O is still being
-// written by the tensor cores (fa2_fp8_fwd_sm90.cu) takes alpha and rescales O once the MMA is done.
+// written by the tensor cores (fa2_fp8_fwd_sm90.cu, fa3_fwd.cu) takes alpha and rescales O once the MMA is done.
 template <int MT, int NT>
-__forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
-                                                       float scale_log2, float (&alpha)[MT][2]) {
+__forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                                       float scale_log2, float (&alpha)[MT][2], float tau = 0.f) {
     float m_new[MT][2], ref[MT][2];
+    bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
     row_max(s, m_new);
@@ -105,24 +114,31 @@ __forceinline__ __device__ void online_softmax_rescale(float (&s)[MT][NT][4], fl
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            ref[mt][r] = exp2_ref(m_new[mt][r], scale_log2);
-            alpha[mt][r] = exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]);
+            const bool move = reference_moves(m_new[mt][r] * scale_log2, m[mt][r] * scale_log2, tau);
+            const float m_ref = move ? m_new[mt][r] : m[mt][r];
+            ref[mt][r] = exp2_ref(m_ref, scale_log2);
+            alpha[mt][r] = move ? exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]) : 1.f;
             l[mt][r] *= alpha[mt][r];
-            m[mt][r] = m_new[mt][r];
+            m[mt][r] = m_ref;
+            moved |= move;
         }
     exponentiate(s, ref, scale_log2, l);
+    return moved;
 }
 
 // The same step for a kernel whose scores come with a scale per block (fa3_fp8: the dequantization scales of the
 // block's Q tile and K block times scale_log2, f > 0) and whose P~ is wanted times 2^p_log2 (fp8.cuh's P_SCALE):
 // m is kept in log2 units, the block's raw row max is scaled once per row, and both f and 2^p_log2 ride on the
 // exponent's FMA, P~ = exp2(s f - (m_new - p_log2)), instead of two multiplies per score. l sums the scaled P~:
-// the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE.
+// the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE. (Summing P~ on the tensor
+// cores instead, a column of ones beside V, biased l low as it grew: QGMMA's accumulator truncates; bench/NOTES.md,
+// ninth session.) tau and the result: online_softmax_rescale's.
 template <int MT, int NT>
-__forceinline__ __device__ void online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
+__forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
                                                               float (&l)[MT][2], float f, float p_log2,
-                                                              float (&alpha)[MT][2]) {
+                                                              float (&alpha)[MT][2], float tau = 0.f) {
     float mx[MT][2], ref[MT][2];
+    bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) mx[mt][0] = mx[mt][1] = neg_inf();
     row_max(s, mx);
@@ -130,13 +146,17 @@ __forceinline__ __device__ void online_softmax_rescale_folded(float (&s)[MT][NT]
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float m_new = fmaxf(m[mt][r], mx[mt][r] * f), base = exp2_ref(m_new, 1.f);
-            alpha[mt][r] = exp2f_approx(m[mt][r] - base);
+            const float m_cand = fmaxf(m[mt][r], mx[mt][r] * f);
+            const bool move = reference_moves(m_cand, m[mt][r], tau);
+            const float m_new = move ? m_cand : m[mt][r], base = exp2_ref(m_new, 1.f);
+            alpha[mt][r] = move ? exp2f_approx(m[mt][r] - base) : 1.f;
             l[mt][r] *= alpha[mt][r];
             m[mt][r] = m_new;
             ref[mt][r] = base - p_log2;
+            moved |= move;
         }
     exponentiate(s, ref, f, l);
+    return moved;
 }
 
 template <int MT, int NT, int DT>

@@ -55,6 +55,12 @@ CAUSAL_TILES = {128: (128, 128, 2)}
 #: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
 #: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread).
 FP8_TILES = {64: (192, 128, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
+#: FA4's lazy rescaling, the kernel's RESCALE_TAU (cuda_src/fa3_fwd.cu; a test reads it there): a row's reference
+#: point (the max subtracted before exp) moves to its new max only once that has grown by more than tau, in log2
+#: units, so P~ <= 2^tau and O is rescaled only when some reference moves. 16-bit P takes 2^8; fa3_fp8's e4m3
+#: P~ x 256 must stay under 448, e4m3's largest value.
+RESCALE_TAU = 8.0
+FP8_RESCALE_TAU = 0.75
 
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
@@ -128,12 +134,31 @@ def accesses_fp8(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causa
     return accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal, FP8_TILES)
 
 
-def _consume(visits, scores, product, operand, shape):
+def lazy_reference(m, row_max, tau):
+    """The reference points after a block whose row maxima are ``row_max`` (natural-log units, as S): the new
+    max where it exceeds m by more than tau (log2 units), m elsewhere (the kernel's reference_moves). tau = 0 is
+    FA2's running max. A row still all -inf keeps -inf; a NaN max keeps m (the NaN reaches l through P)."""
+    m_cand = np.maximum(m, row_max)
+    with np.errstate(invalid="ignore"):
+        move = (m_cand - m) > tau * np.log(2.0)
+    return np.where(move, m_cand, m)
+
+
+def _check_tau(tau) -> float:
+    tau = float(tau)
+    if not (0.0 <= tau < 64.0):
+        raise ValueError(f"rescale_tau must be a finite threshold >= 0 (log2 units), got {tau!r}")
+    return tau
+
+
+def _consume(visits, scores, product, operand, shape, tau=0.0):
     """One consumer warpgroup's mainloop, in the kernel's order: (O unnormalized, m, l) of its rows.
 
     ``scores(cols, masked)`` -> S (the wgmma S = Q K^T, scaled, -inf where masked); ``product(P, cols, O)`` ->
     O + P V_cols (the wgmma P V accumulating into O); ``operand(P)`` -> P as the P V wgmma takes it.
     ``shape``: (batch, heads, rows, d) of this consumer's O. np.maximum and ndarray.max keep NaN, as in fa2.
+    ``tau``: the lazy rescaling's threshold (``lazy_reference``); m is then each row's reference point, within
+    tau of its max.
     """
     O = np.zeros(shape)
     if not visits:                                    # no visible K block: O = 0, l = 0 -> LSE = -inf
@@ -148,19 +173,19 @@ def _consume(visits, scores, product, operand, shape):
     for cols, masked in rest:
         S = scores(cols, masked)                      # issue S_j = Q K_j^T
         O = product(operand(P), prev, alpha[..., None] * O)  # rescale O (under S_j), issue O += P_prev V_prev
-        m_new = np.maximum(m, S.max(axis=-1))         # wait for S_j only: softmax(S_j) overlaps P_prev V_prev
+        m_new = lazy_reference(m, S.max(axis=-1), tau)  # wait for S_j only: softmax(S_j) overlaps P_prev V_prev
         P = row_exp(S, m_new)
-        alpha = rescale(m, m_new)
+        alpha = rescale(m, m_new)                     # 1 where the reference stayed: the kernel skips O's rescale
         l = alpha * l + P.sum(axis=-1)
         m, prev = m_new, cols
     return product(operand(P), prev, alpha[..., None] * O), m, l  # after the loop: O += P_last V_last
 
 
-def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish):
+def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0.0):
     """The CTA loop both models share: (O heads-major, LSE, hbm). The producer's loads are counted once per
     CTA (its consumers read the same shared-memory stage); ``scores(i, rows, j, cols, masked)``,
     ``product(P, j, cols, O)``, ``operand(P)`` and ``finish(i, O, l)`` (O / l and any dequantization) are the
-    arithmetic, i and j the Q and K block numbers."""
+    arithmetic, i and j the Q and K block numbers; ``tau`` the lazy rescaling's threshold (``_consume``)."""
     batch, heads, N_q, d = Q.shape
     N_k = K.shape[2]
     programs = batch * heads  # every (batch, query head) CTA loads its own K/V blocks, GQA included
@@ -179,7 +204,7 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish):
                 visits,
                 lambda cols, masked, c_rows=c_rows: scores(i, c_rows, cols.start // B_c, cols, masked),
                 lambda P, cols, acc: product(P, cols.start // B_c, cols, acc),
-                operand, (batch, heads, c_rows.stop - c_rows.start, d))
+                operand, (batch, heads, c_rows.stop - c_rows.start, d), tau)
             O[:, :, c_rows] = finish(i, O_c, l)                # deferred normalization: once per row
             LSE[:, :, c_rows] = logsumexp_from(m, l)
         hbm.write("O", programs * (rows.stop - rows.start) * d)
@@ -200,13 +225,17 @@ def _p_operand(q, round_p):
     return lambda P: P.astype(dtype).astype(np.float64)
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, round_p=False) -> ModelResult:
+def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, round_p=False,
+            rescale_tau=RESCALE_TAU) -> ModelResult:
     """FA3's forward on float64 copies; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
 
     ``block_q``/``block_k`` default to the kernel's tiles (``default_blocks``). ``round_p``: P rounded to the
     input's 16-bit dtype before P V, as the kernel's wgmma operand (default False: float64, fa2's convention).
+    ``rescale_tau``: the lazy rescaling's threshold in log2 units (``RESCALE_TAU``, the kernel's; 0: FA2's
+    running max, with which this is FA2's update in descending block order, bit for bit).
     Returns ``ModelResult`` (out float64 in flash layout, lse, hbm, blocks)."""
     operand = _p_operand(q, round_p)
+    rescale_tau = _check_tau(rescale_tau)
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
     N_q, d, N_k = Q.shape[2], Q.shape[3], K.shape[2]
@@ -217,19 +246,20 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
                                                              N_q, N_k, causal and masked),
         product=lambda P, j, cols, acc: acc + P @ V[:, :, cols],
         operand=operand,
-        finish=lambda i, O_c, l: normalize(O_c, l))
+        finish=lambda i, O_c, l: normalize(O_c, l), tau=rescale_tau)
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
 
 
 def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, rotate=False, seed=0,
-                scaling="block", p_scale=256.0, accumulate_bits=None) -> ModelResult:
+                scaling="block", p_scale=256.0, accumulate_bits=None, rescale_tau=FP8_RESCALE_TAU) -> ModelResult:
     """FA3's pipeline on e4m3 operands: ``reference/fp8.py``'s ``forward`` (fa2_fp8) with FA3's block order
     (descending, masked blocks first), its consumer split and its blocks (``default_blocks``).
 
     The quantization is fp8.py's, called, not copied: Q scales per ``block_q`` rows (one per CTA), K per
     ``block_k`` rows, V per channel (``scaling="block"``) or one scale each (``"tensor"``); ``rotate``, ``seed``,
     ``p_scale`` and ``accumulate_bits`` mean what they mean there. P = exp(S - m_new) is summed into l before
-    rounding, then e4m3(p_scale P) is the P V operand.
+    rounding, then e4m3(p_scale P) is the P V operand. ``rescale_tau``: the lazy rescaling's threshold
+    (``FP8_RESCALE_TAU``, the kernel's; p_scale 2^tau must stay below e4m3's 448; 0: fa2_fp8's running max).
 
     Not fa2_fp8's numbers up to float64 rounding: P is rounded to e4m3 relative to the running max at the block,
     and that max depends on the order the blocks come in, so the two orders round different values (they agree
@@ -238,6 +268,10 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
     if scaling not in _fp8.SCALINGS:
         raise ValueError(f"scaling must be one of {_fp8.SCALINGS}, got {scaling!r}")
     p_scale = _fp8._check_p_scale(p_scale)
+    rescale_tau = _check_tau(rescale_tau)
+    if p_scale * 2.0 ** rescale_tau > 448.0:
+        raise ValueError(f"p_scale x 2^rescale_tau must stay <= 448 (e4m3's largest value, P~ <= 2^tau), got "
+                         f"{p_scale:g} x 2^{rescale_tau:g}")
     q64, k64, v64, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
                                     block_k=block_k)
     B_r, B_c = default_blocks(q64.shape[3], block_q, block_k, FP8_TILES)  # the original head dim, as the kernel pads
@@ -255,7 +289,7 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
         Q, K, V, B_r, B_c, causal, scores,
         product=lambda P8, j, cols, acc: _fp8.tc_matmul(P8, V[:, :, cols], accumulate_bits, acc=acc),
         operand=lambda P: (P * p_scale).astype(_fp8.E4M3).astype(np.float64),  # exact scaling, e4m3 rounding
-        finish=lambda i, O_c, l: normalize(O_c * (sv / p_scale)[:, :, None, :], l))
+        finish=lambda i, O_c, l: normalize(O_c * (sv / p_scale)[:, :, None, :], l), tau=rescale_tau)
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
 
 
