@@ -11,8 +11,8 @@
 //                        consumer's softmax runs while another's GEMMs occupy the tensor cores.
 //   intra-warpgroup      (OVERLAP) S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}; the softmax of
 //   overlap              block j runs while the P V product of block j-1 is still on the tensor cores. O takes
-//                        block j-1's rescale factor between the two issues (while S_j is on the tensor cores),
-//                        just before P_{j-1} V_{j-1} is added: one block later than FA2 rescales, same arithmetic.
+//                        block j-1's rescale factor once P_{j-2} V_{j-2} is done, before P_{j-1} V_{j-1} is
+//                        added: one block later than FA2 rescales, same arithmetic.
 //   persistent grid      (PERSISTENT) one CTA per SM; its producer takes tiles from a global counter (tiles_next:
 //                        first its blockIdx.x, then gridDim.x + atomicAdd), so an SM that finishes early takes the
 //                        next tile in the heavy-first order (longest processing time first, what the hardware

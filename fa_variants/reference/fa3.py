@@ -15,13 +15,18 @@ What differs from ``reference/fa2.py``, and what this model reproduces:
   mask is applied only where ``kv_visits`` says the kernel applies one: the comparison with the dense reference
   (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none.
 * Per consumer, intra-warpgroup overlap (the kernel's OVERLAP): S_j = Q K_j^T is issued together with, and
-  before, O += P_prev V_prev, the product of the previous block's probabilities; O takes the previous block's
-  rescale factor e^(m - m_new) just before that product is added (while S_j is on the tensor cores), the softmax
-  of S_j runs while the product is still on the tensor cores, and the last block's P V comes after the loop
-  (``_consume``). As a recurrence this is FA2's O = e^(m - m_new) O + P_j V_j with each step issued one block
-  later: the floating-point operations are the same ones, in the same order, so the model equals FA2's update
-  over the same (descending) sequence of blocks bit for bit, and FA2's ascending model up to rounding. (Likewise the kernel with OVERLAP off, FA2's step, applies the same
-  operations to O in the same order: its output should be bit-identical to OVERLAP on.)
+  before, O += P_prev V_prev, the product of the previous block's probabilities; O has taken the previous block's
+  rescale factor e^(m - m_new) before that product is added (the kernel applies it once that P V's predecessor
+  is done, and only where a reference moved), the softmax of S_j runs while the product is still on the tensor
+  cores, and the last block's P V comes after the loop (``_consume``). As a recurrence this is FA2's
+  O = e^(m - m_new) O + P_j V_j with each step issued one block later: the floating-point operations are the same
+  ones, in the same order, so with FA2's running max (``rescale_tau=0``) the model equals FA2's update over the
+  same (descending) sequence of blocks bit for bit, and FA2's ascending model up to rounding. (Likewise the kernel
+  with OVERLAP off, FA2's step, applies the same operations to O in the same order: its output should be
+  bit-identical to OVERLAP on.)
+* Lazy rescaling (FA4's rule, the kernel's RESCALE_TAU): a row's reference point m moves to its new max only
+  when that has grown by more than tau (log2 units), so P <= 2^tau and O's rescale is skipped on most blocks
+  (``lazy_reference``). The softmax is the same; only the rounding moves.
 
 Precision follows ``reference/fa2.py``: float64 throughout (the kernel's S and O accumulate in fp32 and its P V
 takes P as a 16-bit wgmma operand; fa2's model does not round either). ``round_p=True`` rounds P to the input's
@@ -69,7 +74,8 @@ for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j
     for j = J_i-1 down to 1: S = Q_i K_j^T * scale       (issued first; masked in the first blocks only)
                            O = e^(m_prev - m) O + P V_(j+1)   (block j+1's rescale and P V, on the tensor cores
                                                                while this block's softmax runs)
-                           m_new = max(m, rowmax S); P = exp(S - m_new); l = e^(m - m_new) l + rowsum P; m = m_new
+                           m_new = max(m, rowmax S) if that exceeds m by more than tau, else m (lazy rescaling)
+                           P = exp(S - m_new); l = e^(m - m_new) l + rowsum P; m = m_new
     O = e^(m_prev - m) O + P V_1; write O / l and LSE = m + log l (once)"""
 
 
@@ -172,7 +178,7 @@ def _consume(visits, scores, product, operand, shape, tau=0.0):
     prev = cols
     for cols, masked in rest:
         S = scores(cols, masked)                      # issue S_j = Q K_j^T
-        O = product(operand(P), prev, alpha[..., None] * O)  # rescale O (under S_j), issue O += P_prev V_prev
+        O = product(operand(P), prev, alpha[..., None] * O)  # O rescaled (1 where no reference moved), += P_prev V_prev
         m_new = lazy_reference(m, S.max(axis=-1), tau)  # wait for S_j only: softmax(S_j) overlaps P_prev V_prev
         P = row_exp(S, m_new)
         alpha = rescale(m, m_new)                     # 1 where the reference stayed: the kernel skips O's rescale
@@ -352,15 +358,22 @@ PIPELINE = "\n".join([
     "",
     "intra-warpgroup overlap (OVERLAP; inside one consumer: wgmma is asynchronous, issue, commit, wait later):",
     "  wait k_full (block j) and v_full (block j+1); [ping-pong wait]",
-    "  issue S_j = Q K_j^T; O *= block j+1's e^(m - m_new) (FMULs under S_j's wgmmas); issue O += P_(j+1) V_(j+1)",
-    "  (the previous block's P, 16-bit A fragments in registers)",
+    "  issue S_j = Q K_j^T; issue O += P_(j+1) V_(j+1) (the previous block's P, 16-bit A fragments in registers)",
     "  [ping-pong pass]; wgmma.wait_group 1: S_j is done, P V still running -> release K_j's slot;",
     "  mask (first steps only); softmax(S_j): m_new, P_j, l, e^(m - m_new)   <- overlaps P_(j+1) V_(j+1)",
-    "  wgmma.wait_group 0: P V done -> release V_(j+1)'s slot; P_j to 16-bit (its registers were P V's operand)",
+    "  wgmma.wait_group 0: P V done -> release V_(j+1)'s slot; P_j to 16-bit (its registers were P V's operand);",
+    "  O *= e^(m - m_new), only if a row of the warp moved its reference (a warp vote and a branch: nothing is",
+    "  in flight here, so the branch costs no wgmma wait)",
+    "",
+    "lazy rescaling (FA4's rule; RESCALE_TAU): a row's reference point m moves to its new max only when that",
+    "  has grown by more than tau (log2 units: 8 for 16-bit P, 0.75 for fa3_fp8's e4m3 P x 256 < 448), so P~",
+    "  stays <= 2^tau and most blocks skip O's rescale (64 FMULs a thread a block at d = 128, 128 at d = 256).",
+    "  The result is the same softmax (O / l and LSE = m + log l do not depend on where m sits); the model's",
+    "  rescale_tau = 0 is FA2's running max, bit for bit.",
     "  The first block has no P V to pair with; after the loop comes O += P_1 V_1. Then named barrier 4 (every",
     "  consumer is done with Q and the ring), O / l staged through shared memory, O and LSE written once.",
     "  The arithmetic is FA2's online softmax with each P V issued one block later: the same operations in the",
-    "  same order, so OVERLAP off (FA2's step: rescale, then P_j V_j at once) gives the same numbers.",
+    "  same order, so OVERLAP off (FA2's step: softmax, rescale, then P_j V_j at once) gives the same numbers.",
     "",
     "tiles (kernels/fa3.py TILES; arithmetic on the tile sizes, not a measurement):",
     *_tile_lines(),
