@@ -273,7 +273,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     const float f = fmaxf(q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
                     moved = online_softmax_rescale_folded(s, m, l, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
                 } else {
-                    moved = online_softmax_rescale(s, m, l, softmax_log2, alpha, RESCALE_TAU);
+                    moved = online_softmax_rescale<true>(s, m, l, softmax_log2, alpha, RESCALE_TAU);
                 }
                 return __any_sync(0xffffffffu, moved);
             };

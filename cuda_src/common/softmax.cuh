@@ -95,18 +95,19 @@ __forceinline__ __device__ void scale_rows(float (&acc)[MT][NT][4], const float 
 // skipped. Moving from -inf always happens (+inf > tau); a row still all -inf stays (NaN > tau is false).
 __forceinline__ __device__ bool reference_moves(float m_cand, float m_old, float tau) { return m_cand - m_old > tau; }
 
-// FlashAttention-2's online-softmax step for one block, deferred normalization: the row's reference point m
-// (its running max, or with tau > 0 within tau of it: reference_moves), l rescaled by alpha = exp2(m_old - m_new)
-// (never divided here), then P~ = exp2(s * scale_log2 - m_new) in place with its row sums added to l. m is kept in
-// the units of s; scale_log2 turns them into log2 units (1 when s already is), as tau is. Returns whether a
-// reference point of this thread's rows moved: where none did, alpha = 1 and O needs no rescale.
+// FlashAttention-2's online-softmax step for one block, deferred normalization: the new running max, l rescaled
+// by alpha = exp2(m_old - m_new) (never divided here), then P~ = exp2(s * scale_log2 - m_new) in place with its row
+// sums added to l. m is kept in the units of s; scale_log2 turns them into log2 units (1 when s already is).
+// LAZY (fa3): m is the row's reference point instead, moved only as reference_moves says (tau in log2 units), and
+// the result says whether a reference of this thread's rows moved: where none did, alpha = 1 and O needs no
+// rescale. Without LAZY (fa2's kernels, whose machine code this keeps as it was) the result is always true.
 // O must be rescaled by the same alpha: online_softmax_step does it at once; a kernel whose O is still being
 // written by the tensor cores (fa2_fp8_fwd_sm90.cu, fa3_fwd.cu) takes alpha and rescales O once the MMA is done.
-template <int MT, int NT>
+template <bool LAZY = false, int MT, int NT>
 __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                        float scale_log2, float (&alpha)[MT][2], float tau = 0.f) {
     float m_new[MT][2], ref[MT][2];
-    bool moved = false;
+    bool moved = !LAZY;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
     row_max(s, m_new);
@@ -114,13 +115,19 @@ __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], fl
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const bool move = reference_moves(m_new[mt][r] * scale_log2, m[mt][r] * scale_log2, tau);
-            const float m_ref = move ? m_new[mt][r] : m[mt][r];
-            ref[mt][r] = exp2_ref(m_ref, scale_log2);
-            alpha[mt][r] = move ? exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]) : 1.f;
+            if constexpr (LAZY) {
+                const bool move = reference_moves(m_new[mt][r] * scale_log2, m[mt][r] * scale_log2, tau);
+                const float m_ref = move ? m_new[mt][r] : m[mt][r];
+                ref[mt][r] = exp2_ref(m_ref, scale_log2);
+                alpha[mt][r] = move ? exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]) : 1.f;
+                m[mt][r] = m_ref;
+                moved |= move;
+            } else {
+                ref[mt][r] = exp2_ref(m_new[mt][r], scale_log2);
+                alpha[mt][r] = exp2f_approx(m[mt][r] * scale_log2 - ref[mt][r]);
+                m[mt][r] = m_new[mt][r];
+            }
             l[mt][r] *= alpha[mt][r];
-            m[mt][r] = m_ref;
-            moved |= move;
         }
     exponentiate(s, ref, scale_log2, l);
     return moved;
