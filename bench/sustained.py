@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         for name, (fn, s) in fns.items():
             time.sleep(1.0)
             t = per_call_ms(fn, s, a.calls)
-            windows = " ".join(f"{tflops(np.median(t[i:i + WINDOW])):.0f}" for i in range(0, a.calls - WINDOW + 1, WINDOW))
+            windows = " ".join(f"{tflops(np.median(t[i:i + WINDOW])):.0f}"
+                               for i in range(0, a.calls - WINDOW + 1, WINDOW))
             print(f"round {r + 1} sustained  {name:12s} TFLOP/s by {WINDOW}-call windows: {windows}")
     return 0
 

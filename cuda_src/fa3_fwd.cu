@@ -25,9 +25,9 @@
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
 //                        softmax's exponent, P repacked to e4m3 in registers, O dequantized on the way out
 //                        (Fp8DequantOut).
-// O's rescale (every instance): after the P V that O was waited for, and only where a reference point of the warp's rows
-// moved. The references move lazily (FA4's rule, softmax.cuh's reference_moves): only when a row's max has grown
-// by more than RESCALE_TAU, so P~ <= 2^tau and most blocks skip the rescale.
+// O's rescale (every instance): after the P V that O was waited for, and only where a reference point of the
+// warp's rows moved. The references move lazily (FA4's rule, softmax.cuh's reference_moves): only when a row's max
+// has grown by more than RESCALE_TAU, so P~ <= 2^tau and most blocks skip the rescale.
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
