@@ -13,8 +13,8 @@ Rows, each the same attention on the same inputs (d = 128, B * N = 16K tokens, 1
   fa3                             both (the default)
 TFLOP/s = 4 B H N^2 d / time (x 0.5 causal); CUDA-event medians with L2-busting input rotation (fa_variants.timing),
 the rows interleaved over --rounds rounds after a warm-up of the card, each row's time the median of its rounds'
-medians, so that no row is read in a state of the card of its own. (That did not explain why the full fa3 row at N 8K reads
-620-674 here and 716-722 in bench/devcheck.py: still open, bench/NOTES.md, ninth session.)
+medians, so that no row is read in a state of the card of its own. (That did not explain why the full fa3 row at
+N 8K reads 620-674 here and 716-722 in bench/devcheck.py: still open, bench/NOTES.md, ninth session.)
 """
 from __future__ import annotations
 
