@@ -208,7 +208,6 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 
             float o[1][DT][4] = {};
             float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
-            float alpha[1][2];   // OVERLAP: the rescale factor O still owes to the last block's softmax
             u32 pa[BN / KK][4];  // P~ of the block whose P V is next, as A fragments (16-bit, or e4m3 x 256)
 
             // A k-step is 32 bytes of the reduction: 16 fp16/bf16 or 32 e4m3 values. STEP_DESC: the k-steps'
@@ -265,8 +264,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
             // Read here, once a tile: read inside the step, it moved d 64's schedule and cost 3 % (eighth session).
             const float softmax_log2 = p.scale_log2;
-            // Returns whether O needs alpha (warp-uniform: the rescale below is a branch, not predicated work).
-            auto softmax = [&](float (&s)[1][NT][4], int j) {
+            // alpha: what O is multiplied by for this block. Returns whether O needs it (warp-uniform: the rescale
+            // below is a branch, not predicated work).
+            auto softmax = [&](float (&s)[1][NT][4], int j, float (&alpha)[1][2]) {
                 bool moved;
                 if constexpr (FP8) {
                     const i64 bhk = (i64)w.b * p.heads_kv + h_kv;
@@ -300,7 +300,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 mbar_arrive_if(k_empty(stage_of(u)), leader);
                 mbar_arrive_if(q_empty, leader && u == n - 1);
                 if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
-                const bool moved = softmax(s, j);
+                float alpha[1][2];
+                const bool moved = softmax(s, j, alpha);
                 if constexpr (PREV) {
                     wgmma_wait<0>();
                     hold_registers(o[0]);
