@@ -18,19 +18,6 @@ import time
 WINDOW = 50
 
 
-def per_call_ms(fn, sets, n: int):
-    """CUDA-event time of each of n back-to-back calls (inputs rotated over ``sets``)."""
-    import cupy
-    import numpy as np
-    ev = [cupy.cuda.Event() for _ in range(n + 1)]
-    ev[0].record()
-    for i in range(n):
-        fn(*sets[i % len(sets)])
-        ev[i + 1].record()
-    ev[-1].synchronize()
-    return np.array([cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(n)])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="bf16-d128-N8192-B2-H16-full")
@@ -46,7 +33,7 @@ def main(argv=None) -> int:
 
     import numpy as np
     import fa_variants as fav
-    from fa_variants.timing import as_torch_bhnd, gpu_input_sets, torch_sdpa_fn
+    from fa_variants.timing import as_torch_bhnd, gpu_input_sets, time_cuda, torch_sdpa_fn
     sets = gpu_input_sets(shape)
     fns = {v: (lambda q, k, v_, name=v: fav.attention(q, k, v_, variant=name, causal=shape.causal), sets)
            for v in filter(None, a.variants.split(","))}
@@ -56,17 +43,22 @@ def main(argv=None) -> int:
         tsets = [tuple(as_torch_bhnd(torch, x) for x in s) for s in sets]
         for p in peers:
             fns[p] = (torch_sdpa_fn(torch, p, shape, 1 / math.sqrt(shape.head_dim)), tsets)
+    # per-call CUDA events, back to back (no pad kernel between calls: the card is to see the load as it comes)
+    def timed(fn, s, warmup, n):
+        return np.array(time_cuda(fn, warmup=warmup, repeats=n, rotate_inputs=s, pad=False))
+
     for fn, s in fns.values():
-        per_call_ms(fn, s, 3)  # compile and load
+        timed(fn, s, 3, 1)  # compile and load
     tflops = lambda ms: shape.flops / (ms * 1e-3) / 1e12  # noqa: E731
     for r in range(a.rounds):
         for name, (fn, s) in fns.items():
             time.sleep(1.0)
-            t = per_call_ms(fn, s, 13)
-            print(f"round {r + 1} burst      {name:12s} {tflops(np.median(t[3:])):7.1f} TFLOP/s (median of calls 4-13)")
+            t = timed(fn, s, 3, 10)
+            print(f"round {r + 1} burst      {name:12s} {tflops(np.median(t)):7.1f} TFLOP/s "
+                  "(median of 10 calls after 3)")
         for name, (fn, s) in fns.items():
             time.sleep(1.0)
-            t = per_call_ms(fn, s, a.calls)
+            t = timed(fn, s, 1, a.calls)
             windows = " ".join(f"{tflops(np.median(t[i:i + WINDOW])):.0f}"
                                for i in range(0, a.calls - WINDOW + 1, WINDOW))
             print(f"round {r + 1} sustained  {name:12s} TFLOP/s by {WINDOW}-call windows: {windows}")
