@@ -74,20 +74,31 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     static_assert(BN % KK == 0 && (D == 64 || D == 128 || D == 256), "whole k-steps of P V; 64-column slabs");
     static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
 
+    // The persistent grid pipelines across tiles (CROSS: the next tile's first S is issued with this tile's last
+    // P V) where a second Q buffer fits beside the ring: the next tile's Q must land while this one's is still read.
+    constexpr int RING = STAGES * (TK::BYTES + TV::BYTES), BARS = 8 * (8 + 4 * STAGES) + 8;
+    constexpr bool CROSS = PERSISTENT && OVERLAP && 1024 + 2 * TQ::BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
+    constexpr int QBUF = CROSS ? 2 : 1;
+
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
-    const u32 sQ = base;
-    auto sK = [&](int s) { return sQ + TQ::BYTES + s * (TK::BYTES + TV::BYTES); };
+    auto sQ = [&](int q) { return base + q * TQ::BYTES; };
+    auto sK = [&](int s) { return sQ(QBUF) + s * (TK::BYTES + TV::BYTES); };
     auto sV = [&](int s) { return sK(s) + TK::BYTES; };
-    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty; per stage K/V full, K/V empty;
-    const u32 q_full = bars, q_empty = bars + 8;  // PERSISTENT: tile full, tile empty per slot, then the slots
-    auto k_full = [&](int s) { return bars + 8 * (2 + s); };
-    auto v_full = [&](int s) { return bars + 8 * (2 + STAGES + s); };
-    auto k_empty = [&](int s) { return bars + 8 * (2 + 2 * STAGES + s); };
-    auto v_empty = [&](int s) { return bars + 8 * (2 + 3 * STAGES + s); };
-    auto tile_full = [&](int k) { return bars + 8 * (2 + 4 * STAGES + k % 2); };
-    auto tile_empty = [&](int k) { return bars + 8 * (4 + 4 * STAGES + k % 2); };
-    auto tile_slot = [&](int k) { return bars + 8 * (6 + 4 * STAGES) + 4 * (k % 2); };
+    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty per Q buffer (two slots each); per
+    // stage K/V full, K/V empty; PERSISTENT: tile full, tile empty per slot, then the slots
+    auto q_full = [&](int q) { return bars + 8 * q; };
+    auto q_empty = [&](int q) { return bars + 8 * (2 + q); };
+    auto k_full = [&](int s) { return bars + 8 * (4 + s); };
+    auto v_full = [&](int s) { return bars + 8 * (4 + STAGES + s); };
+    auto k_empty = [&](int s) { return bars + 8 * (4 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bars + 8 * (4 + 3 * STAGES + s); };
+    auto tile_full = [&](int k) { return bars + 8 * (4 + 4 * STAGES + k % 2); };
+    auto tile_empty = [&](int k) { return bars + 8 * (6 + 4 * STAGES + k % 2); };
+    auto tile_slot = [&](int k) { return bars + 8 * (8 + 4 * STAGES) + 4 * (k % 2); };
+    // The launcher sizes shared memory by the same rule (kernels/fa3.py's smem_bytes): a mismatch traps at once
+    // rather than overrunning it.
+
 
     // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
     // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
@@ -108,8 +119,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, 4 * NC);  // one arrival per consumer warp, once it has issued its last S of a tile
+        for (int q = 0; q < QBUF; ++q) {
+            mbar_init(q_full(q), 1);
+            mbar_init(q_empty(q), 4 * NC);  // one arrival per consumer warp, once it has issued its last S on it
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);   // the producer's expect_tx arrival; the bytes complete the phase
             mbar_init(v_full(s), 1);
@@ -141,11 +154,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 const Work w = tile_at(t);
                 const int h_kv = w.h / p.group;
                 if (w.blocks.count() > 0) {  // else no key for these rows: nothing to load, the consumers write 0
-                    mbar_wait(q_empty, (q_uses & 1) ^ 1);  // the consumers have issued their last S on the old Q
+                    const int q = q_uses % QBUF;
+                    mbar_wait(q_empty(q), ((q_uses / QBUF) & 1) ^ 1);  // the last S on its old Q is issued
                     ++q_uses;
-                    mbar_expect_tx(q_full, TQ::BYTES);  // rows past seqlen_q, columns past head_dim land as zeros
+                    mbar_expect_tx(q_full(q), TQ::BYTES);  // rows past seqlen_q, columns past head_dim land as 0
                     for (int c = 0; c < TQ::SLABS; ++c)
-                        tma_load_4d(sQ + c * TQ::SLAB, tq, q_full, c * TQ::W / EB, w.m0, w.h, w.b);
+                        tma_load_4d(sQ(q) + c * TQ::SLAB, tq, q_full(q), c * TQ::W / EB, w.m0, w.h, w.b);
                 }
                 for (int j = w.blocks.end - 1; j >= w.blocks.begin; --j, ++it) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
@@ -191,159 +205,183 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         auto sched_pass = [&] { if constexpr (PINGPONG) named_arrive(1 + (c + 1) % NC, 256); };
         if (PINGPONG && c == NC - 1) named_arrive(1, 256);
 
+        // A tile as the consumers see it: its rows and key blocks, where block u = 0 sits in the K/V ring, its Q
+        // buffer, and (fp8) Q's scale. The steps take it as an argument: at a CROSS tile boundary the step works
+        // on two tiles, the next one's first S beside this one's last P V.
+        struct TileWork {
+            Work w;
+            int h_kv;        // its K/V head
+            int n, j_mask;   // its blocks, and the first that needs a mask
+            int it;          // ring index of its block u = 0
+            int q, q_phase;  // its Q buffer, and that buffer's phase
+            float q_scale;   // fp8: Q's scale times scale_log2
+        };
         int it = 0, q_uses = 0;  // as the producer counts them
-        for (int k = 0;; ++k) {
-            int t = blockIdx.x;
-            if constexpr (PERSISTENT) {
-                mbar_wait(tile_full(k), (k / 2) & 1);
-                t = ld_shared(tile_slot(k));
-                mbar_arrive_if(tile_empty(k), leader);
-            }
-            if (t >= tiles()) break;
-            const Work w = tile_at(t);
-            const int n = w.blocks.count(), m0 = w.m0;
+        auto tile_of = [&](int t) {
+            TileWork x;
+            x.w = tile_at(t);
+            x.h_kv = x.w.h / p.group;
+            // The shuffle tells ptxas the block count is warp-uniform: without it, the loop over the blocks held
+            // its bound in a vector register and ptxas put a WARPSYNC before every wgmma of the loop.
+            x.n = __shfl_sync(0xffffffffu, x.w.blocks.count(), 0);
             // Blocks j >= j_mask hold a key that some row of this tile must not see (past seqlen_k or, causal,
             // right of row m0's diagonal); the blocks below are visible to every row.
-            const int j_mask = max(0, causal ? min(seqlen_k, m0 + diag + 1) : seqlen_k) / BN;
-
-            float o[1][DT][4] = {};
-            float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
-            u32 pa[BN / KK][4];  // P~ of the block whose P V is next, as A fragments (16-bit, or e4m3 x 256)
-
-            // A k-step is 32 bytes of the reduction: 16 fp16/bf16 or 32 e4m3 values. STEP_DESC: the k-steps'
-            // descriptors are one per operand plus constants (SwizzledTile::step) rather than each formed from its
-            // address: ~70 uniform-datapath instructions fewer a step at d 128, +1-3 % at d 128 and 256 on the
-            // H200, but -3 % at d 64 (three consumers) and -2..+3 % on fp8 (bench/NOTES.md, eighth session).
-            constexpr bool STEP_DESC = !FP8 && D >= 128;
-            auto desc_a = [&](int kk) { return STEP_DESC ? TQ::desc(sQ, c * 64, 0) + TQ::step(0, kk * 32)
-                                                         : TQ::desc(sQ, c * 64, kk * 32); };
-            auto desc_k = [&](int stage, int kk) { return STEP_DESC ? TK::desc(sK(stage), 0, 0) + TK::step(0, kk * 32)
-                                                                    : TK::desc(sK(stage), 0, kk * 32); };
-            auto desc_v = [&](int stage, int kk, int nn) {  // fp8: V^T K-major; 16-bit: V read N-major
-                if constexpr (FP8) return TV::desc(sV(stage), nn * DN, kk * 32);
-                else if constexpr (STEP_DESC) return TV::desc_mn(sV(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
-                else return TV::desc_mn(sV(stage), kk * 16, nn * DN * 2);
-            };
-            auto issue_qk = [&](float (&s)[1][NT][4], int stage) {
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < D / KK; ++kk) {
-                    const u64 a = desc_a(kk), b = desc_k(stage, kk);
-                    if constexpr (FP8) wgmma_e4m3_ss(s[0], a, b, kk > 0);
-                    else wgmma_16_ss<T>(s[0], a, b, kk > 0);
-                }
-                wgmma_commit();
-            };
-            auto issue_pv = [&](int stage) {
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BN / KK; ++kk)
-#pragma unroll
-                    for (int nn = 0; nn < D / DN; ++nn) {
-                        auto& acc = reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]);
-                        if constexpr (FP8) wgmma_e4m3_rs(acc, pa[kk], desc_v(stage, kk, nn), 1);
-                        else wgmma_16_rs<T>(acc, pa[kk], desc_v(stage, kk, nn), 1);
-                    }
-                wgmma_commit();
-            };
-            auto pack_p = [&](const float (&s)[1][NT][4]) {
-#pragma unroll
-                for (int kk = 0; kk < BN / KK; ++kk)
-                    if constexpr (FP8)  // P~ already times P_SCALE (online_softmax_rescale_folded)
-                        repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3], 1.f);
-                    else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
-            };
+            x.j_mask = max(0, causal ? min(seqlen_k, x.w.m0 + diag + 1) : seqlen_k) / BN;
+            x.it = it;
+            x.q = q_uses % QBUF;
+            x.q_phase = (q_uses / QBUF) & 1;
             // fp8: S_j in log2 units is S_j times f, the scales of Q's tile and of K's block j times scale_log2;
             // the softmax folds f (and P_SCALE) into its exponent's FMA, m in log2 units. f is kept at least
             // FLT_MIN, so that a masked -inf times f stays -inf at softmax_scale 0; the launcher makes f positive
-            // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself. (K's scale is
-            // addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions fewer, made
-            // fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
-            const int h_kv = w.h / p.group;
-            float q_scale = 1.f;
-            if constexpr (FP8) q_scale = p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * q_blocks() + m0 / BM];
-            // Read here, once a tile: read inside the step, it moved d 64's schedule and cost 3 % (eighth session).
-            const float softmax_log2 = p.scale_log2;
-            // alpha: what O is multiplied by for this block. Returns whether O needs it (warp-uniform: the rescale
-            // below is a branch, not predicated work).
-            auto softmax = [&](float (&s)[1][NT][4], int j, float (&alpha)[1][2]) {
-                bool moved;
-                if constexpr (FP8) {
-                    const i64 bhk = (i64)w.b * p.heads_kv + h_kv;
-                    const float f = fmaxf(q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
-                    moved = online_softmax_rescale_folded(s, m, l, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
-                } else {
-                    moved = online_softmax_rescale<true>(s, m, l, softmax_log2, alpha, RESCALE_TAU);
-                }
-                return __any_sync(0xffffffffu, moved);
-            };
-            auto stage_of = [&](int u) { return (it + u) % STAGES; };  // the tile's u-th block in the ring
-            auto phase_of = [&](int u) { return ((it + u) / STAGES) & 1; };
-
-            // Visit u of n (block j = end - 1 - u). OVERLAP: S_u is issued with P_{u-1} V_{u-1}; without it,
-            // S_u waits, its softmax rescales O at once and P_u V_u follows: fa2_fwd_sm90's step, with TMA
-            // barriers. The tile's last S releases Q (q_empty) for the producer's next tile. O takes block u's
-            // alpha once nothing is in flight (after P_{u-1} V_{u-1}, before P_u V_u), where a branch is free,
-            // and only if a row of the warp moved its reference (at u = 0, O is still 0).
-            auto step = [&](int u, auto masked, auto overlapped) {
-                constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
-                const int j = w.blocks.end - 1 - u;
-                float s[1][NT][4];
-                mbar_wait(k_full(stage_of(u)), phase_of(u));
-                if constexpr (PREV) mbar_wait(v_full(stage_of(u - 1)), phase_of(u - 1));
-                sched_wait();
-                issue_qk(s, stage_of(u));
-                if constexpr (PREV) issue_pv(stage_of(u - 1));  // O is in block u-1's reference already
-                sched_pass();
-                wgmma_wait<PREV ? 1 : 0>();
-                hold_registers(s[0]);
-                mbar_arrive_if(k_empty(stage_of(u)), leader);
-                mbar_arrive_if(q_empty, leader && u == n - 1);
-                if constexpr (MASKED) mask_scores(s, m0 + row0, j * BN, seqlen_k, diag, causal);
-                float alpha[1][2];
-                const bool moved = softmax(s, j, alpha);
-                if constexpr (PREV) {
-                    wgmma_wait<0>();
-                    hold_registers(o[0]);
-                    mbar_arrive_if(v_empty(stage_of(u - 1)), leader);
-                }
-                pack_p(s);
-                if (u > 0 && moved) scale_rows(o, alpha);
-                if constexpr (!OVERLAP) {  // P_u V_u now
-                    mbar_wait(v_full(stage_of(u)), phase_of(u));
-                    sched_wait();
-                    issue_pv(stage_of(u));
-                    sched_pass();
-                    wgmma_wait<0>();
-                    hold_registers(o[0]);
-                    mbar_arrive_if(v_empty(stage_of(u)), leader);
-                }
-            };
-            auto visit = [&](int u, auto overlapped) {
-                if (w.blocks.end - 1 - u >= j_mask) step(u, flag<true>(), overlapped);
-                else step(u, flag<false>(), overlapped);
-            };
-
-            if (n > 0) {
-                mbar_wait(q_full, q_uses & 1);
+            // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself.
+            x.q_scale = 1.f;
+            if constexpr (FP8)
+                x.q_scale = p.scale_log2 * p.sq[((i64)x.w.b * p.heads + x.w.h) * q_blocks() + x.w.m0 / BM];
+            if (x.n > 0) {
+                it += x.n;
                 ++q_uses;
-                visit(0, flag<false>());
-                for (int u = 1; u < n; ++u) visit(u, flag<OVERLAP>());
-                if constexpr (OVERLAP) {  // the last block's P V
-                    mbar_wait(v_full(stage_of(n - 1)), phase_of(n - 1));
-                    sched_wait();
-                    issue_pv(stage_of(n - 1));
-                    sched_pass();
-                    wgmma_wait<0>();
-                    hold_registers(o[0]);
-                    mbar_arrive_if(v_empty(stage_of(n - 1)), leader);
-                }
-                it += n;
             }
+            return x;
+        };
 
-            const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, w.b, w.h, m0 + row0};
+        float o[1][DT][4] = {};
+        float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
+        u32 pa[BN / KK][4];  // P~ of the block whose P V is next, as A fragments (16-bit, or e4m3 x 256)
+        auto restart = [&] {  // O, m and l of a tile before its first block
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+            m[0][0] = m[0][1] = neg_inf();
+            l[0][0] = l[0][1] = 0.f;
+        };
+
+        // A k-step is 32 bytes of the reduction: 16 fp16/bf16 or 32 e4m3 values. STEP_DESC: the k-steps'
+        // descriptors are one per operand plus constants (SwizzledTile::step) rather than each formed from its
+        // address: ~70 uniform-datapath instructions fewer a step at d 128, +1-3 % at d 128 and 256 on the
+        // H200, but -3 % at d 64 (three consumers) and -2..+3 % on fp8 (bench/NOTES.md, eighth session).
+        constexpr bool STEP_DESC = !FP8 && D >= 128;
+        auto desc_a = [&](int q, int kk) { return STEP_DESC ? TQ::desc(sQ(q), c * 64, 0) + TQ::step(0, kk * 32)
+                                                            : TQ::desc(sQ(q), c * 64, kk * 32); };
+        auto desc_k = [&](int stage, int kk) { return STEP_DESC ? TK::desc(sK(stage), 0, 0) + TK::step(0, kk * 32)
+                                                                : TK::desc(sK(stage), 0, kk * 32); };
+        auto desc_v = [&](int stage, int kk, int nn) {  // fp8: V^T K-major; 16-bit: V read N-major
+            if constexpr (FP8) return TV::desc(sV(stage), nn * DN, kk * 32);
+            else if constexpr (STEP_DESC) return TV::desc_mn(sV(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
+            else return TV::desc_mn(sV(stage), kk * 16, nn * DN * 2);
+        };
+        auto issue_qk = [&](float (&s)[1][NT][4], int q, int stage) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / KK; ++kk) {
+                const u64 a = desc_a(q, kk), b = desc_k(stage, kk);
+                if constexpr (FP8) wgmma_e4m3_ss(s[0], a, b, kk > 0);
+                else wgmma_16_ss<T>(s[0], a, b, kk > 0);
+            }
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int stage) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / KK; ++kk)
+#pragma unroll
+                for (int nn = 0; nn < D / DN; ++nn) {
+                    auto& acc = reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]);
+                    if constexpr (FP8) wgmma_e4m3_rs(acc, pa[kk], desc_v(stage, kk, nn), 1);
+                    else wgmma_16_rs<T>(acc, pa[kk], desc_v(stage, kk, nn), 1);
+                }
+            wgmma_commit();
+        };
+        auto pack_p = [&](const float (&s)[1][NT][4]) {
+#pragma unroll
+            for (int kk = 0; kk < BN / KK; ++kk)
+                if constexpr (FP8)  // P~ already times P_SCALE (online_softmax_rescale_folded)
+                    repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3], 1.f);
+                else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+        };
+        // Read here, once for the kernel: read inside the step, it moved d 64's schedule and cost 3 % (eighth
+        // session).
+        const float softmax_log2 = p.scale_log2;
+        // The online softmax of block j of tile x into (mx, lx). alpha: what O is multiplied by for this block.
+        // Returns whether O needs it (warp-uniform: the rescale below is a branch, not predicated work). (K's
+        // scale is addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions
+        // fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
+        auto softmax = [&](const TileWork& x, float (&s)[1][NT][4], int j, float (&mx)[1][2], float (&lx)[1][2],
+                           float (&alpha)[1][2]) {
+            bool moved;
             if constexpr (FP8) {
-                Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, p.sv + ((i64)w.b * p.heads_kv + h_kv) * D);
+                const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
+                const float f = fmaxf(x.q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
+                moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
+            } else {
+                moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
+            }
+            return __any_sync(0xffffffffu, moved);
+        };
+        // Tile x's u-th block in the ring; u = -1 is the previous tile's last (the ring runs on across tiles).
+        auto stage_of = [&](const TileWork& x, int u) { return (x.it + u) % STAGES; };
+        auto phase_of = [&](const TileWork& x, int u) { return ((x.it + u) / STAGES) & 1; };
+
+        // Visit u of x.n (block j = end - 1 - u). OVERLAP: S_u is issued with P_{u-1} V_{u-1}; without it,
+        // S_u waits, its softmax rescales O at once and P_u V_u follows: fa2_fwd_sm90's step, with TMA
+        // barriers. The tile's last S releases its Q buffer (q_empty) for the producer's tile after next. O takes
+        // block u's alpha once nothing is in flight (after P_{u-1} V_{u-1}, before P_u V_u), where a branch is
+        // free, and only if a row of the warp moved its reference (at u = 0, O is still 0). The softmax runs into
+        // (mx, lx): (m, l), or at a CROSS boundary (u = 0, overlapped: the P V in flight is the previous tile's
+        // last) the next tile's fresh pair, while m and l are still the previous tile's, for its epilogue.
+        auto step = [&](const TileWork& x, int u, auto masked, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
+            constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
+            const int j = x.w.blocks.end - 1 - u;
+            float s[1][NT][4];
+            mbar_wait(k_full(stage_of(x, u)), phase_of(x, u));
+            if constexpr (PREV) mbar_wait(v_full(stage_of(x, u - 1)), phase_of(x, u - 1));
+            sched_wait();
+            issue_qk(s, x.q, stage_of(x, u));
+            if constexpr (PREV) issue_pv(stage_of(x, u - 1));  // O is in block u-1's reference already
+            sched_pass();
+            wgmma_wait<PREV ? 1 : 0>();
+            hold_registers(s[0]);
+            mbar_arrive_if(k_empty(stage_of(x, u)), leader);
+            mbar_arrive_if(q_empty(x.q), leader && u == x.n - 1);
+            if constexpr (MASKED) mask_scores(s, x.w.m0 + row0, j * BN, seqlen_k, diag, causal);
+            float alpha[1][2];
+            const bool moved = softmax(x, s, j, mx, lx, alpha);
+            if constexpr (PREV) {
+                wgmma_wait<0>();
+                hold_registers(o[0]);
+                mbar_arrive_if(v_empty(stage_of(x, u - 1)), leader);
+            }
+            pack_p(s);
+            if (u > 0 && moved) scale_rows(o, alpha);
+            if constexpr (!OVERLAP) {  // P_u V_u now
+                mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
+                sched_wait();
+                issue_pv(stage_of(x, u));
+                sched_pass();
+                wgmma_wait<0>();
+                hold_registers(o[0]);
+                mbar_arrive_if(v_empty(stage_of(x, u)), leader);
+            }
+        };
+        auto visit = [&](const TileWork& x, int u, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
+            if (x.w.blocks.end - 1 - u >= x.j_mask) step(x, u, flag<true>(), overlapped, mx, lx);
+            else step(x, u, flag<false>(), overlapped, mx, lx);
+        };
+        auto last_pv = [&](const TileWork& x) {  // OVERLAP: the last block's P V, with nothing beside it
+            if (!OVERLAP || x.n == 0) return;
+            mbar_wait(v_full(stage_of(x, x.n - 1)), phase_of(x, x.n - 1));
+            sched_wait();
+            issue_pv(stage_of(x, x.n - 1));
+            sched_pass();
+            wgmma_wait<0>();
+            hold_registers(o[0]);
+            mbar_arrive_if(v_empty(stage_of(x, x.n - 1)), leader);
+        };
+        auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
+            const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
+            if constexpr (FP8) {
+                const float* sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
+                Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
             } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {
@@ -351,7 +389,55 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 NormalizedOut<T, D>::store(rows, p, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) +
                                                         row0 * Tile<16, D>::STRIDE);
             }
-            if (!PERSISTENT) break;
+        };
+
+        auto begin = [&](const TileWork& x) {  // a tile's first block, alone
+            restart();
+            if (x.n > 0) {
+                mbar_wait(q_full(x.q), x.q_phase);
+                visit(x, 0, flag<false>(), m, l);
+            }
+        };
+        auto blocks_after_first = [&](const TileWork& x) {
+            for (int u = 1; u < x.n; ++u) visit(x, u, flag<OVERLAP>(), m, l);
+        };
+        if constexpr (!PERSISTENT) {
+            const TileWork x = tile_of(blockIdx.x);
+            if (x.n > 0) { mbar_wait(q_full(x.q), x.q_phase); visit(x, 0, flag<false>(), m, l); }
+            blocks_after_first(x);
+            last_pv(x);
+            store_out(x);
+        } else {
+            // A tile's last P V and its epilogue wait for the next tile (prev is that tile). CROSS: if both have
+            // keys, the next tile's first S and its softmax run beside that P V, instead of after the epilogue
+            // (one ping-pong turn instead of two, the same for every consumer, so the turns stay matched).
+            TileWork prev{};
+            for (int k = 0;; ++k) {
+                mbar_wait(tile_full(k), (k / 2) & 1);
+                const int t = ld_shared(tile_slot(k));
+                mbar_arrive_if(tile_empty(k), leader);
+                const bool done = t >= tiles();
+                TileWork x{};
+                if (!done) x = tile_of(t);
+                const bool cross = CROSS && prev.n > 0 && x.n > 0;
+                float mx[1][2] = {{neg_inf(), neg_inf()}}, lx[1][2] = {};  // x's (m, l) while O is still prev's
+                if (cross) {
+                    mbar_wait(q_full(x.q), x.q_phase);
+                    visit(x, 0, flag<true>(), mx, lx);
+                } else if (k > 0) {
+                    last_pv(prev);
+                }
+                if (k > 0) store_out(prev);
+                if (done) break;
+                if (cross) {
+                    restart();
+                    m[0][0] = mx[0][0], m[0][1] = mx[0][1], l[0][0] = lx[0][0], l[0][1] = lx[0][1];
+                } else {
+                    begin(x);
+                }
+                blocks_after_first(x);
+                prev = x;
+            }
         }
         if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
     }

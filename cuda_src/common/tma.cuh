@@ -24,6 +24,14 @@ struct alignas(64) TmaDesc {
     unsigned long long bits[16];
 };
 
+// The most dynamic shared memory one CTA may opt into on sm_90 (227 KB), and what this launch was given.
+constexpr int MAX_DYNAMIC_SMEM = 227 * 1024;
+__forceinline__ __device__ u32 dynamic_smem_bytes() {
+    u32 n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
 __forceinline__ __device__ void mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }

@@ -68,11 +68,29 @@ def threads(cfg) -> int:
     return 128 * (1 + cfg[0] // 64)
 
 
-def smem_bytes(d: int, cfg, itemsize: int = 2) -> int:
-    """Alignment, Q, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers (Q full/empty, K/V
-    full/empty per stage, tile full/empty per slot) and the persistent grid's two tile slots."""
+MAX_DYNAMIC_SMEM = 227 * 1024  # what one CTA may opt into on sm_90 (tma.cuh's MAX_DYNAMIC_SMEM)
+
+
+def q_buffers(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
+    """Q buffers of an instance: two where the persistent grid pipelines across tiles (fa3_fwd.cu's CROSS: the
+    intra-warpgroup overlap on and a second Q buffer fits), else one. The kernel decides the same way and traps
+    if given less shared memory than its layout needs."""
     bm, bn, stages = cfg[:3]
-    return 1024 + bm * itemsize * d + stages * 2 * bn * itemsize * d + 8 * (6 + 4 * stages) + 8
+    fits = 1024 + 2 * bm * itemsize * d + stages * 2 * bn * itemsize * d + _bars(stages) <= MAX_DYNAMIC_SMEM
+    return 2 if persistent(cfg) and overlap and fits else 1
+
+
+def _bars(stages: int) -> int:
+    # mbarriers: Q full/empty (two slots each), K/V full/empty per stage, tile full/empty per slot; two tile slots
+    return 8 * (8 + 4 * stages) + 8
+
+
+def smem_bytes(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
+    """Alignment, the Q buffers, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers and the
+    persistent grid's two tile slots."""
+    bm, bn, stages = cfg[:3]
+    return (1024 + q_buffers(d, cfg, itemsize, overlap) * bm * itemsize * d + stages * 2 * bn * itemsize * d
+            + _bars(stages))
 
 
 def tiles(head_dim, limit=None):
@@ -191,7 +209,7 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     if (pingpong is not None or not overlap) and D != ABLATION_DIM:
         raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
     cfg = config(D, k.shape[1], causal)
-    smem = smem_bytes(D, cfg)
+    smem = smem_bytes(D, cfg, overlap=overlap)
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
                  for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
