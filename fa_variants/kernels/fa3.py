@@ -37,30 +37,43 @@ DIMS = tuple(TILES)
 # The persistent grid (one CTA per SM taking tiles from a counter) against one CTA per tile, by template dim: it
 # wins up to this seqlen_k (short tiles: the next tile's loads hide under this one's end instead of a new CTA's
 # start; d 64 N 1K +12 %, N 2K +7 %) and loses beyond it (1-5 %: its consumers' P V wait is scheduled earlier by
-# ptxas). Measured in bench/RESULTS.md, fourth session; a tile table entry's own flag (a sweep's) overrides it.
-PERSISTENT_UP_TO = {64: 8192, 128: 2048, 256: 0}
+# ptxas). Measured in bench/RESULTS.md, fourth session; d 128 up to 4K since its persistent tiles pipeline across
+# tiles (PERSISTENT_TILES, tenth session). A tile table entry's own flag (a sweep's) overrides it.
+PERSISTENT_UP_TO = {64: 8192, 128: 4096, 256: 0}
+# Where the persistent grid runs at d 128 (non-causal), 160-key blocks: with them a second Q buffer fits beside
+# the ring, so the grid pipelines across tiles (fa3_fwd.cu's CROSS; 176 does not fit): +2-4 % over one CTA per
+# tile at N 2K-4K, level at 8K-16K (bench/NOTES.md, tenth session).
+PERSISTENT_TILES = {128: (128, 160, 2, 1, 1)}
 # Causal rows' own tiles where they differ (FA3's choice too): at d 128, 128-key blocks waste less of the diagonal
-# block than 176 and measured +4 % at N 2K, +2 % at N 4K (bench/RESULTS.md, fourth session). A sweep of causal
-# shapes overrides this table ('fa3.CAUSAL_TILES:128=...'), not TILES.
-CAUSAL_TILES = {128: [(128, 128, 2, 1, 0)]}
+# block than 176 and measured +4 % at N 2K, +2 % at N 4K (bench/RESULTS.md, fourth session); on the persistent
+# grid at every length (its heavy-first order and the cross-tile pipeline: +1-3 % at N 4K-16K, tenth session).
+# A sweep of causal shapes overrides this table ('fa3.CAUSAL_TILES:128=...'), not TILES.
+CAUSAL_TILES = {128: [(128, 128, 2, 1, 1)]}
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
 ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
 
 
+def as_persistent(d: int, cfg, causal: bool = False) -> tuple:
+    """A tile table entry as the persistent grid runs it: PERSISTENT_TILES' entry where there is one."""
+    if not causal and d in PERSISTENT_TILES:
+        return tuple(PERSISTENT_TILES[d])
+    return tuple(cfg[:4]) + (1,)
+
+
 def config(d: int, seqlen_k: int | None = None, causal: bool = False):
-    """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls), its persistent flag set
-    for ``seqlen_k`` by PERSISTENT_UP_TO unless the entry sets it; FA_VARIANTS_FA3_PERSISTENT=0 or 1 overrides
-    both (call fav.clear_plans() after changing it)."""
+    """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls), run on the persistent grid
+    (as_persistent) up to PERSISTENT_UP_TO[d] unless the entry sets its flag; FA_VARIANTS_FA3_PERSISTENT=0 or 1
+    forces either grid (call fav.clear_plans() after changing it)."""
     entry = (CAUSAL_TILES if causal and d in CAUSAL_TILES else TILES)[d][0]
     cfg = tuple(entry) + (0,) * (5 - len(entry))
     flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
     if flag:
         if flag not in ("0", "1"):
             raise ValueError(f"FA_VARIANTS_FA3_PERSISTENT must be 0 or 1, got {flag!r}")
-        return cfg[:4] + (int(flag),)
-    if seqlen_k is not None and not cfg[4]:
-        cfg = cfg[:4] + (int(seqlen_k <= PERSISTENT_UP_TO[d]),)
+        return as_persistent(d, cfg, causal) if flag == "1" else cfg[:4] + (0,)
+    if seqlen_k is not None and not cfg[4] and seqlen_k <= PERSISTENT_UP_TO[d]:
+        return as_persistent(d, cfg, causal)
     return cfg
 
 
@@ -145,8 +158,9 @@ def tile_counter(device: int, stream: int) -> int:
 
 
 def specializations():
-    main = tuple(dict.fromkeys(instance(c, d, cfg=config(d, causal=causal)[:4] + (pers,)) for c in CTYPE.values()
-                               for d in DIMS for causal in (False, True) for pers in (0, 1)))
+    grids = lambda d, cfg, causal: (cfg[:4] + (0,), as_persistent(d, cfg, causal))  # noqa: E731
+    main = tuple(dict.fromkeys(instance(c, d, cfg=g) for c in CTYPE.values() for d in DIMS for causal in (False, True)
+                               for g in grids(d, config(d, causal=causal), causal)))
     ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
     return main + tuple(e for e in dict.fromkeys(ablation) if e not in main)
 
@@ -206,9 +220,11 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     import cupy
     b, nq, h, d = q.shape
     D = template_dim(d, DIMS)
-    if (pingpong is not None or not overlap) and D != ABLATION_DIM:
+    ablation = pingpong is not None or not overlap
+    if ablation and D != ABLATION_DIM:
         raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
-    cfg = config(D, k.shape[1], causal)
+    # the ablation's instances run one CTA per tile, at every length: the paper's levers on the plain grid
+    cfg = config(D) if ablation else config(D, k.shape[1], causal)
     smem = smem_bytes(D, cfg, overlap=overlap)
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
