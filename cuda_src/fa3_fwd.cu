@@ -98,7 +98,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     auto tile_slot = [&](int k) { return bars + 8 * (8 + 4 * STAGES) + 4 * (k % 2); };
     // The launcher sizes shared memory by the same rule (kernels/fa3.py's smem_bytes): a mismatch traps at once
     // rather than overrunning it.
-
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < 1024 + QBUF * TQ::BYTES + RING + BARS) __trap();
 
     // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
     // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
@@ -244,8 +244,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             return x;
         };
 
-        float o[1][DT][4] = {};
-        float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {};
+        float o[1][DT][4];  // O, m and l of the tile in work, set by restart() before its first block
+        float m[1][2], l[1][2];
         u32 pa[BN / KK][4];  // P~ of the block whose P V is next, as A fragments (16-bit, or e4m3 x 256)
         auto restart = [&] {  // O, m and l of a tile before its first block
 #pragma unroll
@@ -403,7 +403,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         };
         if constexpr (!PERSISTENT) {
             const TileWork x = tile_of(blockIdx.x);
-            if (x.n > 0) { mbar_wait(q_full(x.q), x.q_phase); visit(x, 0, flag<false>(), m, l); }
+            begin(x);
             blocks_after_first(x);
             last_pv(x);
             store_out(x);

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import jit
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, forward_via_plan, fwd_params, sm_count,
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, sm_count,
                      template_dim)
 from .launch import _cupy, _driver_launch, _torch, function_of
 from .params import FWD
@@ -81,21 +81,18 @@ def threads(cfg) -> int:
     return 128 * (1 + cfg[0] // 64)
 
 
-MAX_DYNAMIC_SMEM = 227 * 1024  # what one CTA may opt into on sm_90 (tma.cuh's MAX_DYNAMIC_SMEM)
+def _bars(stages: int) -> int:
+    # mbarriers: Q full/empty (two slots each), K/V full/empty per stage, tile full/empty per slot; two tile slots
+    return 8 * (8 + 4 * stages) + 8
 
 
 def q_buffers(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
     """Q buffers of an instance: two where the persistent grid pipelines across tiles (fa3_fwd.cu's CROSS: the
-    intra-warpgroup overlap on and a second Q buffer fits), else one. The kernel decides the same way and traps
-    if given less shared memory than its layout needs."""
+    intra-warpgroup overlap on and a second Q buffer fits in sm_90's opt-in shared memory, tma.cuh's
+    MAX_DYNAMIC_SMEM), else one. The kernel decides the same way and traps if given less than its layout needs."""
     bm, bn, stages = cfg[:3]
-    fits = 1024 + 2 * bm * itemsize * d + stages * 2 * bn * itemsize * d + _bars(stages) <= MAX_DYNAMIC_SMEM
+    fits = 1024 + 2 * bm * itemsize * d + stages * 2 * bn * itemsize * d + _bars(stages) <= SM90_SMEM
     return 2 if persistent(cfg) and overlap and fits else 1
-
-
-def _bars(stages: int) -> int:
-    # mbarriers: Q full/empty (two slots each), K/V full/empty per stage, tile full/empty per slot; two tile slots
-    return 8 * (8 + 4 * stages) + 8
 
 
 def smem_bytes(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
