@@ -31,7 +31,8 @@
 // The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a mask (the causal
 // diagonal, the seqlen_k tail) come first, and the loop after them is mask-free. While a wgmma is in flight
 // nothing may branch (ptxas completes every wgmma at a control-flow join), so masking is a compile-time case of
-// the step and the barrier arrivals in flight are predicated, not branched.
+// the step and the barrier arrivals in flight are predicated, not branched. Causal, a consumer skips the first
+// blocks that none of its own 64 rows sees (TileWork::z), passing its ping-pong turns without a wgmma.
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
 #include "common/fp8.cuh"
@@ -211,7 +212,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         struct TileWork {
             Work w;
             int h_kv;        // its K/V head
-            int n, j_mask;   // its blocks, and the first that needs a mask
+            int n, j_mask;   // its blocks, and the first that needs a mask for this consumer's rows
+            int z;           // its leading blocks that none of this consumer's rows sees (skipped), < n
             int it;          // ring index of its block u = 0
             int q, q_phase;  // its Q buffer, and that buffer's phase
             float q_scale;   // fp8: Q's scale times scale_log2
@@ -224,9 +226,19 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // The shuffle tells ptxas the block count is warp-uniform: without it, the loop over the blocks held
             // its bound in a vector register and ptxas put a WARPSYNC before every wgmma of the loop.
             x.n = __shfl_sync(0xffffffffu, x.w.blocks.count(), 0);
-            // Blocks j >= j_mask hold a key that some row of this tile must not see (past seqlen_k or, causal,
-            // right of row m0's diagonal); the blocks below are visible to every row.
-            x.j_mask = max(0, causal ? min(seqlen_k, x.w.m0 + diag + 1) : seqlen_k) / BN;
+            // Blocks j >= j_mask hold a key that some row of this consumer must not see (past seqlen_k or,
+            // causal, right of its first row's diagonal); the blocks below are visible to every row.
+            const int r0 = x.w.m0 + 64 * c, r1 = min(r0 + 63, p.seqlen_q - 1);  // its first and last real row
+            // (Both depend on the consumer, so on threadIdx.x: the shuffles keep them warp-uniform for ptxas.)
+            x.j_mask = __shfl_sync(0xffffffffu, max(0, causal ? min(seqlen_k, r0 + diag + 1) : seqlen_k) / BN, 0);
+            // The blocks visited first (j from end - 1 down) that hold no key for any of its rows: causal, right
+            // of its last row's diagonal, or every block if it has no real row (the short last Q block). It
+            // skips them (their K and V go back to the producer unread, and its ping-pong turn passes without a
+            // wgmma), but never the tile's last, so that every consumer has a first and a last P V per tile.
+            // Tiles of BM = 192 on 128-key blocks: 6 % of the causal tensor-core work at N 2K.
+            const int hi = r1 < r0 ? -1 : causal ? r1 + diag : seqlen_k - 1;  // its last visible key, or -1
+            const int z = hi < 0 ? x.n : x.w.blocks.end - 1 - hi / BN;
+            x.z = __shfl_sync(0xffffffffu, max(0, min(z, x.n - 1)), 0);
             x.it = it;
             x.q = q_uses % QBUF;
             x.q_phase = (q_uses / QBUF) & 1;
@@ -352,7 +364,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 mbar_arrive_if(v_empty(stage_of(x, u - 1)), leader);
             }
             pack_p(s);
-            if (u > 0 && moved) scale_rows(o, alpha);
+            if (u > x.z && moved) scale_rows(o, alpha);
             if constexpr (!OVERLAP) {  // P_u V_u now
                 mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
                 sched_wait();
@@ -366,6 +378,19 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         auto visit = [&](const TileWork& x, int u, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
             if (x.w.blocks.end - 1 - u >= x.j_mask) step(x, u, flag<true>(), overlapped, mx, lx);
             else step(x, u, flag<false>(), overlapped, mx, lx);
+        };
+        // A skipped block u of tile x: its stages go back to the producer once they have landed (an arrival
+        // before that could complete the empty barrier's previous phase), and the consumer's turns pass without
+        // a wgmma, so that every consumer takes as many turns as the others.
+        auto skip = [&](const TileWork& x, int u, bool turn) {
+            mbar_wait(k_full(stage_of(x, u)), phase_of(x, u));
+            mbar_arrive_if(k_empty(stage_of(x, u)), leader);
+            mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
+            mbar_arrive_if(v_empty(stage_of(x, u)), leader);
+            for (int i = 0; turn && i < (OVERLAP ? 1 : 2); ++i) {
+                sched_wait();
+                sched_pass();
+            }
         };
         auto last_pv = [&](const TileWork& x) {  // OVERLAP: the last block's P V, with nothing beside it
             if (!OVERLAP || x.n == 0) return;
@@ -391,19 +416,21 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             }
         };
 
-        auto begin = [&](const TileWork& x) {  // a tile's first block, alone
+        // A tile's skipped blocks from u0 on, then its first visited block, alone.
+        auto begin = [&](const TileWork& x, int u0) {
             restart();
             if (x.n > 0) {
                 mbar_wait(q_full(x.q), x.q_phase);
-                visit(x, 0, flag<false>(), m, l);
+                for (int u = u0; u < x.z; ++u) skip(x, u, true);
+                visit(x, x.z, flag<false>(), m, l);
             }
         };
         auto blocks_after_first = [&](const TileWork& x) {
-            for (int u = 1; u < x.n; ++u) visit(x, u, flag<OVERLAP>(), m, l);
+            for (int u = x.z + 1; u < x.n; ++u) visit(x, u, flag<OVERLAP>(), m, l);
         };
         if constexpr (!PERSISTENT) {
             const TileWork x = tile_of(blockIdx.x);
-            begin(x);
+            begin(x, 0);
             blocks_after_first(x);
             last_pv(x);
             store_out(x);
@@ -421,19 +448,20 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 if (!done) x = tile_of(t);
                 const bool cross = CROSS && prev.n > 0 && x.n > 0;
                 float mx[1][2] = {{neg_inf(), neg_inf()}}, lx[1][2] = {};  // x's (m, l) while O is still prev's
-                if (cross) {
+                if (cross && x.z == 0) {
                     mbar_wait(q_full(x.q), x.q_phase);
                     visit(x, 0, flag<true>(), mx, lx);
                 } else if (k > 0) {
                     last_pv(prev);
+                    if (cross) skip(x, 0, false);  // block 0 of x, skipped: its turn was prev's last P V's
                 }
                 if (k > 0) store_out(prev);
                 if (done) break;
-                if (cross) {
+                if (cross && x.z == 0) {
                     restart();
                     m[0][0] = mx[0][0], m[0][1] = mx[0][1], l[0][0] = lx[0][0], l[0][1] = lx[0][1];
                 } else {
-                    begin(x);
+                    begin(x, cross ? 1 : 0);
                 }
                 blocks_after_first(x);
                 prev = x;

@@ -166,7 +166,8 @@ def _fa2_descending(q, k, v, causal, B_r, B_c):
         for r in fa3.consumer_rows(rows):
             shape = Q[:, :, r].shape
             m, l, acc = np.full(shape[:3], -np.inf), np.zeros(shape[:3]), np.zeros(shape)
-            for cols, masked in fa3.kv_visits(rows, N_q, N_k, B_c, causal):
+            visits = fa3.consumer_visits(fa3.kv_visits(rows, N_q, N_k, B_c, causal), r, N_q, N_k, B_c, causal)
+            for cols, masked in visits:
                 S = common.block_scores(Q[:, :, r], K[:, :, cols], scale, r, cols, N_q, N_k, causal)
                 m, l, acc = common.online_softmax_step(m, l, acc, S, V[:, :, cols])
             O[:, :, r], LSE[:, :, r] = common.normalize(acc, l), common.logsumexp_from(m, l)
@@ -248,6 +249,32 @@ def test_blocks_descend_and_masked_blocks_come_first(n_q, n_k, B_r, B_c, causal)
             assert m == needs, (rows, c)
         if causal:   # at most the diagonal's blocks (ceil(B_r / B_c) + 1) and the tail
             assert sum(masked) <= -(-B_r // B_c) + 2
+
+
+@pytest.mark.parametrize("n_q,n_k", [(1, 1), (37, 1000), (1000, 37), (1000, 1000), (2048, 2048), (129, 257)])
+@pytest.mark.parametrize("B_r,B_c", [(192, 128), (128, 80), (128, 128), (7, 13)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_consumers_skip_only_blocks_they_cannot_see(n_q, n_k, B_r, B_c, causal):
+    """A consumer's blocks are its CTA's less a prefix that none of its rows sees (never all of them), and a
+    block needs a mask for it exactly where one of its rows misses a key of the block."""
+    skipped = 0
+    for rows in common.block_slices(n_q, B_r):
+        visits = fa3.kv_visits(rows, n_q, n_k, B_c, causal)
+        for r in fa3.consumer_rows(rows):
+            own = fa3.consumer_visits(visits, r, n_q, n_k, B_c, causal)
+            assert [c for c, _ in own] == [c for c, _ in visits[len(visits) - len(own):]], "a suffix"
+            assert bool(own) == bool(visits), "never every block"
+            visible = common.causal_visible(np.arange(r.start, r.stop), np.arange(n_k), n_q, n_k)
+            for c, _ in visits[:len(visits) - len(own)]:
+                assert causal and not visible[:, c].any(), (r, c)
+            for c, m in own:
+                needs = (c.stop - c.start < B_c) or (causal and not visible[:, c].all())
+                assert m == needs, (r, c)
+            skipped += len(visits) - len(own)
+    if causal and (n_q, n_k, B_r, B_c) == (2048, 2048, 192, 128):
+        # tiles at m0 = 384 k: consumers 0 and 1 skip one block each; at 384 k + 192: consumer 0 one; the last
+        # tile (128 rows at m0 = 1920) none: 5 x 2 + 5 x 1
+        assert skipped == 15, skipped
 
 
 @pytest.mark.parametrize("B_r", [192, 128, 64, 7, 1])

@@ -119,6 +119,25 @@ def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: b
             for cols in reversed(visited)]
 
 
+def consumer_visits(visits, rows: slice, seqlen_q: int, seqlen_k: int, block_k: int,
+                    causal: bool) -> list[tuple[slice, bool]]:
+    """The blocks of its CTA's ``visits`` that the consumer owning Q rows ``rows`` works on, each with "needs a
+    mask" for its own rows (the kernel's per-consumer j_mask: the short tail block, or causal, a block whose
+    last key its first row does not see).
+
+    Causal, the first blocks the CTA visits may hold no key that any of this consumer's rows sees (they lie right
+    of its last row's diagonal: with B_r = 192 on 128-key blocks, consumer 0 misses one or two blocks of every
+    tile). The kernel's consumer skips those (it hands their stages back unread and lets its ping-pong turn pass
+    without a wgmma) but never the CTA's last block, so every consumer has a first and a last P V.
+    """
+    diag = seqlen_k - seqlen_q
+    first = 0
+    while causal and first < len(visits) - 1 and visits[first][0].start > rows.stop - 1 + diag:
+        first += 1
+    return [(cols, (cols.stop - cols.start < block_k) or (causal and cols.stop - 1 > rows.start + diag))
+            for cols, _ in visits[first:]]
+
+
 def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False, tiles=None) -> dict:
     """FA3's HBM element accesses per head, exact (causal included), with ``default_blocks`` for None: the keys
     of ``iomodel.fa2_accesses`` (which it calls), less the Q rows of the CTAs that see no key and so load nothing.
@@ -207,7 +226,7 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0
             hbm.read("V", programs * (cols.stop - cols.start) * d)
         for c_rows in consumer_rows(rows):                     # the consumer warpgroups
             O_c, m, l = _consume(
-                visits,
+                consumer_visits(visits, c_rows, N_q, N_k, B_c, causal),
                 lambda cols, masked, c_rows=c_rows: scores(i, c_rows, cols.start // B_c, cols, masked),
                 lambda P, cols, acc: product(P, cols.start // B_c, cols, acc),
                 operand, (batch, heads, c_rows.stop - c_rows.start, d), tau)
@@ -332,6 +351,8 @@ PIPELINE = "\n".join([
     "  to 1: the t-th block (t = 0, 1, ...) into ring stage s = t mod n_st. The empty barriers keep it at most",
     "  n_st blocks ahead of the consumers. Descending order puts the blocks that need a mask (the causal",
     "  diagonal's, the tail block of N_k) first: the consumers' steps after them are compiled without a mask.",
+    "  Causal, a consumer skips the first blocks that none of its 64 rows sees (right of its last row's",
+    "  diagonal; consumer_visits): it hands their stages back and lets its ping-pong turn pass without a wgmma.",
     "",
     "K/V ring: n_st stages of a K_j and a V_j tile; per stage four mbarriers, K and V apart, so S = Q K_j^T",
     "can start before V_j has landed and K's slot is freed before V's:",
