@@ -51,6 +51,7 @@ SETS = {
                   Shape(4, 8, 4096, 256, "bfloat16", False), Shape(1, 8, 16384, 256, "bfloat16", False)],
     "short": [Shape(16384 // n, 2048 // d, n, d, "bfloat16", c) for d in (64, 128, 256) for n in (2048, 4096)
               for c in (False, True)],
+    "causal": [Shape(16384 // n, 2048 // d, n, d, "bfloat16", True) for d in (64, 128, 256) for n in (2048, 4096, 8192)],
     "small-grid": [Shape(1, 16, 16384, 128, "bfloat16", False), Shape(1, 16, 16384, 128, "bfloat16", True)],
 }
 
