@@ -364,7 +364,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 mbar_arrive_if(v_empty(stage_of(x, u - 1)), leader);
             }
             pack_p(s);
-            if (u > x.z && moved) scale_rows(o, alpha);
+            if ((PREV || u > x.z) && moved) scale_rows(o, alpha);  // O is 0 before the first visited block
             if constexpr (!OVERLAP) {  // P_u V_u now
                 mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
                 sched_wait();
