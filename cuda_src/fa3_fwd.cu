@@ -110,19 +110,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     auto q_blocks = [&] { return (p.seqlen_q + BM - 1) / BM; };
     auto tiles = [&] { return q_blocks() * p.heads * p.batch; };
     struct Work { int m0, h, b; BlockRange blocks; };
-    // Causal tiles differ in length: one head's tiles after another's left SMs idle at the end behind a late heavy
-    // tile (ncu, d 64 N 2K: 5 % of the cycles). They are ordered heaviest first over groups of heads of about
-    // 256 tiles instead, so that the grid ends on the last group's lightest tiles while a wave still reads few
-    // heads' K and V.
     auto tile_at = [&](int t) {
-        const int qb = q_blocks();
-        int i_block = qb - 1 - t % qb, hb = t / qb;
-        if (p.causal) {
-            const int g = max(1, 256 / qb), first = t / (g * qb) * g, n = min(g, p.heads * p.batch - first);
-            const int r = t - first * qb;
-            i_block = qb - 1 - r / n;
-            hb = first + r % n;
-        }
+        const int qb = q_blocks(), i_block = qb - 1 - t % qb, hb = t / qb;
         const int m0 = i_block * BM;
         return Work{m0, hb % p.heads, hb / p.heads, blocks_of<BM, BN>(p, m0)};
     };
