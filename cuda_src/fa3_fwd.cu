@@ -364,7 +364,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 mbar_arrive_if(v_empty(stage_of(x, u - 1)), leader);
             }
             pack_p(s);
-            if ((PREV || u > x.z) && moved) scale_rows(o, alpha);  // O is 0 before the first visited block
+            // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous
+            // tile's, which this block's alpha must not touch. (An overlapped step inside the loop is past both.)
+            if ((PREV ? u > 0 : u > x.z) && moved) scale_rows(o, alpha);
             if constexpr (!OVERLAP) {  // P_u V_u now
                 mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
                 sched_wait();
