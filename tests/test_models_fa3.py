@@ -78,7 +78,9 @@ def test_kernel_tiles_by_head_dim(rng, d, blocks):
     q, k, v = inputs(rng, 1, 150, 140, 1, 1, d)
     assert fa3.default_blocks(d) == blocks
     assert check(q, k, v, False).blocks == blocks
-    causal_blocks = fa3.CAUSAL_TILES.get(fa3.template_dim(d), blocks)[:2]   # (128, 128) at d 128
+    t = fa3.template_dim(d)
+    short = fa3.CAUSAL_SHORT_TILES.get(t)   # (128, 64) at d 256 up to N_k 2048; (128, 128) at d 128
+    causal_blocks = short[1][:2] if short and 140 <= short[0] else fa3.CAUSAL_TILES.get(t, blocks)[:2]
     assert check(q, k, v, True).blocks == causal_blocks
 
 
@@ -310,6 +312,10 @@ def test_default_tiles_are_the_kernels():
     assert kernels.LAUNCHER.tiles(128, causal=True) == fa3.default_blocks(128, causal=True)   # what compare shows
     assert kernels.LAUNCHER.tiles(128) == fa3.default_blocks(128)
     assert fa3.default_blocks(64, causal=True) == fa3.default_blocks(64)
+    assert {d: (n, tuple(t)[:3]) for d, (n, t) in kernels.CAUSAL_SHORT_TILES.items()} == fa3.CAUSAL_SHORT_TILES
+    for d, (n, _) in fa3.CAUSAL_SHORT_TILES.items():
+        for seqlen_k in (n, n + 1):
+            assert kernels.config(d, seqlen_k, causal=True)[:2] == fa3.default_blocks(d, causal=True, seqlen_k=seqlen_k)
     for d in (1, 64, 65, 128, 129, 256):
         assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]
     fp8_kernels = pytest.importorskip("fa_variants.kernels.fa3_fp8")
@@ -360,7 +366,9 @@ def test_closed_form_is_fa2s_but_for_ctas_that_see_no_key():
     assert fa3_counts["total"] == fa2_counts["total"] - 24 * d
     # None: the kernel's tiles, not the paper's blocks fa2_accesses would pick
     assert fa3.accesses(1000, 1000, 64) == iomodel.fa2_accesses(1000, 1000, 64, *fa3.DEFAULT_TILES[64][:2])
-    assert fa3.accesses(1000, 1000, 256, causal=True) == iomodel.fa2_accesses(1000, 1000, 256, *fa3.DEFAULT_TILES[256][:2], True)
+    assert fa3.accesses(4000, 4000, 256, causal=True) == iomodel.fa2_accesses(4000, 4000, 256, *fa3.DEFAULT_TILES[256][:2], True)
+    short_n, short = fa3.CAUSAL_SHORT_TILES[256]   # causal d 256 up to N_k 2048: its short tiles
+    assert fa3.accesses(1000, short_n, 256, causal=True) == iomodel.fa2_accesses(1000, short_n, 256, *short[:2], True)
 
 
 def test_whole_call_is_batch_times_heads_and_gqa_saves_no_reads():

@@ -49,6 +49,10 @@ PERSISTENT_TILES = {128: (128, 160, 2, 1, 1)}
 # grid at every length (its heavy-first order and the cross-tile pipeline: +1-3 % at N 4K-16K, tenth session).
 # A sweep of causal shapes overrides this table ('fa3.CAUSAL_TILES:128=...'), not TILES.
 CAUSAL_TILES = {128: [(128, 128, 2, 1, 1)]}
+# Causal calls up to a seqlen_k take these tiles instead: at d 256, 64-key blocks up to N 2K, where the consumers
+# skip the diagonal blocks their own rows do not see and 64 keys leave less masked work than 80 (+1.7 % at
+# N 2K, level at 4K, -1 % at 8K; bench/NOTES.md, eleventh session).
+CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2, 1, 0))}
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
 ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
@@ -66,6 +70,8 @@ def config(d: int, seqlen_k: int | None = None, causal: bool = False):
     (as_persistent) up to PERSISTENT_UP_TO[d] unless the entry sets its flag; FA_VARIANTS_FA3_PERSISTENT=0 or 1
     forces either grid (call fav.clear_plans() after changing it)."""
     entry = (CAUSAL_TILES if causal and d in CAUSAL_TILES else TILES)[d][0]
+    if causal and d in CAUSAL_SHORT_TILES and seqlen_k is not None and seqlen_k <= CAUSAL_SHORT_TILES[d][0]:
+        entry = CAUSAL_SHORT_TILES[d][1]
     cfg = tuple(entry) + (0,) * (5 - len(entry))
     flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
     if flag:
@@ -156,8 +162,10 @@ def tile_counter(device: int, stream: int) -> int:
 
 def specializations():
     grids = lambda d, cfg, causal: (cfg[:4] + (0,), as_persistent(d, cfg, causal))  # noqa: E731
-    main = tuple(dict.fromkeys(instance(c, d, cfg=g) for c in CTYPE.values() for d in DIMS for causal in (False, True)
-                               for g in grids(d, config(d, causal=causal), causal)))
+    cfgs = [(d, config(d, causal=causal), causal) for d in DIMS for causal in (False, True)]
+    cfgs += [(d, config(d, 1, causal=True), True) for d in CAUSAL_SHORT_TILES]
+    main = tuple(dict.fromkeys(instance(c, d, cfg=g) for c in CTYPE.values() for d, cfg, causal in cfgs
+                               for g in grids(d, cfg, causal)))
     ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
     return main + tuple(e for e in dict.fromkeys(ablation) if e not in main)
 

@@ -57,6 +57,9 @@ CONSUMER_ROWS = 64
 DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 176, 2), 256: (128, 80, 2)}
 #: Causal calls' tiles where they differ (kernels/fa3.py ``CAUSAL_TILES``): 128-key blocks at d = 128.
 CAUSAL_TILES = {128: (128, 128, 2)}
+#: Causal calls up to a seqlen_k take these tiles (kernels/fa3.py ``CAUSAL_SHORT_TILES``): 64-key blocks at
+#: d = 256 up to N_k = 2048.
+CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2))}
 #: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
 #: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread).
 FP8_TILES = {64: (192, 128, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
@@ -84,13 +87,16 @@ def template_dim(head_dim: int) -> int:
     return next((t for t in DEFAULT_TILES if head_dim <= t), max(DEFAULT_TILES))
 
 
-def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None, causal=False) -> tuple[int, int]:
+def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None, causal=False,
+                   seqlen_k=None) -> tuple[int, int]:
     """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``tiles``: fa3's
-    ``DEFAULT_TILES``, with ``CAUSAL_TILES`` for causal calls, or fa3_fp8's ``FP8_TILES``)."""
+    ``DEFAULT_TILES``, with ``CAUSAL_TILES`` for causal calls and ``CAUSAL_SHORT_TILES`` for causal calls up to
+    their seqlen_k, or fa3_fp8's ``FP8_TILES``)."""
     t = template_dim(head_dim)
+    short = CAUSAL_SHORT_TILES.get(t) if causal and tiles is None else None
     if tiles is None:
         tiles = CAUSAL_TILES if causal and t in CAUSAL_TILES else DEFAULT_TILES
-    b_r, b_c, _ = tiles[t]
+    b_r, b_c, _ = short[1] if short and seqlen_k is not None and seqlen_k <= short[0] else tiles[t]
     block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
     return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
 
@@ -146,7 +152,7 @@ def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=Fa
     e = floor((N_q - N_k) / B_r) blocks, all full, so Q = (N_q - e B_r) d. Otherwise fa2's Q = N_q d.
     """
     from .. import iomodel   # here, not at the top: iomodel imports reference.common, the registry both
-    B_r, B_c = default_blocks(head_dim, block_q, block_k, tiles, causal)
+    B_r, B_c = default_blocks(head_dim, block_q, block_k, tiles, causal, seqlen_k)
     counts = iomodel.fa2_accesses(seqlen_q, seqlen_k, head_dim, B_r, B_c, causal)
     empty_rows = (max(0, seqlen_q - seqlen_k) // B_r) * B_r if causal else 0
     counts["Q"] -= empty_rows * head_dim
@@ -264,7 +270,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
     N_q, d, N_k = Q.shape[2], Q.shape[3], K.shape[2]
-    B_r, B_c = default_blocks(d, block_q, block_k, causal=causal)
+    B_r, B_c = default_blocks(d, block_q, block_k, causal=causal, seqlen_k=N_k)
     O, LSE, hbm = _pipeline(
         Q, K, V, B_r, B_c, causal,
         scores=lambda i, rows, j, cols, masked: block_scores(Q[:, :, rows], K[:, :, cols], scale, rows, cols,
@@ -400,6 +406,8 @@ PIPELINE = "\n".join([
     *_tile_lines(),
     *[f"  causal d={t}: B_r x B_c = {b_r} x {b_c} (CAUSAL_TILES: less of the diagonal block is masked work)"
       for t, (b_r, b_c, _) in CAUSAL_TILES.items()],
+    *[f"  causal d={t}, N_k <= {n}: B_r x B_c = {b_r} x {b_c} (CAUSAL_SHORT_TILES)"
+      for t, (n, (b_r, b_c, _)) in CAUSAL_SHORT_TILES.items()],
     "",
     "grid: one CTA per tile (Q block, head, batch), last Q blocks first; or, where tiles are short (kernels/fa3.py",
     "  PERSISTENT_UP_TO: seqlen_k up to 8K at d = 64, 4K at d = 128, with 160-key blocks there; causal d = 128",
