@@ -73,8 +73,9 @@ FP8_RESCALE_TAU = 0.75
 LOOPS = """\
 for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j, j = J_i down to 1, into the ring
   consumer c in 0..NC-1:   rows 64c..64c+63 of Q_i; O = 0, l = 0, m = -inf in its registers
-    j = J_i (last visible): S = Q_i K_j^T * scale; m = rowmax S; P = exp(S - m); l = rowsum P
-    for j = J_i-1 down to 1: S = Q_i K_j^T * scale       (issued first; masked in the first blocks only)
+    j = J_ic (the last block one of its rows sees; causal J_ic <= J_i, the blocks above skipped):
+                           S = Q_i K_j^T * scale; m = rowmax S; P = exp(S - m); l = rowsum P
+    for j = J_ic-1 down to 1: S = Q_i K_j^T * scale      (issued first; masked in the first blocks only)
                            O = e^(m_prev - m) O + P V_(j+1)   (block j+1's rescale and P V, on the tensor cores
                                                                while this block's softmax runs)
                            m_new = max(m, rowmax S) if that exceeds m by more than tau, else m (lazy rescaling)
