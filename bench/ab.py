@@ -29,9 +29,15 @@ def build(tree: Path, cache: Path, variants: str | None, jobs: int) -> int:
 
 
 def devcheck(tree: Path, cache: Path, args: list[str]) -> str:
+    """devcheck's output in ``tree``; a failed run (an option or shape set that tree's devcheck lacks, a crash) is
+    said on stderr with its last line, and its rows then read "-" rather than vanishing from the table."""
     env = dict(os.environ, PYTHONPATH=str(tree), FA_VARIANTS_CACHE=str(cache))
-    return subprocess.run([sys.executable, "bench/devcheck.py", *args], cwd=tree, env=env, capture_output=True,
-                          text=True).stdout
+    run = subprocess.run([sys.executable, "bench/devcheck.py", *args], cwd=tree, env=env, capture_output=True,
+                         text=True)
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        print(f"devcheck in {tree} failed (rc {run.returncode}): {last}", file=sys.stderr, flush=True)
+    return run.stdout
 
 
 def numbers(out: str, column: int) -> dict[str, float]:
@@ -71,7 +77,8 @@ def main(argv=None) -> int:
             runs[n].append(numbers(devcheck(path, caches[n], devcheck_args), a.column))
     ref = trees[0][0]
     rows = []
-    for shape in runs[ref][0]:
+    # every shape any tree measured, in the order first seen: a tree whose run failed shows "-", not an empty table
+    for shape in dict.fromkeys(s for n, _ in trees for run in runs[n] for s in run):
         row = [shape]
         for n, _ in trees:
             vals = [run.get(shape) for run in runs[n]]

@@ -37,3 +37,22 @@ def test_main_alternates_the_trees_and_gives_each_ratio_to_the_first(monkeypatch
     assert calls == ["old", "new", "old", "new"]
     out = capsys.readouterr().out
     assert "500.0 / 500.0" in out and "550.0 / 550.0" in out and "1.100" in out
+
+
+def test_a_tree_whose_run_fails_reads_dash_and_the_others_still_show(monkeypatch, capsys, tmp_path):
+    """The reference tree's devcheck lacking a shape set (it fails, no rows) left the whole table empty before."""
+    monkeypatch.setattr(ab, "build", lambda tree, cache, variants, jobs: 0)
+    monkeypatch.setattr(ab, "devcheck", lambda tree, cache, args:
+                        "" if cache.name == "old" else "bf16-d64-N4096-B4-H32-causal   480.5\n")
+    assert ab.main([f"old={tmp_path}", f"new={tmp_path}", "--rounds", "1", "--cache-root", str(tmp_path),
+                    "--", "--time", "causal"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bf16-d64")]
+    assert row and row[0].split()[1:] == ["-", "480.5", "-"]
+
+
+def test_devcheck_says_when_a_run_fails(monkeypatch, capsys, tmp_path):
+    class Failed:
+        returncode, stdout, stderr = 2, "", "Traceback ...\nKeyError: 'causal'\n"
+    monkeypatch.setattr(ab.subprocess, "run", lambda *a, **k: Failed())
+    assert ab.devcheck(tmp_path, tmp_path / "c", ["--time", "causal"]) == ""
+    assert "failed (rc 2): KeyError: 'causal'" in capsys.readouterr().err
