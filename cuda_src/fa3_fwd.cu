@@ -333,12 +333,21 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // Tile x's u-th block in the ring; u = -1 is the previous tile's last (the ring runs on across tiles).
         auto stage_of = [&](const TileWork& x, int u) { return (x.it + u) % STAGES; };
         auto phase_of = [&](const TileWork& x, int u) { return ((x.it + u) / STAGES) & 1; };
+        auto pv_alone = [&](const TileWork& x, int u) {  // P_u V_u in a ping-pong turn of its own, V_u released
+            mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
+            sched_wait();
+            issue_pv(stage_of(x, u));
+            sched_pass();
+            wgmma_wait<0>();
+            hold_registers(o[0]);
+            mbar_arrive_if(v_empty(stage_of(x, u)), leader);
+        };
 
         // Visit u of x.n (block j = end - 1 - u). OVERLAP: S_u is issued with P_{u-1} V_{u-1}; without it,
         // S_u waits, its softmax rescales O at once and P_u V_u follows: fa2_fwd_sm90's step, with TMA
         // barriers. The tile's last S releases its Q buffer (q_empty) for the producer's tile after next. O takes
         // block u's alpha once nothing is in flight (after P_{u-1} V_{u-1}, before P_u V_u), where a branch is
-        // free, and only if a row of the warp moved its reference (at u = 0, O is still 0). The softmax runs into
+        // free, and only if a row of the warp moved its reference (before, O is still 0). The softmax runs into
         // (mx, lx): (m, l), or at a CROSS boundary (u = 0, overlapped: the P V in flight is the previous tile's
         // last) the next tile's fresh pair, while m and l are still the previous tile's, for its epilogue.
         auto step = [&](const TileWork& x, int u, auto masked, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
@@ -367,15 +376,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous
             // tile's, which this block's alpha must not touch. (An overlapped step inside the loop is past both.)
             if ((PREV ? u > 0 : u > x.z) && moved) scale_rows(o, alpha);
-            if constexpr (!OVERLAP) {  // P_u V_u now
-                mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
-                sched_wait();
-                issue_pv(stage_of(x, u));
-                sched_pass();
-                wgmma_wait<0>();
-                hold_registers(o[0]);
-                mbar_arrive_if(v_empty(stage_of(x, u)), leader);
-            }
+            if constexpr (!OVERLAP) pv_alone(x, u);  // P_u V_u now
         };
         auto visit = [&](const TileWork& x, int u, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
             if (x.w.blocks.end - 1 - u >= x.j_mask) step(x, u, flag<true>(), overlapped, mx, lx);
@@ -396,13 +397,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         };
         auto last_pv = [&](const TileWork& x) {  // OVERLAP: the last block's P V, with nothing beside it
             if (!OVERLAP || x.n == 0) return;
-            mbar_wait(v_full(stage_of(x, x.n - 1)), phase_of(x, x.n - 1));
-            sched_wait();
-            issue_pv(stage_of(x, x.n - 1));
-            sched_pass();
-            wgmma_wait<0>();
-            hold_registers(o[0]);
-            mbar_arrive_if(v_empty(stage_of(x, x.n - 1)), leader);
+            pv_alone(x, x.n - 1);
         };
         auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
