@@ -92,21 +92,23 @@ def _bars(stages: int) -> int:
     return 8 * (8 + 4 * stages) + 8
 
 
+def _layout_bytes(d: int, cfg, itemsize: int, q_bufs: int) -> int:
+    # alignment, the Q buffers, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers and tile slots
+    bm, bn, stages = cfg[:3]
+    return 1024 + q_bufs * bm * itemsize * d + stages * 2 * bn * itemsize * d + _bars(stages)
+
+
 def q_buffers(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
     """Q buffers of an instance: two where the persistent grid pipelines across tiles (fa3_fwd.cu's CROSS: the
     intra-warpgroup overlap on and a second Q buffer fits in sm_90's opt-in shared memory, tma.cuh's
     MAX_DYNAMIC_SMEM), else one. The kernel decides the same way and traps if given less than its layout needs."""
-    bm, bn, stages = cfg[:3]
-    fits = 1024 + 2 * bm * itemsize * d + stages * 2 * bn * itemsize * d + _bars(stages) <= SM90_SMEM
-    return 2 if persistent(cfg) and overlap and fits else 1
+    return 2 if persistent(cfg) and overlap and _layout_bytes(d, cfg, itemsize, 2) <= SM90_SMEM else 1
 
 
 def smem_bytes(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
     """Alignment, the Q buffers, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers and the
     persistent grid's two tile slots."""
-    bm, bn, stages = cfg[:3]
-    return (1024 + q_buffers(d, cfg, itemsize, overlap) * bm * itemsize * d + stages * 2 * bn * itemsize * d
-            + _bars(stages))
+    return _layout_bytes(d, cfg, itemsize, q_buffers(d, cfg, itemsize, overlap))
 
 
 def tiles(head_dim, limit=None):
