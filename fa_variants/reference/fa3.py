@@ -121,9 +121,13 @@ def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: b
     """
     visited = [c for c in block_slices(seqlen_k, block_k)
                if not causal or block_visited(rows.stop - 1, c.start, seqlen_q, seqlen_k)]
-    return [(cols, (cols.stop - cols.start < block_k)
-             or (causal and cols.stop - 1 > rows.start + (seqlen_k - seqlen_q)))
-            for cols in reversed(visited)]
+    return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal)) for cols in reversed(visited)]
+
+
+def needs_mask(cols: slice, rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool) -> bool:
+    """Whether K block ``cols`` needs a mask for Q rows ``rows``: it is N_k's short tail block, or (causal) the
+    first row misses its last key."""
+    return (cols.stop - cols.start < block_k) or (causal and cols.stop - 1 > rows.start + (seqlen_k - seqlen_q))
 
 
 def consumer_visits(visits, rows: slice, seqlen_q: int, seqlen_k: int, block_k: int,
@@ -141,8 +145,7 @@ def consumer_visits(visits, rows: slice, seqlen_q: int, seqlen_k: int, block_k: 
     first = 0
     while causal and first < len(visits) - 1 and visits[first][0].start > rows.stop - 1 + diag:
         first += 1
-    return [(cols, (cols.stop - cols.start < block_k) or (causal and cols.stop - 1 > rows.start + diag))
-            for cols, _ in visits[first:]]
+    return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal)) for cols, _ in visits[first:]]
 
 
 def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False, tiles=None) -> dict:
