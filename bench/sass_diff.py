@@ -2,6 +2,7 @@
 
     python3 bench/sass_diff.py --against 64cbb12 fa3_fwd.cu "fa3_fwd<fav::BFloat16, 64, 128, 2, true, true, 3, true, true>"
     python3 bench/sass_diff.py --here d95efed --against d95efed~1 fa3_fwd.cu "..."     (two commits)
+    python3 bench/sass_diff.py --diff --against HEAD fa3_fwd.cu "..."                   (and where they differ)
 
 Each tree compiles the name expressions with its own NVRTC layer (fa_variants.jit of that tree, for --arch,
 default sm_90a); cuobjdump reads both cubins (fa_variants.sass). Per expression: registers, instruction counts and
@@ -12,6 +13,7 @@ Exit status 1 if any expression differs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import subprocess
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--against", required=True, help="a commit (anything `git archive` takes)")
     ap.add_argument("--here", help="a commit to compare instead of the working tree")
     ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--diff", action="store_true", help="also print where each differing expression's instructions "
+                    "differ (a unified diff, immediates and addresses masked)")
     ap.add_argument("source", help="a file of cuda_src/, e.g. fa2_bwd_sm90.cu")
     ap.add_argument("exprs", nargs="+", help="kernel name expressions, as the launchers spell them")
     args = ap.parse_args(argv)
@@ -78,8 +82,12 @@ def main(argv=None) -> int:
         for e in args.exprs:
             (m_new, r_new), (m_old, r_old) = names["here"][e], names[args.against][e]
             new, old_ins = names["here"]["sass"][m_new], names[args.against]["sass"][m_old]
-            same = [comparable(t) for _, t in new] == [comparable(t) for _, t in old_ins]
+            a, b = [comparable(t) for _, t in old_ins], [comparable(t) for _, t in new]
+            same = a == b
             differ += not same
+            if args.diff and not same:
+                print(f"--- {e}: {args.against} -> {args.here or 'this tree'}")
+                print("\n".join(difflib.unified_diff(a, b, lineterm="", n=2)))
             rows.append([e, f"{r_old} -> {r_new}", f"{len(old_ins)} -> {len(new)}", "identical" if same else "DIFFERENT"])
     print(tabulate(rows, headers=["expression", "registers", "instructions",
                                   f"SASS of {args.here or 'this tree'} vs {args.against}"]))

@@ -311,6 +311,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3], 1.f);
                 else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
         };
+        // LATE_PV_WAIT: in an overlapped step, where P_{u-1} V_{u-1} is waited for. Written after the softmax,
+        // ptxas still hoists that wait above most of the exponentials (it interleaves them with P's packing,
+        // which overwrites the A fragments the P V in flight reads), so the softmax of block u starts only once
+        // P_{u-1} V_{u-1} is done. With the wait inside O's rescale branch, whose vote reads the row sums, every
+        // exponential comes first. fp8, bound by the softmax: on; 16-bit: -2 to -5 % (the packs then follow the
+        // last exponential, in series: bench/NOTES.md, twelfth session).
+        constexpr bool LATE_PV_WAIT = FP8;
         // Read here, once for the kernel: read inside the step, it moved d 64's schedule and cost 3 % (eighth
         // session).
         const float softmax_log2 = p.scale_log2;
@@ -328,7 +335,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             } else {
                 moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
             }
-            return __any_sync(0xffffffffu, moved);
+            // LATE_PV_WAIT: lx < 0 never holds (a sum of exponentials, or NaN), but reading it makes the vote, and
+            // so the rescale's branch in the step, wait for every exponential: ptxas cannot sink them past it.
+            return __any_sync(0xffffffffu, moved || (LATE_PV_WAIT && (lx[0][0] < 0.f || lx[0][1] < 0.f)));
         };
         // Tile x's u-th block in the ring; u = -1 is the previous tile's last (the ring runs on across tiles).
         auto stage_of = [&](const TileWork& x, int u) { return (x.it + u) % STAGES; };
@@ -367,15 +376,22 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (MASKED) mask_scores(s, x.w.m0 + row0, j * BN, seqlen_k, diag, causal);
             float alpha[1][2];
             const bool moved = softmax(x, s, j, mx, lx, alpha);
+            // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous
+            // tile's, which this block's alpha must not touch. (An overlapped step inside the loop is past both.)
+            const bool rescale = (PREV ? u > 0 : u > x.z) && moved;
+            if constexpr (LATE_PV_WAIT)
+                if (rescale) {
+                    if constexpr (PREV) wgmma_wait<0>();
+                    scale_rows(o, alpha);
+                }
             if constexpr (PREV) {
                 wgmma_wait<0>();
                 hold_registers(o[0]);
                 mbar_arrive_if(v_empty(stage_of(x, u - 1)), leader);
             }
             pack_p(s);
-            // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous
-            // tile's, which this block's alpha must not touch. (An overlapped step inside the loop is past both.)
-            if ((PREV ? u > 0 : u > x.z) && moved) scale_rows(o, alpha);
+            if constexpr (!LATE_PV_WAIT)
+                if (rescale) scale_rows(o, alpha);
             if constexpr (!OVERLAP) pv_alone(x, u);  // P_u V_u now
         };
         auto visit = [&](const TileWork& x, int u, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
@@ -438,7 +454,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             TileWork prev{};
             for (int k = 0;; ++k) {
                 mbar_wait(tile_full(k), (k / 2) & 1);
-                const int t = ld_shared(tile_slot(k));
+                // The warp's leader reads the slot and releases it; the others take its value by a shuffle, so
+                // that no read is left unordered before the producer's next write (racecheck: bench/NOTES.md).
+                const int t = __shfl_sync(0xffffffffu, leader ? ld_shared(tile_slot(k)) : 0, 0);
                 mbar_arrive_if(tile_empty(k), leader);
                 const bool done = t >= tiles();
                 TileWork x{};

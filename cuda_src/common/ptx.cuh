@@ -11,7 +11,8 @@ __forceinline__ __device__ u32 smem_u32(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-// One 32-bit word at a 32-bit shared-memory address (fa3's tile slots sit beside its mbarriers, addressed so).
+// One 32-bit word at a 32-bit shared-memory address (slots beside mbarriers are addressed so: fa3's tile slots,
+// fa2_bwd_sm90's dQ slots).
 __forceinline__ __device__ void st_shared(u32 addr, int x) {
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(x) : "memory");
 }
