@@ -381,7 +381,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             const bool rescale = (PREV ? u > 0 : u > x.z) && moved;
             if constexpr (LATE_PV_WAIT)
                 if (rescale) {
-                    if constexpr (PREV) wgmma_wait<0>();
+                    if constexpr (PREV) wgmma_wait<0>();  // (the wait below is then a no-op)
                     scale_rows(o, alpha);
                 }
             if constexpr (PREV) {
