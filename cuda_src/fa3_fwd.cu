@@ -17,9 +17,12 @@
 //                        first its blockIdx.x, then gridDim.x + atomicAdd), so an SM that finishes early takes the
 //                        next tile in the heavy-first order (longest processing time first, what the hardware
 //                        does for one CTA per tile), and hands each to the consumers through a two-slot ring in
-//                        shared memory. It loads the next tile's Q and K/V while the consumers finish this one,
-//                        whose O then goes out straight from registers (DirectOut: shared memory is busy).
-//                        Otherwise one CTA per tile, O staged through shared memory (NormalizedOut).
+//                        shared memory. It loads the next tile's Q and K/V while the consumers finish this one.
+//                        Where it pipelines across tiles (CROSS, 16-bit), each consumer writes its O rows over
+//                        its own rows of the tile's Q buffer, which nothing reads any more (SwizzledOut), and
+//                        sends them out by TMA; otherwise O goes out straight from registers (DirectOut:
+//                        shared memory is busy). Without PERSISTENT: one CTA per tile, O staged through shared
+//                        memory (NormalizedOut).
 //   FP8 (fa3_fp8)        the same pipeline on e4m3 operands, fa2_fp8's quantized layouts and scales: Q and K
 //                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
@@ -58,6 +61,7 @@ template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int N
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
         const __grid_constant__ fav::TmaDesc tv,
+        const __grid_constant__ fav::TmaDesc to,  // O (16-bit CROSS instances: TMA_OUT), boxes of 64 rows
         const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p,
         int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
     using namespace fav;
@@ -80,6 +84,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     constexpr int RING = STAGES * (TK::BYTES + TV::BYTES), BARS = 8 * (8 + 4 * STAGES) + 8;
     constexpr bool CROSS = PERSISTENT && OVERLAP && 1024 + 2 * TQ::BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
     constexpr int QBUF = CROSS ? 2 : 1;
+    // TMA_OUT: a tile's O leaves through its Q buffer. Each consumer writes its rows, in the input's format, over
+    // its own 64 rows of Q (its last S has read them); one of its threads stores them by TMA and, once the TMA
+    // unit has read them, arrives on the buffer's q_empty beside the warps' "last S issued" arrivals. 4-byte
+    // stores straight to global memory (DirectOut) cost the consumers 4 % at d 128 N 2K (bench/NOTES.md,
+    // thirteenth session). (fp8: 16-bit O rows are twice Q's e4m3 rows: no room.)
+    constexpr bool TMA_OUT = CROSS && !FP8;
 
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
@@ -122,7 +132,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     if (threadIdx.x == 0) {
         for (int q = 0; q < QBUF; ++q) {
             mbar_init(q_full(q), 1);
-            mbar_init(q_empty(q), 4 * NC);  // one arrival per consumer warp, once it has issued its last S on it
+            // one arrival per consumer warp, once it has issued its last S on it; TMA_OUT: and one per consumer,
+            // once the TMA unit has read the O rows written over it
+            mbar_init(q_empty(q), TMA_OUT ? 5 * NC : 4 * NC);
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);   // the producer's expect_tx arrival; the bytes complete the phase
@@ -201,7 +213,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // Ping-pong: consumer c issues after `sched_wait` on barrier 1 + c, which the previous consumer's
         // `sched_pass` (bar.arrive) completes once it has issued. The last consumer passes first, so consumer 0
         // starts; the turns run on across tiles (every consumer visits the same blocks). (Barrier 0 is
-        // __syncthreads, barrier 4 the consumers' own.)
+        // __syncthreads, barrier 4 the consumers' own, 5 + c consumer c's own.)
         auto sched_wait = [&] { if constexpr (PINGPONG) named_sync(1 + c, 256); };
         auto sched_pass = [&] { if constexpr (PINGPONG) named_arrive(1 + (c + 1) % NC, 256); };
         if (PINGPONG && c == NC - 1) named_arrive(1, 256);
@@ -420,6 +432,22 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) {
                 const float* sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
                 Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
+            } else if constexpr (TMA_OUT) {
+                if (x.n == 0) {  // no key: no Q buffer of its own either
+                    DirectOut<T, D>::store(rows, p);
+                    return;
+                }
+                SwizzledOut<T, TQ>::store(rows, p, sQ(x.q), row0);
+                fence_proxy_async();     // this thread's rows, before the TMA unit reads them
+                named_sync(5 + c, 128);  // all of this consumer's rows
+                if (threadIdx.x % 128 == 0) {
+                    for (int slab = 0; slab < TQ::SLABS; ++slab)  // boxes of 64 rows of 128 bytes
+                        tma_store_4d(to, sQ(x.q) + slab * TQ::SLAB + c * 64 * TQ::W, slab * TQ::W / EB,
+                                     x.w.m0 + 64 * c, x.w.h, x.w.b);
+                    bulk_commit();
+                    bulk_wait_read<0>();  // (which also keeps the CTA's shared memory until then)
+                    mbar_arrive_if(q_empty(x.q), true);
+                }
             } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {

@@ -1,7 +1,8 @@
 // The end of a forward: what a CTA does with its rows once the K/V loop is over. One rule for every kernel, and
 // one interface (Policy::store(rows, params, ...)) with four policies:
 //   NormalizedOut   O / l in the input's format and LSE = m + ln l, staged through shared memory  (fa2, fa3)
-//   DirectOut       the same, stored from registers                                 (fa3's persistent grid)
+//   SwizzledOut     the same, written into a swizzled shared tile that TMA then stores     (fa3's persistent grid)
+//   DirectOut       the same, stored from registers                     (fa3's persistent grid, tiles without keys)
 //   Fp8DequantOut   O * s_v / (256 l): undoes P's x256 and V's per-channel scale       (fa2_fp8, both kernels)
 //   PartialOut      unnormalized O, m (log2 units) and l to a float32 workspace            (split-KV)
 // fa1 keeps O normalized in HBM at every step (Algorithm 1), so it uses the rule (finish_row) but no policy.
@@ -113,6 +114,33 @@ struct DirectOut {
                         *reinterpret_cast<u32*>(dst + col) =
                             T::pack(r.o[mt][dt][2 * h2] * e.inv, r.o[mt][dt][2 * h2 + 1] * e.inv);
                 }
+            }
+    }
+};
+
+// O / l in T written into the warp's rows of a shared Tile (common/wgmma.cuh's SwizzledTile of 2 D-byte rows,
+// the layout a TMA box of it loads and stores), LSE by the quad's first thread. `tile_row0`: the warp's first row
+// within the tile. The 128-byte swizzle puts a row's 16-byte chunk k at k ^ (row % 8), so the 8 rows of one
+// store land in 8 distinct chunks: no bank conflict. The caller fences, synchronizes and has one thread store
+// the tile by TMA, which also leaves out the rows past seqlen_q and the columns past head_dim (its tensor map's
+// extent): fa3's persistent grid, whose O goes out through the Q buffer its tile no longer reads.
+template <class T, class Tile>
+struct SwizzledOut {
+    template <int MT, int DT>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u32 tile,
+                                                 int tile_row0) {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
+                const int row = mt * 16 + g + 8 * h2;
+                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + row, e.lse);
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    st_shared(tile + Tile::offset(tile_row0 + row, 2 * (dt * 8 + 2 * t)),
+                              T::pack(r.o[mt][dt][2 * h2] * e.inv, r.o[mt][dt][2 * h2 + 1] * e.inv));
             }
     }
 };

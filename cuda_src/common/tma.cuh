@@ -65,6 +65,15 @@ __forceinline__ __device__ void tma_load_4d(u32 dst, const TmaDesc& map, u32 bar
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// The box of a 4-d tensor map at coordinates (c0 innermost .. c3) from shared memory at `src` (laid out and
+// swizzled as a load of that box would leave it) to global memory, by the TMA unit, in this thread's bulk group
+// (bulk_commit, bulk_wait_read below). Elements of the box outside the tensor's extent are not written. Generic
+// stores of `src` need fence_proxy_async (wgmma.cuh) before the thread that issues this sees them.
+__forceinline__ __device__ void tma_store_4d(const TmaDesc& map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 ::"l"(reinterpret_cast<unsigned long long>(&map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
 // 1-d bulk copies from shared to global memory (no tensor map): `bytes` (a multiple of 16; both addresses 16-byte
 // aligned) stored, or added element-wise as fp32 at L2, by the TMA unit. They form bulk groups per thread: commit,
 // then wait until at most N groups are unread (the shared memory may be overwritten) or incomplete (written).

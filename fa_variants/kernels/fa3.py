@@ -178,14 +178,14 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
 
 @dataclasses.dataclass(frozen=True)
 class Fa3Plan:
-    """One fa3 (or fa3_fp8) forward for one call signature: fa2's FwdPlan plus the three tensor maps."""
+    """One fa3 (or fa3_fp8) forward for one call signature: fa2's FwdPlan plus the tensor maps."""
     func: int
     grid: tuple
     block: int
     smem: int
     template: bytes         # FwdParams (fa3_fp8: Fp8FwdParams) with zero pointers
     fmt: str                # struct format of the parameter struct's leading pointers
-    maps: tuple             # MapTemplate of q, k, v (fa3_fp8: of e4m3 q, k, v^T)
+    maps: tuple             # MapTemplate of q, k, v, out (fa3_fp8: of e4m3 q, k, v^T; it stores O itself)
     out_shape: tuple
     dtype: np.dtype
     lse_shape: tuple | None
@@ -198,8 +198,9 @@ class Fa3Plan:
         params = ctypes.create_string_buffer(self.template, len(self.template))
         struct.pack_into(self.fmt, params, 0, *ptrs)
         counter = ctypes.c_uint64(tile_counter(self.device, stream) if self.persistent else 0)
-        bufs = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)] + [params]
-        argv = (ctypes.c_void_p * 5)(*(ctypes.addressof(b) for b in bufs), ctypes.addressof(counter))
+        maps = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)]
+        maps += maps[:1] * (4 - len(maps))  # the kernel's O map, where it has none (fa3_fp8): never read
+        argv = (ctypes.c_void_p * 6)(*(ctypes.addressof(b) for b in maps + [params]), ctypes.addressof(counter))
         _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
                          ctypes.addressof(argv), 0)
 
@@ -208,7 +209,8 @@ class Fa3Plan:
         out = empty(self.out_shape, self.dtype)
         lse = None if self.lse_shape is None else empty(self.lse_shape, np.float32)
         ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
-        self.launch(stream().ptr, ptrs, ptrs + (out.data.ptr, 0 if lse is None else lse.data.ptr, 0, 0, 0))
+        self.launch(stream().ptr, ptrs + (out.data.ptr,),
+                    ptrs + (out.data.ptr, 0 if lse is None else lse.data.ptr, 0, 0, 0))
         return out, lse
 
     def run_torch(self, q, k, v):
@@ -216,7 +218,8 @@ class Fa3Plan:
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        self.launch(stream_of(self.device), ptrs, ptrs + (out.data_ptr(), 0 if lse is None else lse.data_ptr(), 0, 0, 0))
+        self.launch(stream_of(self.device), ptrs + (out.data_ptr(),),
+                    ptrs + (out.data_ptr(), 0 if lse is None else lse.data_ptr(), 0, 0, 0))
         return out, lse
 
 
@@ -236,6 +239,10 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
                  for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
+    # out, as run_cupy / run_torch allocate it (contiguous), in boxes of one consumer's 64 rows; made at q's
+    # address (any 16-byte aligned one serves: the launch patches in out's)
+    isz = q.dtype.itemsize
+    maps += (MapTemplate(q.data.ptr, (b, nq, h, d), (nq * h * d * isz, h * d * isz, d * isz), isz, 64, "out"),)
     if cdiv(nq, cfg[0]) * h * b >= 2**31:
         raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
     return Fa3Plan(func=function_of(kern, smem), grid=grid(nq, h, b, cfg), block=threads(cfg), smem=smem,
