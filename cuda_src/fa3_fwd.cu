@@ -27,7 +27,8 @@
 //                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
 //                        softmax's exponent, P repacked to e4m3 in registers, O dequantized on the way out
-//                        (Fp8DequantOut).
+//                        (Fp8DequantOut; staged through shared memory on one CTA per tile: +5-12 % over 4-byte
+//                        stores from registers at N 4K-8K, bench/NOTES.md, thirteenth session).
 // O's rescale (every instance): after the P V that O was waited for, and only where a reference point of the
 // warp's rows moved. The references move lazily (FA4's rule, softmax.cuh's reference_moves): only when a row's max
 // has grown by more than RESCALE_TAU, so P~ <= 2^tau and most blocks skip the rescale.
@@ -431,7 +432,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
             if constexpr (FP8) {
                 const float* sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
-                Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
+                if constexpr (PERSISTENT) {
+                    Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
+                } else {  // staged over Q and the ring, 16-byte stores, as NormalizedOut
+                    named_sync(4, CONSUMERS);
+                    Fp8DequantOut<T, P_SCALE_LOG2, true>::template staged<D>(
+                        rows, p, sv, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE);
+                }
             } else if constexpr (TMA_OUT) {
                 if (x.n == 0) {  // no key: no Q buffer of its own either
                     DirectOut<T, D>::store(rows, p);

@@ -3,7 +3,8 @@
 //   NormalizedOut   O / l in the input's format and LSE = m + ln l, staged through shared memory  (fa2, fa3)
 //   SwizzledOut     the same, written into a swizzled shared tile that TMA then stores     (fa3's persistent grid)
 //   DirectOut       the same, stored from registers                     (fa3's persistent grid, tiles without keys)
-//   Fp8DequantOut   O * s_v / (256 l): undoes P's x256 and V's per-channel scale       (fa2_fp8, both kernels)
+//   Fp8DequantOut   O * s_v / (256 l): undoes P's x256 and V's per-channel scale (fa2_fp8, fa3_fp8; from
+//                   registers, or ::staged through shared memory where a CTA's loop has left it free)
 //   PartialOut      unnormalized O, m (log2 units) and l to a float32 workspace            (split-KV)
 // fa1 keeps O normalized in HBM at every step (Algorithm 1), so it uses the rule (finish_row) but no policy.
 //
@@ -47,12 +48,14 @@ __forceinline__ __device__ void store_lse(float* lse, int b, int h, int heads, i
     if (lse != nullptr && row < seqlen_q) lse[((i64)b * heads + h) * seqlen_q + row] = x;
 }
 
-// A warp's accumulator rows (mma C layout, MT m-tiles), each times its factor f (rows g and g+8), converted to T
-// and written through the warp's own rows of a shared tile (stride Tile<*, D>::STRIDE) with 16-byte stores: rows
-// at or beyond valid_rows and columns at or beyond valid_cols are not stored (the backward's gradients).
+// A warp's accumulator rows (mma C layout, MT m-tiles), each times its factor f (rows g and g+8) and, given
+// col_scale, each column times its own, converted to T and written through the warp's own rows of a shared tile
+// (stride Tile<*, D>::STRIDE) with 16-byte stores: rows at or beyond valid_rows and columns at or beyond
+// valid_cols are not stored (the backward's gradients).
 template <class T, int D, int MT, int DT>
 __forceinline__ __device__ void store_acc_rows(const float (&acc)[MT][DT][4], const float (&f)[MT][2], u16* stage,
-                                               u16* __restrict__ dst, i64 ld, int valid_rows, int valid_cols) {
+                                               u16* __restrict__ dst, i64 ld, int valid_rows, int valid_cols,
+                                               const float* __restrict__ col_scale = nullptr) {
     constexpr int STRIDE = Tile<16, D>::STRIDE;
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
@@ -61,9 +64,12 @@ __forceinline__ __device__ void store_acc_rows(const float (&acc)[MT][DT][4], co
         for (int h2 = 0; h2 < 2; ++h2) {
             const int row = mt * 16 + g + 8 * h2;
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-                *reinterpret_cast<u32*>(stage + row * STRIDE + dt * 8 + 2 * t) =
-                    T::pack(acc[mt][dt][2 * h2] * f[mt][h2], acc[mt][dt][2 * h2 + 1] * f[mt][h2]);
+            for (int dt = 0; dt < DT; ++dt) {
+                const int c = dt * 8 + 2 * t;
+                const float s0 = col_scale ? col_scale[c] : 1.f, s1 = col_scale ? col_scale[c + 1] : 1.f;
+                *reinterpret_cast<u32*>(stage + row * STRIDE + c) =
+                    T::pack(acc[mt][dt][2 * h2] * f[mt][h2] * s0, acc[mt][dt][2 * h2 + 1] * f[mt][h2] * s1);
+            }
         }
     __syncwarp();
     store_rows_warp<MT * 16, D>(dst, ld, stage, valid_rows, valid_cols);
@@ -197,6 +203,24 @@ struct Fp8DequantOut {
                 }
                 if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, row, e.lse);
             }
+    }
+    // The same values through the warp's own rows of a shared tile (stride Tile<*, D>::STRIDE), 16-byte stores
+    // (NormalizedOut's staging): for a CTA whose shared memory is free once its loop is over.
+    template <int D, int MT, int DT>
+    __forceinline__ __device__ static void staged(const WarpRows<MT, DT>& r, const Fp8FwdParams& p,
+                                                  const float* __restrict__ sv, u16* stage) {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        float inv[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - (P_IN_SUM ? P_LOG2 : 0));
+                inv[mt][h2] = P_IN_SUM ? e.inv : e.inv * (1.f / (1 << P_LOG2));
+                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + mt * 16 + g + 8 * h2, e.lse);
+            }
+        store_acc_rows<T, D>(r.o, inv, stage, p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n,
+                             p.seqlen_q - r.row0, p.head_dim, sv);
     }
 };
 
