@@ -66,9 +66,9 @@ __forceinline__ __device__ void store_acc_rows(const float (&acc)[MT][DT][4], co
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 const int c = dt * 8 + 2 * t;
-                const float s0 = col_scale ? col_scale[c] : 1.f, s1 = col_scale ? col_scale[c + 1] : 1.f;
-                *reinterpret_cast<u32*>(stage + row * STRIDE + c) =
-                    T::pack(acc[mt][dt][2 * h2] * f[mt][h2] * s0, acc[mt][dt][2 * h2 + 1] * f[mt][h2] * s1);
+                const float x = acc[mt][dt][2 * h2] * f[mt][h2], y = acc[mt][dt][2 * h2 + 1] * f[mt][h2];
+                *reinterpret_cast<u32*>(stage + row * STRIDE + dt * 8 + 2 * t) =
+                    col_scale ? T::pack(x * col_scale[c], y * col_scale[c + 1]) : T::pack(x, y);
             }
         }
     __syncwarp();
