@@ -56,7 +56,8 @@ SETS = {
     # d 128 where the floor is closest (N 2K) and its neighbour, both dtypes and masks
     "d128": [Shape(16384 // n, 16, n, 128, dt, c) for dt in ("bfloat16", "float16") for n in (2048, 4096)
              for c in (False, True)],
-    # The last wave's cost at d 128 N 2K: 2048 tiles of 128 rows are 15.5 waves on 132 SMs, 2112 (H 33) are 16
+    # The last wave's cost at d 128: at N 2K, 2048 tiles of 128 rows are 15.5 waves on 132 SMs, 2112 (H 33) are
+    # 16; at N 4K, 4096 are 31.03 waves, 4224 (H 33) 32
     "waves": [Shape(8, 16, 2048, 128, "bfloat16", False), Shape(4, 33, 2048, 128, "bfloat16", False),
               Shape(8, 16, 4096, 128, "bfloat16", False), Shape(4, 33, 4096, 128, "bfloat16", False)],
 }

@@ -2,7 +2,8 @@
 sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` extra installs it).
 
     wgmma        HGMMA (fp16/bf16) or QGMMA (e4m3) in every wgmma kernel; never HMMA's emulation of e4m3
-    fa3          UTMALDG (TMA loads), USETMAXREG (the producer's registers to the consumers), no LDGSTS (cp.async)
+    fa3          UTMALDG (TMA loads), USETMAXREG (the producer's registers to the consumers), no LDGSTS (cp.async);
+                 UTMASTG (TMA stores of O) where the persistent grid pipelines across tiles (16-bit; TMA_OUT)
     spills       no LDL / STL in any of them: a spilled accumulator would serialize the wgmmas
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 
 from fa_variants import jit, registry
 from fa_variants.sass import cuobjdump, sass_by_function
-from fa_variants.kernels import fa3_fp8
+from fa_variants.kernels import fa3, fa3_fp8
 
 # source -> the instructions every function in it must hold, and those none may hold
 WGMMA_SOURCES = {
@@ -24,6 +25,14 @@ WGMMA_SOURCES = {
 ELEMENTWISE = ("fa2_bwd_dq_convert<",)  # the fused dQ's fp32 sum scaled into the input dtype
 # fa3_fwd.cu serves both 16-bit fa3 and fa3_fp8: the FP8 flag picks the MMA (must hold, must not hold)
 FA3_MMA = {False: ("HGMMA", "QGMMA"), True: ("QGMMA", "HGMMA")}
+
+
+def fa3_stores_o_by_tma(expr: str) -> bool:
+    """fa3_fwd.cu's TMA_OUT for a 16-bit instance name fa3_fwd<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT>:
+    the persistent grid with two Q buffers (kernels/fa3.py's q_buffers, the kernel's CROSS)."""
+    t, d, bn, stages, pp, overlap, nc, pers = (a.strip() for a in expr[expr.index("<") + 1:-1].split(","))
+    cfg = (64 * int(nc), int(bn), int(stages), pp == "true", pers == "true")
+    return fa3.q_buffers(int(d), cfg, 2, overlap == "true") == 2
 
 
 def units():
@@ -51,5 +60,7 @@ def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
             hold, avoid = FA3_MMA[expr in fp8_instances]
             must.add(hold)
             must_not.add(avoid)
+            if expr not in fp8_instances and fa3_stores_o_by_tma(expr):
+                must.add("UTMASTG")
         assert must <= ops, f"{expr}: no {sorted(must - ops)} in its SASS"
         assert not must_not & ops, f"{expr}: {sorted(must_not & ops)} in its SASS"
