@@ -5,7 +5,9 @@
 An overlapped step waits twice: for its S (WARPGROUP.DEPBAR.LE gsb0, 0x1) and then for the previous block's P V
 (DEPBAR ... 0x0). Per such step the table counts the row-max, exponential and pack instructions between the two
 waits: the exponentials after the second wait run only once that P V is done (bench/NOTES.md, twelfth session,
-fa3_fwd.cu's LATE_PV_WAIT).
+fa3_fwd.cu's LATE_PV_WAIT). The last column is the length of the shortest loop around the step (a backward
+branch over it): for the main loop's step, the instructions one K/V block costs, which is how two builds'
+main loops were compared in the thirteenth session.
 """
 import argparse
 import re
@@ -39,13 +41,28 @@ def steps(text: list[str]) -> list[dict]:
                     if "GMMA" in t2:
                         break
                     ex2 += bool(_PATTERN["MUFU.EX2"].search(t2))
-                out.append({**counts, "step": ex2})
+                out.append({**counts, "step": ex2, "at": i})
                 break
             if "GMMA" in text[j] or "DEPBAR.LE gsb0, 0x1" in text[j]:
                 break
             for k in COUNTED:
                 counts[k] += bool(_PATTERN[k].search(text[j]))
     return out
+
+
+_BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+
+
+def loop_around(text: list[str], at: int) -> int | None:
+    """Instructions in the shortest loop holding instruction ``at``: a branch back to an address at or before it
+    (cuobjdump prints every 16-byte instruction, so instruction i sits at byte 16 i); None outside every loop."""
+    best = None
+    for i, t in enumerate(text):
+        m = _BRANCH.search(t)
+        if m and i >= at and int(m.group(1), 16) // 16 <= at:
+            n = i - int(m.group(1), 16) // 16 + 1
+            best = n if best is None else min(best, n)
+    return best
 
 
 def main(argv=None) -> int:
@@ -61,9 +78,9 @@ def main(argv=None) -> int:
             cubin.write_bytes(c.cubin)
             text = [t for _, t in instructions_by_function(cubin)[c.lowered[e]]]
         for n, s in enumerate(steps(text)):
-            rows.append([e, n, *(s[k] for k in COUNTED), s["step"]])
+            rows.append([e, n, *(s[k] for k in COUNTED), s["step"], loop_around(text, s["at"]) or "-"])
     print(tabulate(rows, headers=["expression", "step", *(f"{k} before the P V wait" for k in COUNTED),
-                                  "MUFU.EX2 in the step"]))
+                                  "MUFU.EX2 in the step", "instructions of its loop"]))
     return 0
 
 
