@@ -28,11 +28,11 @@ FA3_MMA = {False: ("HGMMA", "QGMMA"), True: ("QGMMA", "HGMMA")}
 
 
 def fa3_stores_o_by_tma(expr: str) -> bool:
-    """fa3_fwd.cu's TMA_OUT for a 16-bit instance name fa3_fwd<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT>:
-    the persistent grid with two Q buffers (kernels/fa3.py's q_buffers, the kernel's CROSS)."""
+    """kernels/fa3.py's stores_o_by_tma (the kernel's TMA_OUT) for a 16-bit instance name
+    fa3_fwd<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT>."""
     t, d, bn, stages, pp, overlap, nc, pers = (a.strip() for a in expr[expr.index("<") + 1:-1].split(","))
     cfg = (64 * int(nc), int(bn), int(stages), pp == "true", pers == "true")
-    return fa3.q_buffers(int(d), cfg, 2, overlap == "true") == 2
+    return fa3.stores_o_by_tma(int(d), cfg, overlap == "true")
 
 
 def units():

@@ -105,6 +105,12 @@ def q_buffers(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
     return 2 if persistent(cfg) and overlap and _layout_bytes(d, cfg, itemsize, 2) <= SM90_SMEM else 1
 
 
+def stores_o_by_tma(d: int, cfg, overlap: bool = True) -> bool:
+    """Whether a 16-bit instance writes O over its Q buffers and stores it by TMA (fa3_fwd.cu's TMA_OUT: where the
+    persistent grid pipelines across tiles); it then takes a tensor map of the output."""
+    return q_buffers(d, cfg, 2, overlap) == 2
+
+
 def smem_bytes(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
     """Alignment, the Q buffers, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers and the
     persistent grid's two tile slots."""
@@ -185,7 +191,7 @@ class Fa3Plan:
     smem: int
     template: bytes         # FwdParams (fa3_fp8: Fp8FwdParams) with zero pointers
     fmt: str                # struct format of the parameter struct's leading pointers
-    maps: tuple             # MapTemplate of q, k, v, out (fa3_fp8: of e4m3 q, k, v^T; it stores O itself)
+    maps: tuple             # MapTemplate of q, k, v[, out] (out where stores_o_by_tma; fa3_fp8: e4m3 q, k, v^T)
     out_shape: tuple
     dtype: np.dtype
     lse_shape: tuple | None
@@ -199,7 +205,7 @@ class Fa3Plan:
         struct.pack_into(self.fmt, params, 0, *ptrs)
         counter = ctypes.c_uint64(tile_counter(self.device, stream) if self.persistent else 0)
         maps = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)]
-        maps += maps[:1] * (4 - len(maps))  # the kernel's O map, where it has none (fa3_fp8): never read
+        maps += maps[:1] * (4 - len(maps))  # the kernel's O map where it stores O itself: never read
         argv = (ctypes.c_void_p * 6)(*(ctypes.addressof(b) for b in maps + [params]), ctypes.addressof(counter))
         _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
                          ctypes.addressof(argv), 0)
@@ -239,10 +245,11 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
                  for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
-    # out, as run_cupy / run_torch allocate it (contiguous), in boxes of one consumer's 64 rows; made at q's
-    # address (any 16-byte aligned one serves: the launch patches in out's)
-    isz = q.dtype.itemsize
-    maps += (MapTemplate(q.data.ptr, (b, nq, h, d), (nq * h * d * isz, h * d * isz, d * isz), isz, 64, "out"),)
+    if stores_o_by_tma(D, cfg, overlap):
+        # out, as run_cupy / run_torch allocate it (contiguous), in boxes of one consumer's 64 rows; made at q's
+        # address (any 16-byte aligned one serves: the launch patches in out's)
+        isz = q.dtype.itemsize
+        maps += (MapTemplate(q.data.ptr, (b, nq, h, d), (nq * h * d * isz, h * d * isz, d * isz), isz, 64, "out"),)
     if cdiv(nq, cfg[0]) * h * b >= 2**31:
         raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
     return Fa3Plan(func=function_of(kern, smem), grid=grid(nq, h, b, cfg), block=threads(cfg), smem=smem,
