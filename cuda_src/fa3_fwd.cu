@@ -428,17 +428,18 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if (!OVERLAP || x.n == 0) return;
             pv_alone(x, x.n - 1);
         };
+        // One CTA per tile: once every consumer is done with Q and the ring, O is staged over them, in rows of D + 8
+        // elements (Tile<16, D>), for 16-byte stores; this warp's rows.
+        auto staging = [&] {
+            named_sync(4, CONSUMERS);
+            return reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE;
+        };
         auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
             if constexpr (FP8) {
                 const float* sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
-                if constexpr (PERSISTENT) {
-                    Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
-                } else {  // staged over Q and the ring, 16-byte stores, as NormalizedOut
-                    named_sync(4, CONSUMERS);
-                    Fp8DequantOut<T, P_SCALE_LOG2, true>::template staged<D>(
-                        rows, p, sv, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE);
-                }
+                if constexpr (PERSISTENT) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
+                else Fp8DequantOut<T, P_SCALE_LOG2, true>::template staged<D>(rows, p, sv, staging());
             } else if constexpr (TMA_OUT) {
                 if (x.n == 0) {  // no key: no Q buffer of its own either
                     DirectOut<T, D>::store(rows, p);
@@ -458,9 +459,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {
-                named_sync(4, CONSUMERS);  // every consumer is done with Q and the ring: O is staged over them
-                NormalizedOut<T, D>::store(rows, p, reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) +
-                                                        row0 * Tile<16, D>::STRIDE);
+                NormalizedOut<T, D>::store(rows, p, staging());
             }
         };
 
