@@ -48,6 +48,23 @@ __forceinline__ __device__ void store_lse(float* lse, int b, int h, int heads, i
     if (lse != nullptr && row < seqlen_q) lse[((i64)b * heads + h) * seqlen_q + row] = x;
 }
 
+// Each of a warp's rows ended (finish_row of its quad-reduced sum and its max in log2 units, less `lse_log2`: a
+// power of two its sum still holds), its LSE stored by the quad's first thread; `inv`: what the row's O is
+// multiplied by, times `inv_scale`. For the policies that stage O: their stores follow for all rows at once.
+template <int MT, int DT, class Params>
+__forceinline__ __device__ void finish_rows(const WarpRows<MT, DT>& r, const Params& p, float (&inv)[MT][2],
+                                            float lse_log2 = 0.f, float inv_scale = 1.f) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - lse_log2);
+            inv[mt][h2] = e.inv * inv_scale;
+            if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + mt * 16 + g + 8 * h2, e.lse);
+        }
+}
+
 // A warp's accumulator rows (mma C layout, MT m-tiles), each times its factor f (rows g and g+8) and, given
 // col_scale, each column times its own, converted to T and written through the warp's own rows of a shared tile
 // (stride Tile<*, D>::STRIDE) with 16-byte stores: rows at or beyond valid_rows and columns at or beyond
@@ -81,16 +98,8 @@ template <class T, int D>
 struct NormalizedOut {
     template <int MT, int DT>
     __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16* stage) {
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
         float inv[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
-                inv[mt][h2] = e.inv;
-                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + mt * 16 + g + 8 * h2, e.lse);
-            }
+        finish_rows(r, p, inv);
         store_acc_rows<T, D>(r.o, inv, stage, p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n,
                              p.seqlen_q - r.row0, p.head_dim);
     }
@@ -209,16 +218,8 @@ struct Fp8DequantOut {
     template <int D, int MT, int DT>
     __forceinline__ __device__ static void staged(const WarpRows<MT, DT>& r, const Fp8FwdParams& p,
                                                   const float* __restrict__ sv, u16* stage) {
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
         float inv[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - (P_IN_SUM ? P_LOG2 : 0));
-                inv[mt][h2] = P_IN_SUM ? e.inv : e.inv * (1.f / (1 << P_LOG2));
-                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + mt * 16 + g + 8 * h2, e.lse);
-            }
+        finish_rows(r, p, inv, P_IN_SUM ? P_LOG2 : 0, P_IN_SUM ? 1.f : 1.f / (1 << P_LOG2));
         store_acc_rows<T, D>(r.o, inv, stage, p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n,
                              p.seqlen_q - r.row0, p.head_dim, sv);
     }
