@@ -60,6 +60,10 @@ SETS = {
     # 16; at N 4K, 4096 are 31.03 waves, 4224 (H 33) 32
     "waves": [Shape(8, 16, 2048, 128, "bfloat16", False), Shape(4, 33, 2048, 128, "bfloat16", False),
               Shape(8, 16, 4096, 128, "bfloat16", False), Shape(4, 33, 4096, 128, "bfloat16", False)],
+    # d 256 where the floor is closest (N 2K, non-causal) and its neighbour, both dtypes
+    "d256": [Shape(16384 // n, 8, n, 256, dt, False) for dt in ("bfloat16", "float16") for n in (2048, 4096)],
+    # The same at the matrix's long rows (one CTA per tile, equal tiles): H 16 is 2048 tiles (15.5 waves), H 33 4224 (32)
+    "tail": [Shape(16384 // n, h, n, 128, "bfloat16", False) for n in (4096, 8192, 16384) for h in (16, 33)],
 }
 
 
