@@ -473,7 +473,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             }
         };
         auto blocks_after_first = [&](const TileWork& x) {
-            for (int u = x.z + 1; u < x.n; ++u) visit(x, u, flag<OVERLAP>(), m, l);
+            // The blocks that need a mask come first (j from end - 1 down): a loop of their own, so that the mask-free
+            // loop has no branch (written as one loop, ptxas kept both steps in it: +0-2 %, bench/NOTES.md).
+            int u = x.z + 1;
+            for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_mask; ++u) step(x, u, flag<true>(), flag<OVERLAP>(), m, l);
+            for (; u < x.n; ++u) step(x, u, flag<false>(), flag<OVERLAP>(), m, l);
         };
         if constexpr (!PERSISTENT) {
             const TileWork x = tile_of(blockIdx.x);
