@@ -55,6 +55,12 @@ template <int BM, int BN>
 __forceinline__ __device__ BlockRange blocks_of(const Fp8FwdParams& p, int m0) {
     return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal);
 }
+// The persistent grid's split tail (fa3_fwd's SPLIT) and its fp32 workspace: the 16-bit forward's; fp8 has none.
+struct Tail { int tiles, blocks, ranges; float* ws; };
+__forceinline__ __device__ Tail tail_of(const FwdParams& p) {
+    return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
+}
+__forceinline__ __device__ Tail tail_of(const Fp8FwdParams&) { return {0, 1, 0, nullptr}; }
 }  // namespace fav
 
 template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false,
@@ -91,6 +97,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     // stores straight to global memory (DirectOut) cost the consumers 4 % at d 128 N 2K (bench/NOTES.md,
     // thirteenth session). (fp8: 16-bit O rows are twice Q's e4m3 rows: no room.)
     constexpr bool TMA_OUT = CROSS && !FP8;
+    // SPLIT: the last wave spread over every SM (stream-K's idea, for the persistent grid's equal non-causal
+    // tiles; the launcher turns it on: tail_of(p).ranges > 0). The last tiles, fewer than the SMs, would leave
+    // the other SMs idle for a whole tile: their K/V blocks, end to end, are cut into ranges of equal length, one
+    // work item each. A range covers the end of one tile and maybe the start of the next (two pieces). The
+    // pieces of a tile meet at its end (split_meet): the last one to finish merges the others' partial O, m, l
+    // (an fp32 workspace) into its own, in key order, and stores the tile.
+    constexpr bool SPLIT = TMA_OUT;
 
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
@@ -120,11 +133,29 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     // is spilled.
     auto q_blocks = [&] { return (p.seqlen_q + BM - 1) / BM; };
     auto tiles = [&] { return q_blocks() * p.heads * p.batch; };
+    // Work items (SPLIT): the whole tiles [0, full_tiles()), then piece j of range i as full_tiles() + 2 i + j
+    // (j = 1 only where range i runs into a second tile); work_end() is past the last.
+    auto kv_blocks = [&] { return (p.seqlen_k + BN - 1) / BN; };
+    auto full_tiles = [&] { return tiles() - (SPLIT ? tail_of(p).tiles : 0); };
+    auto work_end = [&] { return full_tiles() + (SPLIT ? 2 * tail_of(p).ranges : 0); };
+    struct Piece { int tile, begin, end; };  // its tile among the tail's, and its K/V blocks [begin, end)
+    auto piece_at = [&](int e) {            // e = 2 i + j
+        const int nb = kv_blocks(), g0 = (e >> 1) * tail_of(p).blocks;
+        const int g1 = min(g0 + tail_of(p).blocks, tail_of(p).tiles * nb), tile = g0 / nb + (e & 1);
+        return Piece{tile, (e & 1) ? 0 : g0 - tile * nb, min(nb, g1 - tile * nb)};
+    };
     struct Work { int m0, h, b; BlockRange blocks; };
     auto tile_at = [&](int t) {
+        BlockRange piece{0, 0};
+        const bool split = SPLIT && t >= full_tiles();
+        if (split) {
+            const Piece x = piece_at(t - full_tiles());
+            piece = {x.begin, x.end};
+            t = full_tiles() + x.tile;
+        }
         const int qb = q_blocks(), i_block = qb - 1 - t % qb, hb = t / qb;
         const int m0 = i_block * BM;
-        return Work{m0, hb % p.heads, hb / p.heads, blocks_of<BM, BN>(p, m0)};
+        return Work{m0, hb % p.heads, hb / p.heads, split ? piece : blocks_of<BM, BN>(p, m0)};
     };
     const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;
     const bool causal = p.causal;
@@ -164,7 +195,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     st_shared(tile_slot(k), t);
                     mbar_arrive_if(tile_full(k), true);
                 }
-                if (t >= tiles()) break;
+                if (t >= work_end()) break;
                 const Work w = tile_at(t);
                 const int h_kv = w.h / p.group;
                 if (w.blocks.count() > 0) {  // else no key for these rows: nothing to load, the consumers write 0
@@ -190,10 +221,18 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     }
                 }
                 if (!PERSISTENT) break;
+                // a range's second piece, where it has one (its end is then past its start, 0)
+                if (SPLIT && t >= full_tiles() && ((t - full_tiles()) & 1) == 0 && piece_at(t - full_tiles() + 1).end > 0) {
+                    ++t;
+                    continue;
+                }
                 // The next tile, taken once this one's loads are issued (two blocks before the consumers need it);
                 // the shuffle tells ptxas it is warp-uniform, so the tile arithmetic stays in uniform registers
-                // (the atomic's own result is not, and 24 registers then spill).
+                // (the atomic's own result is not, and 24 registers then spill). SPLIT: counts past the whole
+                // tiles are ranges, each a first piece.
                 t = gridDim.x + __shfl_sync(1u, atomicAdd(tiles_next, 1), 0);
+                if (SPLIT && t >= full_tiles())
+                    t = t - full_tiles() < tail_of(p).ranges ? full_tiles() + 2 * (t - full_tiles()) : work_end();
             }
             // Every CTA takes exactly one tile past the end, last; the last CTA to do so zeroes the counter pair
             // for the next launch on this stream (tiles_next[1] counts the CTAs that are done with [0]).
@@ -230,6 +269,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             int it;          // ring index of its block u = 0
             int q, q_phase;  // its Q buffer, and that buffer's phase
             float q_scale;   // fp8: Q's scale times scale_log2
+            int piece;       // SPLIT: its work item's piece number (2 i + j) if it is a piece, else -1
         };
         int it = 0, q_uses = 0;  // as the producer counts them
         auto tile_of = [&](int t) {
@@ -259,6 +299,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // the softmax folds f (and P_SCALE) into its exponent's FMA, m in log2 units. f is kept at least
             // FLT_MIN, so that a masked -inf times f stays -inf at softmax_scale 0; the launcher makes f positive
             // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself.
+            x.piece = SPLIT && t >= full_tiles() ? t - full_tiles() : -1;
             x.q_scale = 1.f;
             if constexpr (FP8)
                 x.q_scale = p.scale_log2 * p.sq[((i64)x.w.b * p.heads + x.w.h) * q_blocks() + x.w.m0 / BM];
@@ -434,6 +475,59 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             named_sync(4, CONSUMERS);
             return reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE;
         };
+        // SPLIT: a piece of a tail tile at its end, on this consumer's rows. Every piece leaves its O, m and l in
+        // the workspace and takes a ticket; the last to take one merges them all (true: it then stores the tile as
+        // any other), the others release their Q buffer and go on (false). Partials are per thread, in its
+        // fragment layout (DT float4 of O, then m and l of its two rows): every access is a coalesced float4. The
+        // merge reads the pieces in key order, so the result does not depend on which piece ended last, and
+        // nobody waits: the pieces before the last have written theirs when it takes its ticket.
+        auto split_meet = [&](const TileWork& x) {
+            const int nb = kv_blocks(), w = tail_of(p).blocks, tile = piece_at(x.piece).tile;
+            const int first = tile * nb / w, pieces = ((tile + 1) * nb - 1) / w - first + 1;
+            if (pieces == 1) return true;
+            const int tid = threadIdx.x % 128;
+            auto part = [&](int e, int k) {  // float4 k of this thread's partial of piece e
+                return reinterpret_cast<float4*>(tail_of(p).ws) + ((i64)(e * NC + c) * (DT + 1) + k) * 128 + tid;
+            };
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *part(x.piece, dt) = make_float4(o[0][dt][0], o[0][dt][1], o[0][dt][2], o[0][dt][3]);
+            *part(x.piece, DT) = make_float4(m[0][0], m[0][1], l[0][0], l[0][1]);
+            named_sync(5 + c, 128);
+            int* ticket = tiles_next + 2 + tile * NC + c;
+            const int before = tid == 0 ? take_ticket(ticket) : 0;
+            const bool last = named_sync_or(5 + c, 128, tid == 0 && before == pieces - 1);
+            if (!last) {
+                mbar_arrive_if(q_empty(x.q), tid == 0);  // the arrival its TMA store would have made
+                return false;
+            }
+            if (tid == 0) *ticket = 0;  // for the next launch on this stream
+            // the tile's pieces in key order: range first + s, its second piece where it began in the tile before
+            auto piece_no = [&](int s) { const int i = first + s; return 2 * i + (i * w < tile * nb ? 1 : 0); };
+            float top[2] = {neg_inf(), neg_inf()};  // the rows' new reference: the largest of the pieces'
+            for (int s = 0; s < pieces; ++s) {
+                const float4 ml = __ldcg(part(piece_no(s), DT));
+                top[0] = fmaxf(top[0], ml.x), top[1] = fmaxf(top[1], ml.y);
+            }
+            const float ref[2] = {exp2_ref(top[0], softmax_log2), exp2_ref(top[1], softmax_log2)};
+            l[0][0] = l[0][1] = 0.f;
+            for (int s = 0; s < pieces; ++s) {
+                const float4* src = part(piece_no(s), 0);
+                const float4 ml = __ldcg(src + DT * 128);
+                // a piece's rows as seen from the new reference (0 for a row it saw no key of: its O and l are 0)
+                const float f0 = ml.x == neg_inf() ? 0.f : exp2f_approx(ml.x * softmax_log2 - ref[0]);
+                const float f1 = ml.y == neg_inf() ? 0.f : exp2f_approx(ml.y * softmax_log2 - ref[1]);
+                l[0][0] = fmaf(ml.z, f0, s ? l[0][0] : 0.f), l[0][1] = fmaf(ml.w, f1, s ? l[0][1] : 0.f);
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const float4 v = __ldcg(src + dt * 128);
+                    o[0][dt][0] = fmaf(v.x, f0, s ? o[0][dt][0] : 0.f), o[0][dt][1] = fmaf(v.y, f0, s ? o[0][dt][1] : 0.f);
+                    o[0][dt][2] = fmaf(v.z, f1, s ? o[0][dt][2] : 0.f), o[0][dt][3] = fmaf(v.w, f1, s ? o[0][dt][3] : 0.f);
+                }
+            }
+            m[0][0] = top[0], m[0][1] = top[1];
+            return true;
+        };
         auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
             if constexpr (FP8) {
@@ -445,6 +539,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     DirectOut<T, D>::store(rows, p);
                     return;
                 }
+                if (SPLIT && x.piece >= 0 && !split_meet(x)) return;  // its partial left for the tile's last piece
                 SwizzledOut<T, TQ>::store(rows, p, sQ(x.q), row0);
                 fence_proxy_async();     // this thread's rows, before the TMA unit reads them
                 named_sync(5 + c, 128);  // all of this consumer's rows
@@ -472,6 +567,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 visit(x, x.z, flag<false>(), m, l);
             }
         };
+        // The blocks that need a mask come first (j from end - 1 down), so the loop is split where they end: the
+        // mask-free loop then has no branch (left to ptxas, it kept both steps in one loop in some instances).
         auto blocks_after_first = [&](const TileWork& x) {
             // The blocks that need a mask come first (j from end - 1 down): a loop of their own, so that the mask-free
             // loop has no branch (written as one loop, ptxas kept both steps in it: +0-2 %, bench/NOTES.md).
@@ -496,7 +593,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 // that no read is left unordered before the producer's next write (racecheck: bench/NOTES.md).
                 const int t = __shfl_sync(0xffffffffu, leader ? ld_shared(tile_slot(k)) : 0, 0);
                 mbar_arrive_if(tile_empty(k), leader);
-                const bool done = t >= tiles();
+                const bool done = t >= work_end();
                 TileWork x{};
                 if (!done) x = tile_of(t);
                 const bool cross = CROSS && prev.n > 0 && x.n > 0;

@@ -30,6 +30,9 @@ struct FwdParams {
     int kv_block_end;      // causal range clips it further
     float scale_log2;      // softmax_scale * log2(e)
     int causal;            // bottom-right aligned
+    int tail_tiles;        // fa3's persistent grid: its last tail_tiles tiles are cut along their K/V blocks into
+    int tail_blocks;       // tail_ranges ranges of tail_blocks blocks (the last one shorter), one work item each
+    int tail_ranges;       // (0: no split; fa3_fwd.cu's SPLIT)
 };
 
 // The fp8 forwards (fa2_fp8, fa3_fp8): e4m3 operands in the quantizer's layouts (fp8_quantize.cu) and their scales.

@@ -102,7 +102,7 @@ def elem_strides(a) -> tuple:
 
 
 def fwd_params(q, k, v, *, head_dim: int, causal: bool, softmax_scale: float, out_strides: tuple,
-               kv_blocks=(0, None)) -> bytes:
+               kv_blocks=(0, None), tail=(0, 0, 0)) -> bytes:
     """FwdParams (cuda_src/common/params.cuh) for aligned q, k, v, all pointers zero: a launch fills them."""
     from .params import FWD, KV_BLOCKS_ALL
     b, nq, h, _ = q.shape
@@ -113,7 +113,8 @@ def fwd_params(q, k, v, *, head_dim: int, causal: bool, softmax_scale: float, ou
                     seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=head_dim,
                     kv_block_begin=kv_blocks[0],
                     kv_block_end=KV_BLOCKS_ALL if kv_blocks[1] is None else kv_blocks[1],
-                    scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+                    scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)),
+                    tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2])
 
 
 def forward_via_plan(make_plan, q, k, v, *, causal, softmax_scale, return_lse):

@@ -81,6 +81,7 @@ FWD = ParamStruct("FwdParams", (
     *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h", "i64"),
     *_fields("batch seqlen_q seqlen_k heads group head_dim kv_block_begin kv_block_end", "int"),
     ("scale_log2", "float"), ("causal", "int"),
+    *_fields("tail_tiles tail_blocks tail_ranges", "int"),
 ))
 
 FP8_FWD = ParamStruct("Fp8FwdParams", (
