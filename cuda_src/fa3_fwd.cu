@@ -475,54 +475,66 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             named_sync(4, CONSUMERS);
             return reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE;
         };
-        // SPLIT: a piece of a tail tile at its end, on this consumer's rows. Every piece leaves its O, m and l in
-        // the workspace and takes a ticket; the last to take one merges them all (true: it then stores the tile as
-        // any other), the others release their Q buffer and go on (false). Partials are per thread, in its
-        // fragment layout (DT float4 of O, then m and l of its two rows): every access is a coalesced float4. The
-        // merge reads the pieces in key order, so the result does not depend on which piece ended last, and
-        // nobody waits: the pieces before the last have written theirs when it takes its ticket.
+        // SPLIT: a piece of a tail tile at its end, on this consumer's rows. The tile's last piece in key order
+        // merges (true: it then stores the tile as any other); the others leave their O, m and l in the workspace,
+        // count themselves done and release their Q buffer (false). The last piece's range is handed out after the
+        // others', so they are all under way when it waits for them: nothing waits for a piece not yet begun. A
+        // partial is per thread, in its fragment layout (DT float4 of O, then m and l of its two rows): every access
+        // a coalesced float4. (A ticket, the last piece to end merging, moved ptxas's schedule of the main loop:
+        // its P V wait before every exponential. Counting and waiting compile to a reduction and loads.)
         auto split_meet = [&](const TileWork& x) {
             const int nb = kv_blocks(), w = tail_of(p).blocks, tile = piece_at(x.piece).tile;
-            const int first = tile * nb / w, pieces = ((tile + 1) * nb - 1) / w - first + 1;
-            if (pieces == 1) return true;
+            const int first = tile * nb / w, last = ((tile + 1) * nb - 1) / w;  // its ranges
+            if (first == last) return true;
             const int tid = threadIdx.x % 128;
-            auto part = [&](int e, int k) {  // float4 k of this thread's partial of piece e
-                return reinterpret_cast<float4*>(tail_of(p).ws) + ((i64)(e * NC + c) * (DT + 1) + k) * 128 + tid;
+            int* done = tiles_next + 2 + tile * NC + c;  // its pieces that have left their partial
+            auto part = [&](int e) {  // this thread's partial of piece e
+                return reinterpret_cast<float4*>(tail_of(p).ws) + (i64)(e * NC + c) * (DT + 1) * 128 + tid;
             };
+            if ((x.piece >> 1) < last) {
+                float4* dst = part(x.piece);
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-                *part(x.piece, dt) = make_float4(o[0][dt][0], o[0][dt][1], o[0][dt][2], o[0][dt][3]);
-            *part(x.piece, DT) = make_float4(m[0][0], m[0][1], l[0][0], l[0][1]);
-            named_sync(5 + c, 128);
-            int* ticket = tiles_next + 2 + tile * NC + c;
-            const int before = tid == 0 ? take_ticket(ticket) : 0;
-            const bool last = named_sync_or(5 + c, 128, tid == 0 && before == pieces - 1);
-            if (!last) {
-                mbar_arrive_if(q_empty(x.q), tid == 0);  // the arrival its TMA store would have made
+                for (int dt = 0; dt < DT; ++dt)
+                    dst[dt * 128] = make_float4(o[0][dt][0], o[0][dt][1], o[0][dt][2], o[0][dt][3]);
+                dst[DT * 128] = make_float4(m[0][0], m[0][1], l[0][0], l[0][1]);
+                named_sync(5 + c, 128);
+                if (tid == 0) {
+                    release_count(done);
+                    mbar_arrive_if(q_empty(x.q), true);  // the arrival its TMA store would have made
+                }
                 return false;
             }
-            if (tid == 0) *ticket = 0;  // for the next launch on this stream
-            // the tile's pieces in key order: range first + s, its second piece where it began in the tile before
-            auto piece_no = [&](int s) { const int i = first + s; return 2 * i + (i * w < tile * nb ? 1 : 0); };
-            float top[2] = {neg_inf(), neg_inf()};  // the rows' new reference: the largest of the pieces'
-            for (int s = 0; s < pieces; ++s) {
-                const float4 ml = __ldcg(part(piece_no(s), DT));
+            if (tid == 0) {
+                wait_count_at_least(done, last - first);
+                *done = 0;  // for the next launch on this stream
+            }
+            named_sync(5 + c, 128);
+            // The rows' new reference is the largest of the pieces'; each piece's O and l are taken to it (a row
+            // a piece saw no key of has O = l = 0 there), its own first, then the others in key order (range
+            // first + s; its second piece where the range began in the tile before).
+            auto piece_no = [&](int i) { return 2 * i + (i * w < tile * nb ? 1 : 0); };
+            float top[2] = {m[0][0], m[0][1]};
+            for (int i = first; i < last; ++i) {
+                const float4 ml = __ldcg(part(piece_no(i)) + DT * 128);
                 top[0] = fmaxf(top[0], ml.x), top[1] = fmaxf(top[1], ml.y);
             }
-            const float ref[2] = {exp2_ref(top[0], softmax_log2), exp2_ref(top[1], softmax_log2)};
-            l[0][0] = l[0][1] = 0.f;
-            for (int s = 0; s < pieces; ++s) {
-                const float4* src = part(piece_no(s), 0);
+            const float ref0 = exp2_ref(top[0], softmax_log2), ref1 = exp2_ref(top[1], softmax_log2);
+            auto factor = [&](float mp, float ref) { return mp == neg_inf() ? 0.f : exp2f_approx(mp * softmax_log2 - ref); };
+            {
+                const float f0 = factor(m[0][0], ref0), f1 = factor(m[0][1], ref1);
+                l[0][0] *= f0, l[0][1] *= f1;
+                scale_rows(o, {{f0, f1}});
+            }
+            for (int i = first; i < last; ++i) {
+                const float4* src = part(piece_no(i));
                 const float4 ml = __ldcg(src + DT * 128);
-                // a piece's rows as seen from the new reference (0 for a row it saw no key of: its O and l are 0)
-                const float f0 = ml.x == neg_inf() ? 0.f : exp2f_approx(ml.x * softmax_log2 - ref[0]);
-                const float f1 = ml.y == neg_inf() ? 0.f : exp2f_approx(ml.y * softmax_log2 - ref[1]);
-                l[0][0] = fmaf(ml.z, f0, s ? l[0][0] : 0.f), l[0][1] = fmaf(ml.w, f1, s ? l[0][1] : 0.f);
+                const float f0 = factor(ml.x, ref0), f1 = factor(ml.y, ref1);
+                l[0][0] = fmaf(ml.z, f0, l[0][0]), l[0][1] = fmaf(ml.w, f1, l[0][1]);
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     const float4 v = __ldcg(src + dt * 128);
-                    o[0][dt][0] = fmaf(v.x, f0, s ? o[0][dt][0] : 0.f), o[0][dt][1] = fmaf(v.y, f0, s ? o[0][dt][1] : 0.f);
-                    o[0][dt][2] = fmaf(v.z, f1, s ? o[0][dt][2] : 0.f), o[0][dt][3] = fmaf(v.w, f1, s ? o[0][dt][3] : 0.f);
+                    o[0][dt][0] = fmaf(v.x, f0, o[0][dt][0]), o[0][dt][1] = fmaf(v.y, f0, o[0][dt][1]);
+                    o[0][dt][2] = fmaf(v.z, f1, o[0][dt][2]), o[0][dt][3] = fmaf(v.w, f1, o[0][dt][3]);
                 }
             }
             m[0][0] = top[0], m[0][1] = top[1];
@@ -539,7 +551,6 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     DirectOut<T, D>::store(rows, p);
                     return;
                 }
-                if (SPLIT && x.piece >= 0 && !split_meet(x)) return;  // its partial left for the tile's last piece
                 SwizzledOut<T, TQ>::store(rows, p, sQ(x.q), row0);
                 fence_proxy_async();     // this thread's rows, before the TMA unit reads them
                 named_sync(5 + c, 128);  // all of this consumer's rows
@@ -596,16 +607,19 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 const bool done = t >= work_end();
                 TileWork x{};
                 if (!done) x = tile_of(t);
-                const bool cross = CROSS && prev.n > 0 && x.n > 0;
+                // (a piece of a split tile ends alone: its meeting needs registers that x's first block would hold)
+                const bool cross = CROSS && prev.n > 0 && x.n > 0 && !(SPLIT && prev.piece >= 0);
+                bool parked = false;  // prev was a piece whose partial waits for the tile's last piece
                 float mx[1][2] = {{neg_inf(), neg_inf()}}, lx[1][2] = {};  // x's (m, l) while O is still prev's
                 if (cross && x.z == 0) {
                     mbar_wait(q_full(x.q), x.q_phase);
                     visit(x, 0, flag<true>(), mx, lx);
                 } else if (k > 0) {
                     last_pv(prev);
+                    if (SPLIT && prev.piece >= 0) parked = !split_meet(prev);
                     if (cross) skip(x, 0, false);  // block 0 of x, skipped: its turn was prev's last P V's
                 }
-                if (k > 0) store_out(prev);
+                if (k > 0 && !parked) store_out(prev);
                 if (done) break;
                 if (cross && x.z == 0) {
                     restart();

@@ -22,8 +22,9 @@ CASES = [
 ]
 
 
-def _run(case, dtype, host, persistent: str, monkeypatch, poisoned):
+def _run(case, dtype, host, persistent: str, monkeypatch, poisoned, split: str = "0"):
     monkeypatch.setenv("FA_VARIANTS_FA3_PERSISTENT", persistent)
+    monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", split)  # the split tail merges partials: other bits
     fav.clear_plans()
     q, k, v = to_device(host)
     with poisoned(case):
@@ -60,6 +61,45 @@ def test_persistent_grid_matches_float64_and_the_tile_grid_bitwise(request, monk
     a, b = per_tile[1][finite], persistent[1][finite]
     ulp = np.finfo(np.float32).eps * max(1.0, float(np.abs(a).max()))
     assert np.abs(a - b).max() <= 4 * ulp, f"lse differs by {np.abs(a - b).max():.3g} (4 ulp of max |lse|: {4 * ulp:.3g})"
+
+
+# Non-causal shapes whose last wave the persistent grid splits (on 132 SMs): the d 64 case above (352 tiles, 88 in
+# the last wave, 16 blocks each: 2-3 pieces a tile); d 128, GQA 4:1 (192 tiles, 60 last, 7 blocks of 160 keys:
+# pieces of 4 and 3); padded d 96 with a one-row last Q block (320 tiles, 56 last, 2 blocks: pieces of one block).
+SPLIT_CASES = [CASES[1], Case(3, 1000, 1000, 8, 2, 128, False), Case(4, 129, 300, 40, 8, 96, False)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_tail_matches_float64_and_repeats_bitwise(request, monkeypatch, poisoned, case, dtype):
+    """The last wave's tiles cut into pieces on several CTAs and merged by the last piece: against float64, against
+    the unsplit grid (within the tolerance: the merge adds in another order), and bitwise equal across calls with
+    other inputs in between (their merges' counts must be reset, or the second call would read the first's
+    partials)."""
+    from fa_variants.kernels import fa3
+    from fa_variants.kernels.common import cdiv, sm_count
+    ok, why = fav.get("fa3").available()
+    if not ok:
+        pytest.skip(why)
+    d = fa3.template_dim(case.head_dim, fa3.DIMS)
+    cfg = fa3.config(d, case.seqlen_k)
+    tiles = cdiv(case.seqlen_q, cfg[0]) * case.heads * case.batch
+    assert fa3.persistent(cfg) and fa3.tail_split(tiles, min(tiles, sm_count()), cdiv(case.seqlen_k, cfg[1]), False,
+                                                  fa3.stores_o_by_tma(d, cfg))[2] > 0, "the case does not split"
+    seed = new_seed()
+    request.node.user_properties.append(("seed", seed))
+    rng = np.random.default_rng(seed)
+    hosts = [random_qkv_host(rng, case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.heads_kv,
+                             case.head_dim, dtype) for _ in range(2)]
+    runs = [_run(case, dtype, hosts[i], "", monkeypatch, poisoned, split="") for i in (0, 1, 0)]
+    for i in (0, 1):
+        ref_out, ref_lse = reference64(*hosts[i], causal=False)
+        assert_matches(runs[i][0], ref_out, dtype, runs[i][1], ref_lse, what=f"fa3 split {case.id} {dtype}")
+    assert np.array_equal(runs[0][0].view(np.uint16), runs[2][0].view(np.uint16)), "split: out differs across calls"
+    assert np.array_equal(runs[0][1], runs[2][1], equal_nan=True), "split: lse differs across calls"
+    unsplit = _run(case, dtype, hosts[0], "", monkeypatch, poisoned, split="0")
+    assert_matches(runs[0][0], unsplit[0].astype(np.float64), dtype, runs[0][1], unsplit[1],
+                   what=f"fa3 split against unsplit {case.id} {dtype}")
 
 
 def test_persistent_tile_counter_resets_across_launches_and_streams(monkeypatch, poisoned):

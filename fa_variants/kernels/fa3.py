@@ -53,6 +53,41 @@ CAUSAL_TILES = {128: [(128, 128, 2, 1, 1)]}
 # skip the diagonal blocks their own rows do not see and 64 keys leave less masked work than 80 (+1.7 % at
 # N 2K, level at 4K, -1 % at 8K; bench/NOTES.md, eleventh session).
 CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2, 1, 0))}
+# The persistent grid's last wave spread over every SM (fa3_fwd.cu's SPLIT, where O leaves by TMA; non-causal,
+# whose tiles are equal): the last tiles % CTAs tiles, cut along their K/V blocks into one range per CTA, each tile
+# into at most MAX_PIECES pieces (a piece has a fixed cost: its first S alone, its partial's round trip), and
+# only where the last wave leaves at least 1 / 8 of the SMs idle. FA_VARIANTS_FA3_SPLIT=0 turns it off.
+MAX_PIECES = 4
+
+
+def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: bool) -> tuple:
+    """(tail_tiles, tail_blocks, tail_ranges) of FwdParams: the last wave's tiles and the ranges of K/V blocks
+    they are cut into, or (0, 0, 0) for no split."""
+    if causal or not tma_out or os.environ.get("FA_VARIANTS_FA3_SPLIT", "").strip() == "0":
+        return (0, 0, 0)
+    last = tiles % ctas
+    if tiles <= ctas or last == 0 or 8 * last > 7 * ctas:
+        return (0, 0, 0)
+    blocks = max(cdiv(last * kv_blocks, ctas), cdiv(kv_blocks, MAX_PIECES))
+    if blocks >= kv_blocks:
+        return (0, 0, 0)
+    return (last, blocks, cdiv(last * kv_blocks, blocks))
+
+
+_WORKSPACES: dict = {}  # (device, stream) -> Memory: the split tail's partials (fp32), the largest asked for
+
+
+def split_workspace(device: int, stream: int, nbytes: int) -> int:
+    """The address of at least ``nbytes`` for the split tail's partials of launches on ``stream`` (one per
+    stream, as the tile counter: launches on one stream run one after another)."""
+    key = (device, stream)
+    if key not in _WORKSPACES or _WORKSPACES[key].size < nbytes:
+        import cupy
+        with cupy.cuda.Device(device):
+            _WORKSPACES[key] = cupy.cuda.memory.Memory(nbytes)
+    return _WORKSPACES[key].ptr
+
+
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
 ABLATION_DIM = 128
 ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
@@ -148,7 +183,8 @@ def grid(nq: int, heads: int, batch: int, cfg) -> tuple:
     return (tiles, 1, 1)
 
 
-_COUNTERS: dict = {}  # (device, stream) -> Memory of two int32 on that device: the persistent grid's counter pair
+_COUNTERS: dict = {}  # (device, stream) -> Memory on that device: the persistent grid's counter pair, then the
+COUNTER_INTS = 2 + 3 * 1024  # split tail's counts (one per tail tile and consumer: fewer tiles than SMs)
 
 
 def tile_counter(device: int, stream: int) -> int:
@@ -162,8 +198,8 @@ def tile_counter(device: int, stream: int) -> int:
         with cupy.cuda.Device(device):
             # its own cudaMalloc, not the current allocator's: a pool that goes away (a test's, a user's) would
             # free a pair this cache still hands out
-            pair = cupy.cuda.memory.Memory(8)
-            cupy.cuda.runtime.memsetAsync(pair.ptr, 0, 8, stream)
+            pair = cupy.cuda.memory.Memory(4 * COUNTER_INTS)
+            cupy.cuda.runtime.memsetAsync(pair.ptr, 0, 4 * COUNTER_INTS, stream)
         _COUNTERS[key] = pair
     return _COUNTERS[key].ptr
 
@@ -197,11 +233,14 @@ class Fa3Plan:
     lse_shape: tuple | None
     device: int
     persistent: bool = False  # the kernel's fifth parameter is then this stream's tile counter pair
+    workspace: int = 0        # bytes of the split tail's partials (FwdParams.o_ws, per stream), 0: no split
     negate_q: bool = False    # fa3_fp8 with softmax_scale < 0: run on -Q with |scale| (fa3_fp8.run_quantized)
 
     def launch(self, stream, map_ptrs, ptrs):
         """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers."""
         params = ctypes.create_string_buffer(self.template, len(self.template))
+        if self.workspace:
+            ptrs = ptrs[:5] + (split_workspace(self.device, stream, self.workspace),) + ptrs[6:]
         struct.pack_into(self.fmt, params, 0, *ptrs)
         counter = ctypes.c_uint64(tile_counter(self.device, stream) if self.persistent else 0)
         maps = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)]
@@ -252,9 +291,13 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
         maps += (MapTemplate(q.data.ptr, (b, nq, h, d), (nq * h * d * isz, h * d * isz, d * isz), isz, 64, "out"),)
     if cdiv(nq, cfg[0]) * h * b >= 2**31:
         raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
+    tiles, ctas = cdiv(nq, cfg[0]) * h * b, grid(nq, h, b, cfg)[0]
+    tail = tail_split(tiles, ctas, cdiv(k.shape[1], cfg[1]), causal, stores_o_by_tma(D, cfg, overlap))
+    # a partial: per consumer thread D / 8 float4 of O and one of m and l; per range at most two pieces
+    workspace = tail[2] * 2 * (cfg[0] // 64) * 128 * (D // 8 + 1) * 16
     return Fa3Plan(func=function_of(kern, smem), grid=grid(nq, h, b, cfg), block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
-                                       out_strides=(nq * h * d, h * d, d)),
+                                       out_strides=(nq * h * d, h * d, d), tail=tail), workspace=workspace,
                    fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
                    lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
                    persistent=persistent(cfg))
