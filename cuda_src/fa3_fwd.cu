@@ -221,18 +221,22 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     }
                 }
                 if (!PERSISTENT) break;
-                // a range's second piece, where it has one (its end is then past its start, 0)
-                if (SPLIT && t >= full_tiles() && ((t - full_tiles()) & 1) == 0 && piece_at(t - full_tiles() + 1).end > 0) {
-                    ++t;
+                // A range's pieces go second first: its first piece is then the one that ends last, so a tile's last
+                // piece in key order (a first piece, the merger) ends after the tile's other pieces (second pieces
+                // done first, or a range inside the tile) instead of waiting a piece's time for them.
+                if (SPLIT && t >= full_tiles() && ((t - full_tiles()) & 1) == 1) {
+                    --t;
                     continue;
                 }
                 // The next tile, taken once this one's loads are issued (two blocks before the consumers need it);
                 // the shuffle tells ptxas it is warp-uniform, so the tile arithmetic stays in uniform registers
                 // (the atomic's own result is not, and 24 registers then spill). SPLIT: counts past the whole
-                // tiles are ranges, each a first piece.
+                // tiles are ranges, each begun with its second piece where it has one (its end is then past 0).
                 t = gridDim.x + __shfl_sync(1u, atomicAdd(tiles_next, 1), 0);
-                if (SPLIT && t >= full_tiles())
-                    t = t - full_tiles() < tail_of(p).ranges ? full_tiles() + 2 * (t - full_tiles()) : work_end();
+                if (SPLIT && t >= full_tiles()) {
+                    const int e = 2 * (t - full_tiles());
+                    t = e >= 2 * tail_of(p).ranges ? work_end() : full_tiles() + e + (piece_at(e + 1).end > 0 ? 1 : 0);
+                }
             }
             // Every CTA takes exactly one tile past the end, last; the last CTA to do so zeroes the counter pair
             // for the next launch on this stream (tiles_next[1] counts the CTAs that are done with [0]).

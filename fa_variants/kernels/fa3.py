@@ -37,9 +37,11 @@ DIMS = tuple(TILES)
 # The persistent grid (one CTA per SM taking tiles from a counter) against one CTA per tile, by template dim: it
 # wins up to this seqlen_k (short tiles: the next tile's loads hide under this one's end instead of a new CTA's
 # start; d 64 N 1K +12 %, N 2K +7 %) and loses beyond it (1-5 %: its consumers' P V wait is scheduled earlier by
-# ptxas). Measured in bench/RESULTS.md, fourth session; d 128 up to 4K since its persistent tiles pipeline across
-# tiles (PERSISTENT_TILES, tenth session). A tile table entry's own flag (a sweep's) overrides it.
-PERSISTENT_UP_TO = {64: 8192, 128: 4096, 256: 0}
+# ptxas). Measured in bench/RESULTS.md, fourth session; d 128 at every length since its persistent tiles pipeline
+# across tiles (PERSISTENT_TILES, tenth session) and its last wave is split (N 8K +1.5 %, 16K +5 % over the
+# persistent grid unsplit, which was level with one CTA per tile; fourteenth session). A tile table entry's own flag
+# (a sweep's) overrides it.
+PERSISTENT_UP_TO = {64: 8192, 128: 1 << 30, 256: 0}
 # Where the persistent grid runs at d 128 (non-causal), 160-key blocks: with them a second Q buffer fits beside
 # the ring, so the grid pipelines across tiles (fa3_fwd.cu's CROSS; 176 does not fit): +2-4 % over one CTA per
 # tile at N 2K-4K, level at 8K-16K (bench/NOTES.md, tenth session).
@@ -55,18 +57,24 @@ CAUSAL_TILES = {128: [(128, 128, 2, 1, 1)]}
 CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2, 1, 0))}
 # The persistent grid's last wave spread over every SM (fa3_fwd.cu's SPLIT, where O leaves by TMA; non-causal,
 # whose tiles are equal): the last tiles % CTAs tiles, cut along their K/V blocks into one range per CTA, each tile
-# into at most MAX_PIECES pieces (a piece has a fixed cost: its first S alone, its partial's round trip), and
-# only where the last wave leaves at least 1 / 8 of the SMs idle. FA_VARIANTS_FA3_SPLIT=0 turns it off.
+# into at most MAX_PIECES pieces, where the last wave leaves at least 1 / 8 of the SMs idle and a tile has at least
+# SPLIT_MIN_BLOCKS blocks (a piece has a fixed cost: its first S alone, its partial's round trip; at d 128 N 2K, 13
+# blocks, the split lost 1 %, at N 4K-16K it gained 1-5 %: bench/NOTES.md, fourteenth session).
+# FA_VARIANTS_FA3_SPLIT=0 turns it off, 1 on wherever it can run (the GPU tests' small shapes).
 MAX_PIECES = 4
+SPLIT_MIN_BLOCKS = 20
 
 
 def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: bool) -> tuple:
     """(tail_tiles, tail_blocks, tail_ranges) of FwdParams: the last wave's tiles and the ranges of K/V blocks
     they are cut into, or (0, 0, 0) for no split."""
-    if causal or not tma_out or os.environ.get("FA_VARIANTS_FA3_SPLIT", "").strip() == "0":
+    flag = os.environ.get("FA_VARIANTS_FA3_SPLIT", "").strip()
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"FA_VARIANTS_FA3_SPLIT must be 0 or 1, got {flag!r}")
+    if causal or not tma_out or flag == "0" or (flag == "" and kv_blocks < SPLIT_MIN_BLOCKS):
         return (0, 0, 0)
     last = tiles % ctas
-    if tiles <= ctas or last == 0 or 8 * last > 7 * ctas:
+    if tiles <= ctas or last == 0 or (flag == "" and 8 * last > 7 * ctas):
         return (0, 0, 0)
     blocks = max(cdiv(last * kv_blocks, ctas), cdiv(kv_blocks, MAX_PIECES))
     if blocks >= kv_blocks:
