@@ -21,8 +21,9 @@
 //                        Where it pipelines across tiles (CROSS, 16-bit), each consumer writes its O rows over
 //                        its own rows of the tile's Q buffer, which nothing reads any more (SwizzledOut), and
 //                        sends them out by TMA; otherwise O goes out straight from registers (DirectOut:
-//                        shared memory is busy). Without PERSISTENT: one CTA per tile, O staged through shared
-//                        memory (NormalizedOut).
+//                        shared memory is busy). Non-causal, the last wave's tiles are cut into one K/V range
+//                        per SM, merged by each tile's last piece (SPLIT). Without PERSISTENT: one CTA per tile,
+//                        O staged through shared memory (NormalizedOut).
 //   FP8 (fa3_fp8)        the same pipeline on e4m3 operands, fa2_fp8's quantized layouts and scales: Q and K
 //                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
@@ -101,8 +102,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     // tiles; the launcher turns it on: tail_of(p).ranges > 0). The last tiles, fewer than the SMs, would leave
     // the other SMs idle for a whole tile: their K/V blocks, end to end, are cut into ranges of equal length, one
     // work item each. A range covers the end of one tile and maybe the start of the next (two pieces). The
-    // pieces of a tile meet at its end (split_meet): the last one to finish merges the others' partial O, m, l
-    // (an fp32 workspace) into its own, in key order, and stores the tile.
+    // pieces of a tile meet at its end (split_meet): its last piece in key order merges the others' partial O, m,
+    // l (an fp32 workspace) into its own and stores the tile. (bench/NOTES.md, fourteenth session: d 128 N 4K
+    // +1 %, N 16K +5 %; the launcher's tail_split says where.)
     constexpr bool SPLIT = TMA_OUT;
 
     extern __shared__ unsigned char smem[];

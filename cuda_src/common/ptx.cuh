@@ -49,14 +49,6 @@ __forceinline__ __device__ void release_count(int* counter) {
 __forceinline__ __device__ void release_own_count(int* counter) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
-// A ticket of a counter: the writes ordered before it (this thread's, and by a barrier other threads') are
-// released, and the earlier takers' acquired; returns how many took one before (fa3's split tail).
-__forceinline__ __device__ int take_ticket(int* counter) {
-    int before;
-    asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n\tfence.acq_rel.gpu;"
-                 : "=r"(before) : "l"(counter) : "memory");
-    return before;
-}
 // Two consecutive floats (8-byte aligned): stored (the first share) or added at L2 (the others).
 __forceinline__ __device__ void st_global_f32x2(float* p, float x, float y) {
     asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");

@@ -125,15 +125,6 @@ __forceinline__ __device__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// bar.sync that also tells every thread whether any of them passed true (bar.red.or): one thread's decision for
-// all, without a shared-memory word.
-__forceinline__ __device__ bool named_sync_or(int id, int threads, bool pred) {
-    u32 r;
-    asm volatile("{ .reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.or.pred q, %2, %3, p;\n\t"
-                 "selp.u32 %0, 1, 0, q; }" : "=r"(r) : "r"((u32)pred), "r"(id), "r"(threads) : "memory");
-    return r != 0;
-}
-
 template <int N>
 __forceinline__ __device__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>
