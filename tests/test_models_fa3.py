@@ -455,3 +455,40 @@ def test_teaching_text():
     # no performance number is stated: those belong to bench/RESULTS.md
     number = re.search(r"(?<!\w)\d[\d.,]*\s*(TFLOP|GB/s|TB/s|%|ms\b|us\b|x faster)", p)
     assert not number, f"a measured number in the text: {number.group(0)!r}"
+
+
+# ------------------------------------------------------------------------------------ the split last wave
+
+@pytest.mark.parametrize("n_k,split", [(1000, 1), (1000, 3), (4097, 5), (37, 1), (37, 2), (300, 1)])
+def test_split_pieces_merge_to_the_unsplit_answer(rng, n_k, split):
+    """Tiles cut into pieces of ``split`` K/V blocks and merged by the last piece (the kernel's split_meet order):
+    float64 attention to rounding, the unsplit model's answer to rounding, and the HBM counts of the pieces (Q once
+    a piece, a partial O, l and m written and read back for every piece but the last)."""
+    q, k, v = inputs(rng, 2, 300, n_k, 4, 2, 64, scale=2.0)
+    split_res = check(q, k, v, False, block_q=64, block_k=32, split_blocks=split)
+    whole = run(fa3.forward, q, k, v, False, block_q=64, block_k=32)
+    assert rel_err(split_res.out, whole.out) < EXACT
+    pieces = -(-(-(-n_k // 32)) // split)  # K/V blocks of 32 keys, then pieces of `split` blocks
+    extra = 2 * 4 * 300 * (pieces - 1)     # programs (batch x heads) x Q rows, once per piece but the last
+    assert split_res.hbm.reads["Q"] - whole.hbm.reads["Q"] == extra * 64
+    assert split_res.hbm.writes["O"] - whole.hbm.writes["O"] == split_res.hbm.reads.get("O", 0) == extra * 64
+    assert split_res.hbm.writes.get("l", 0) == split_res.hbm.writes.get("m", 0) == extra
+
+
+def test_split_is_refused_where_the_kernel_does_not_split(rng):
+    q, k, v = inputs(rng, 1, 37, 37, 1, 1, 8)
+    with pytest.raises(ValueError, match="non-causal"):
+        fa3.forward(q, k, v, causal=True, split_blocks=2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="split_blocks"):
+            fa3.forward(q, k, v, split_blocks=bad)
+
+
+def test_merge_keeps_nan_and_empty_rows():
+    """A piece's NaN row reaches the merged row; a row a piece saw no key of (m = -inf, O = l = 0) adds nothing."""
+    O = np.ones((1, 1, 2, 4))
+    parts = [(O, np.array([[[np.nan, -np.inf]]]), np.array([[[1.0, 0.0]]])),
+             (2 * O, np.array([[[0.5, 0.25]]]), np.array([[[2.0, 3.0]]]))]
+    O_m, m, l = fa3.merge_pieces(parts)
+    assert np.isnan(O_m[0, 0, 0]).all() and np.isnan(l[0, 0, 0])
+    assert m[0, 0, 1] == 0.25 and l[0, 0, 1] == 3.0 and (O_m[0, 0, 1] == 2.0).all()

@@ -216,11 +216,40 @@ def _consume(visits, scores, product, operand, shape, tau=0.0):
     return product(operand(P), prev, alpha[..., None] * O), m, l  # after the loop: O += P_last V_last
 
 
-def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0.0):
+def merge_pieces(parts):
+    """The kernel's split_meet (SPLIT): a tile cut along its K/V blocks, ``parts`` each piece's (O unnormalized,
+    m, l) in key order. The last piece merges: every piece is taken to the largest reference point (a row a piece
+    saw no key of has O = l = 0 there), its own first, then the others in key order."""
+    (O, m, l), others = parts[-1], parts[:-1]
+    top = m
+    for _, m_p, _ in others:
+        top = np.maximum(top, m_p)
+    f = rescale(m, top)
+    O, l = O * f[..., None], l * f
+    for O_p, m_p, l_p in others:
+        f = rescale(m_p, top)
+        O, l = O + O_p * f[..., None], l + l_p * f
+    return O, top, l
+
+
+def _pieces(visits, B_c, split):
+    """``visits`` (descending, as the kernel's) cut into pieces of ``split`` K/V blocks from key 0, in key order."""
+    if not split or not visits:
+        return [visits]
+    groups = {}
+    for cols, masked in visits:
+        groups.setdefault(cols.start // B_c // split, []).append((cols, masked))
+    return [groups[k] for k in sorted(groups)]
+
+
+def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0.0, split=None):
     """The CTA loop both models share: (O heads-major, LSE, hbm). The producer's loads are counted once per
     CTA (its consumers read the same shared-memory stage); ``scores(i, rows, j, cols, masked)``,
     ``product(P, j, cols, O)``, ``operand(P)`` and ``finish(i, O, l)`` (O / l and any dequantization) are the
-    arithmetic, i and j the Q and K block numbers; ``tau`` the lazy rescaling's threshold (``_consume``)."""
+    arithmetic, i and j the Q and K block numbers; ``tau`` the lazy rescaling's threshold (``_consume``).
+    ``split``: every tile cut into pieces of that many K/V blocks, each consumed alone (its Q loaded again, its
+    partial O, l, m written for the last piece, which reads them back) and merged (``merge_pieces``): the
+    arithmetic of the persistent grid's split last wave, applied here to every tile."""
     batch, heads, N_q, d = Q.shape
     N_k = K.shape[2]
     programs = batch * heads  # every (batch, query head) CTA loads its own K/V blocks, GQA included
@@ -234,12 +263,19 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0
         for cols, _ in visits:                                 # ... then K_j, V_j through the ring, descending
             hbm.read("K", programs * (cols.stop - cols.start) * d)
             hbm.read("V", programs * (cols.stop - cols.start) * d)
+        pieces = _pieces(visits, B_c, split)
+        if visits and len(pieces) > 1:                         # each piece loads Q_i; all but the last leave a partial
+            n = rows.stop - rows.start
+            hbm.read("Q", programs * n * d * (len(pieces) - 1))
+            for t in ("O", "l", "m"):
+                hbm.write(t, programs * n * (d if t == "O" else 1) * (len(pieces) - 1))
+                hbm.read(t, programs * n * (d if t == "O" else 1) * (len(pieces) - 1))
         for c_rows in consumer_rows(rows):                     # the consumer warpgroups
-            O_c, m, l = _consume(
-                consumer_visits(visits, c_rows, N_q, N_k, B_c, causal),
+            O_c, m, l = merge_pieces([_consume(
+                consumer_visits(piece, c_rows, N_q, N_k, B_c, causal),
                 lambda cols, masked, c_rows=c_rows: scores(i, c_rows, cols.start // B_c, cols, masked),
                 lambda P, cols, acc: product(P, cols.start // B_c, cols, acc),
-                operand, (batch, heads, c_rows.stop - c_rows.start, d), tau)
+                operand, (batch, heads, c_rows.stop - c_rows.start, d), tau) for piece in pieces])
             O[:, :, c_rows] = finish(i, O_c, l)                # deferred normalization: once per row
             LSE[:, :, c_rows] = logsumexp_from(m, l)
         hbm.write("O", programs * (rows.stop - rows.start) * d)
@@ -261,15 +297,22 @@ def _p_operand(q, round_p):
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, round_p=False,
-            rescale_tau=RESCALE_TAU) -> ModelResult:
+            rescale_tau=RESCALE_TAU, split_blocks=None) -> ModelResult:
     """FA3's forward on float64 copies; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
 
     ``block_q``/``block_k`` default to the kernel's tiles (``default_blocks``). ``round_p``: P rounded to the
     input's 16-bit dtype before P V, as the kernel's wgmma operand (default False: float64, fa2's convention).
     ``rescale_tau``: the lazy rescaling's threshold in log2 units (``RESCALE_TAU``, the kernel's; 0: FA2's
     running max, with which this is FA2's update in descending block order, bit for bit).
+    ``split_blocks``: every tile cut into pieces of that many K/V blocks and merged as the persistent grid's split
+    last wave does (``merge_pieces``; non-causal only, as the kernel's).
     Returns ``ModelResult`` (out float64 in flash layout, lse, hbm, blocks)."""
     operand = _p_operand(q, round_p)
+    if split_blocks is not None:
+        if isinstance(split_blocks, bool) or not isinstance(split_blocks, (int, np.integer)) or split_blocks < 1:
+            raise ValueError(f"split_blocks must be a positive int or None, got {split_blocks!r}")
+        if causal:
+            raise ValueError("split_blocks: the kernel splits non-causal tiles only (causal=True given)")
     rescale_tau = _check_tau(rescale_tau)
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
@@ -281,7 +324,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
                                                              N_q, N_k, causal and masked),
         product=lambda P, j, cols, acc: acc + P @ V[:, :, cols],
         operand=operand,
-        finish=lambda i, O_c, l: normalize(O_c, l), tau=rescale_tau)
+        finish=lambda i, O_c, l: normalize(O_c, l), tau=rescale_tau, split=split_blocks)
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
 
 
