@@ -62,6 +62,8 @@ SETS = {
               Shape(8, 16, 4096, 128, "bfloat16", False), Shape(4, 33, 4096, 128, "bfloat16", False)],
     # d 256 where the floor is closest (N 2K, non-causal) and its neighbour, both dtypes
     "d256": [Shape(16384 // n, 8, n, 256, dt, False) for dt in ("bfloat16", "float16") for n in (2048, 4096)],
+    # d 64's long non-causal rows, where one CTA per tile runs (PERSISTENT_UP_TO) and the persistent grid would split
+    "d64long": [Shape(16384 // n, 32, n, 64, dt, False) for dt in ("bfloat16", "float16") for n in (8192, 16384)],
     # The same at the matrix's long rows (one CTA per tile, equal tiles): H 16 is 2048 tiles (15.5 waves), H 33 4224 (32)
     "tail": [Shape(16384 // n, h, n, 128, "bfloat16", False) for n in (4096, 8192, 16384) for h in (16, 33)],
 }

@@ -34,14 +34,14 @@ ARCHS = ("sm_90a",)
 # block's GEMMs are short next to its softmax. Chosen by the sweeps in bench/NOTES.md (wgmma_n.cuh: n80, n176).
 TILES = {64: [(192, 128, 2, 1, 0)], 128: [(128, 176, 2, 1, 0)], 256: [(128, 80, 2, 1, 0)]}
 DIMS = tuple(TILES)
-# The persistent grid (one CTA per SM taking tiles from a counter) against one CTA per tile, by template dim: it
-# wins up to this seqlen_k (short tiles: the next tile's loads hide under this one's end instead of a new CTA's
-# start; d 64 N 1K +12 %, N 2K +7 %) and loses beyond it (1-5 %: its consumers' P V wait is scheduled earlier by
-# ptxas). Measured in bench/RESULTS.md, fourth session; d 128 at every length since its persistent tiles pipeline
-# across tiles (PERSISTENT_TILES, tenth session) and its last wave is split (N 8K +1.5 %, 16K +5 % over the
-# persistent grid unsplit, which was level with one CTA per tile; fourteenth session). A tile table entry's own flag
-# (a sweep's) overrides it.
-PERSISTENT_UP_TO = {64: 8192, 128: 1 << 30, 256: 0}
+# The persistent grid (one CTA per SM taking tiles from a counter) against one CTA per tile, by template dim, as
+# (causal, non-causal): it wins up to this seqlen_k (short tiles: the next tile's loads hide under this one's end
+# instead of a new CTA's start; d 64 N 1K +12 %, N 2K +7 %; bench/RESULTS.md, fourth session). Non-causal at every
+# length since its tiles pipeline across tiles (PERSISTENT_TILES, tenth session) and its last wave is split: d 128
+# N 8K +1.5 %, 16K +5 % over the persistent grid unsplit, which was level with one CTA per tile; d 64 N 16K +5 % over
+# one CTA per tile (fourteenth session). Causal d 64 past 8K is not measured since the fourth session (it lost
+# 1-5 % then). A tile table entry's own flag (a sweep's) overrides it.
+PERSISTENT_UP_TO = {64: (8192, 1 << 30), 128: (1 << 30, 1 << 30), 256: (0, 0)}
 # Where the persistent grid runs at d 128 (non-causal), 160-key blocks: with them a second Q buffer fits beside
 # the ring, so the grid pipelines across tiles (fa3_fwd.cu's CROSS; 176 does not fit): +2-4 % over one CTA per
 # tile at N 2K-4K, level at 8K-16K (bench/NOTES.md, tenth session).
@@ -110,8 +110,8 @@ def as_persistent(d: int, cfg, causal: bool = False) -> tuple:
 
 def config(d: int, seqlen_k: int | None = None, causal: bool = False):
     """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls), run on the persistent grid
-    (as_persistent) up to PERSISTENT_UP_TO[d] unless the entry sets its flag; FA_VARIANTS_FA3_PERSISTENT=0 or 1
-    forces either grid (call fav.clear_plans() after changing it)."""
+    (as_persistent) up to PERSISTENT_UP_TO[d] (its causal or its non-causal limit) unless the entry sets its flag;
+    FA_VARIANTS_FA3_PERSISTENT=0 or 1 forces either grid (call fav.clear_plans() after changing it)."""
     entry = (CAUSAL_TILES if causal and d in CAUSAL_TILES else TILES)[d][0]
     if causal and d in CAUSAL_SHORT_TILES and seqlen_k is not None and seqlen_k <= CAUSAL_SHORT_TILES[d][0]:
         entry = CAUSAL_SHORT_TILES[d][1]
@@ -121,7 +121,7 @@ def config(d: int, seqlen_k: int | None = None, causal: bool = False):
         if flag not in ("0", "1"):
             raise ValueError(f"FA_VARIANTS_FA3_PERSISTENT must be 0 or 1, got {flag!r}")
         return as_persistent(d, cfg, causal) if flag == "1" else cfg[:4] + (0,)
-    if seqlen_k is not None and not cfg[4] and seqlen_k <= PERSISTENT_UP_TO[d]:
+    if seqlen_k is not None and not cfg[4] and seqlen_k <= PERSISTENT_UP_TO[d][0 if causal else 1]:
         return as_persistent(d, cfg, causal)
     return cfg
 
