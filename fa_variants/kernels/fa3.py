@@ -82,18 +82,29 @@ def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: boo
     return (last, blocks, cdiv(last * kv_blocks, blocks))
 
 
+def _stream_buffer(cache: dict, device: int, stream: int, nbytes: int, zero: bool = False) -> int:
+    """The address of at least ``nbytes`` of device memory kept in ``cache`` for launches on ``stream``: one
+    buffer per stream, since launches on one stream run one after another while two kernels sharing one at once
+    would clash. Its own cudaMalloc, not the current allocator's: a pool that goes away (a test's, a user's) would
+    free a buffer this cache still hands out. ``zero``: zeroed on that stream when allocated (so before its first
+    launch, with no host wait)."""
+    key = (device, stream)
+    if key not in cache or cache[key].size < nbytes:
+        import cupy
+        with cupy.cuda.Device(device):
+            buf = cupy.cuda.memory.Memory(nbytes)
+            if zero:
+                cupy.cuda.runtime.memsetAsync(buf.ptr, 0, nbytes, stream)
+        cache[key] = buf
+    return cache[key].ptr
+
+
 _WORKSPACES: dict = {}  # (device, stream) -> Memory: the split tail's partials (fp32), the largest asked for
 
 
 def split_workspace(device: int, stream: int, nbytes: int) -> int:
-    """The address of at least ``nbytes`` for the split tail's partials of launches on ``stream`` (one per
-    stream, as the tile counter: launches on one stream run one after another)."""
-    key = (device, stream)
-    if key not in _WORKSPACES or _WORKSPACES[key].size < nbytes:
-        import cupy
-        with cupy.cuda.Device(device):
-            _WORKSPACES[key] = cupy.cuda.memory.Memory(nbytes)
-    return _WORKSPACES[key].ptr
+    """The address of at least ``nbytes`` for the split tail's partials of launches on ``stream``."""
+    return _stream_buffer(_WORKSPACES, device, stream, nbytes)
 
 
 # The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
@@ -200,16 +211,7 @@ def tile_counter(device: int, stream: int) -> int:
     that stream (so before its first launch, with no host wait), and again by the last CTA of every launch. One
     pair per stream, because launches on one stream run one after another, while two kernels sharing a pair at
     once would take each other's tiles."""
-    key = (device, stream)
-    if key not in _COUNTERS:
-        import cupy
-        with cupy.cuda.Device(device):
-            # its own cudaMalloc, not the current allocator's: a pool that goes away (a test's, a user's) would
-            # free a pair this cache still hands out
-            pair = cupy.cuda.memory.Memory(4 * COUNTER_INTS)
-            cupy.cuda.runtime.memsetAsync(pair.ptr, 0, 4 * COUNTER_INTS, stream)
-        _COUNTERS[key] = pair
-    return _COUNTERS[key].ptr
+    return _stream_buffer(_COUNTERS, device, stream, 4 * COUNTER_INTS, zero=True)
 
 
 def specializations():
@@ -292,18 +294,20 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
                  for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
-    if stores_o_by_tma(D, cfg, overlap):
+    tma_out = stores_o_by_tma(D, cfg, overlap)
+    if tma_out:
         # out, as run_cupy / run_torch allocate it (contiguous), in boxes of one consumer's 64 rows; made at q's
         # address (any 16-byte aligned one serves: the launch patches in out's)
         isz = q.dtype.itemsize
         maps += (MapTemplate(q.data.ptr, (b, nq, h, d), (nq * h * d * isz, h * d * isz, d * isz), isz, 64, "out"),)
-    if cdiv(nq, cfg[0]) * h * b >= 2**31:
-        raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
-    tiles, ctas = cdiv(nq, cfg[0]) * h * b, grid(nq, h, b, cfg)[0]
-    tail = tail_split(tiles, ctas, cdiv(k.shape[1], cfg[1]), causal, stores_o_by_tma(D, cfg, overlap))
+    tiles = cdiv(nq, cfg[0]) * h * b
+    if tiles >= 2**31:
+        raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
+    ctas = grid(nq, h, b, cfg)
+    tail = tail_split(tiles, ctas[0], cdiv(k.shape[1], cfg[1]), causal, tma_out)
     # a partial: per consumer thread D / 8 float4 of O and one of m and l; per range at most two pieces
     workspace = tail[2] * 2 * (cfg[0] // 64) * 128 * (D // 8 + 1) * 16
-    return Fa3Plan(func=function_of(kern, smem), grid=grid(nq, h, b, cfg), block=threads(cfg), smem=smem,
+    return Fa3Plan(func=function_of(kern, smem), grid=ctas, block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=(nq * h * d, h * d, d), tail=tail), workspace=workspace,
                    fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
