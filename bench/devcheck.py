@@ -66,6 +66,11 @@ SETS = {
     "d64long": [Shape(16384 // n, 32, n, 64, dt, False) for dt in ("bfloat16", "float16") for n in (8192, 16384)],
     # The same at the matrix's long rows (one CTA per tile, equal tiles): H 16 is 2048 tiles (15.5 waves), H 33 4224 (32)
     "tail": [Shape(16384 // n, h, n, 128, "bfloat16", False) for n in (4096, 8192, 16384) for h in (16, 33)],
+    # Where seqlen_k's tail block is part-empty at the default tiles (BN 160 and 176 at d 128, 80 at d 256): the
+    # narrow tail block's shapes (fa3_fwd.cu's TAIL_BN), non-causal
+    "narrow": [Shape(16384 // n, 2048 // d, n, d, dt, False) for dt in ("bfloat16", "float16") for d in (128, 256)
+               for n in (1024, 2048, 4096)],
+    "narrow_fp8": [Shape(16384 // n, 16, n, 128, "bfloat16", False) for n in (1024, 2048, 4096, 8192, 16384)],
 }
 
 

@@ -106,6 +106,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     // l (an fp32 workspace) into its own and stores the tile. (bench/NOTES.md, fourteenth session: d 128 N 4K
     // +1 %, N 16K +5 %; the launcher's tail_split says where.)
     constexpr bool SPLIT = TMA_OUT;
+    // TAIL_BN: the seqlen_k tail block, where it holds at most TAIL_BN keys, is computed at that width (S = Q K^T
+    // as m64 x TAIL_BN, its P V over TAIL_BN keys): at d 128 (BN 160) N 2K the 13th block holds 128 keys, and at
+    // its full width 1.5 % of a tile's tensor-core and softmax work is on keys past seqlen_k. It is the first block
+    // visited, so the step that visits it and the one that issues its P V (the next) are compiled at both widths.
+    // fp8 (BN 192 at d 128: N 2^k leaves 64 or 128 keys) cuts at BN - 64, whole 32-key groups of V^T's vt_key
+    // order. (Instances with the overlap only: without it each step issues its own P V.)
+    constexpr int TAIL_BN = OVERLAP ? BN - (FP8 ? 64 : 32) : 0;
 
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
@@ -276,6 +283,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             int q, q_phase;  // its Q buffer, and that buffer's phase
             float q_scale;   // fp8: Q's scale times scale_log2
             int piece;       // SPLIT: its work item's piece number (2 i + j) if it is a piece, else -1
+            bool narrow;     // its block u = 0 is the seqlen_k tail, visited at TAIL_BN keys (then z = 0, n >= 2)
         };
         int it = 0, q_uses = 0;  // as the producer counts them
         auto tile_of = [&](int t) {
@@ -306,6 +314,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // FLT_MIN, so that a masked -inf times f stays -inf at softmax_scale 0; the launcher makes f positive
             // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself.
             x.piece = SPLIT && t >= full_tiles() ? t - full_tiles() : -1;
+            // Block u = 1 (whose step issues the narrow P V) must be one without a mask: the narrow P V is compiled
+            // into the mask-free step only.
+            const int end = x.w.blocks.end;
+            x.narrow = TAIL_BN > 0 && x.z == 0 && x.n >= 2 && end == kv_blocks() &&
+                       seqlen_k - (end - 1) * BN <= TAIL_BN && end - 2 < x.j_mask;
             x.q_scale = 1.f;
             if constexpr (FP8)
                 x.q_scale = p.scale_log2 * p.sq[((i64)x.w.b * p.heads + x.w.h) * q_blocks() + x.w.m0 / BM];
@@ -342,7 +355,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             else if constexpr (STEP_DESC) return TV::desc_mn(sV(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
             else return TV::desc_mn(sV(stage), kk * 16, nn * DN * 2);
         };
-        auto issue_qk = [&](float (&s)[1][NT][4], int q, int stage) {
+        auto issue_qk = [&](auto& s, int q, int stage) {  // s: float[1][keys / 8][4]
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / KK; ++kk) {
@@ -352,10 +365,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             }
             wgmma_commit();
         };
-        auto issue_pv = [&](int stage) {
+        auto issue_pv = [&](int stage, auto keys) {  // over the block's first keys (num<BN> or num<TAIL_BN>)
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BN / KK; ++kk)
+            for (int kk = 0; kk < decltype(keys)::value / KK; ++kk)
 #pragma unroll
                 for (int nn = 0; nn < D / DN; ++nn) {
                     auto& acc = reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]);
@@ -364,9 +377,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 }
             wgmma_commit();
         };
-        auto pack_p = [&](const float (&s)[1][NT][4]) {
+        auto pack_p = [&](const auto& s) {
+            constexpr int KEYS = sizeof(s[0]) / sizeof(s[0][0]) * 8;
 #pragma unroll
-            for (int kk = 0; kk < BN / KK; ++kk)
+            for (int kk = 0; kk < KEYS / KK; ++kk)
                 if constexpr (FP8)  // P~ already times P_SCALE (online_softmax_rescale_folded)
                     repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3], 1.f);
                 else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
@@ -385,7 +399,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // Returns whether O needs it (warp-uniform: the rescale below is a branch, not predicated work). (K's
         // scale is addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions
         // fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
-        auto softmax = [&](const TileWork& x, float (&s)[1][NT][4], int j, float (&mx)[1][2], float (&lx)[1][2],
+        auto softmax = [&](const TileWork& x, auto& s, int j, float (&mx)[1][2], float (&lx)[1][2],
                            float (&alpha)[1][2]) {
             bool moved;
             if constexpr (FP8) {
@@ -405,7 +419,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         auto pv_alone = [&](const TileWork& x, int u) {  // P_u V_u in a ping-pong turn of its own, V_u released
             mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
             sched_wait();
-            issue_pv(stage_of(x, u));
+            issue_pv(stage_of(x, u), num<BN>());
             sched_pass();
             wgmma_wait<0>();
             hold_registers(o[0]);
@@ -419,15 +433,17 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // free, and only if a row of the warp moved its reference (before, O is still 0). The softmax runs into
         // (mx, lx): (m, l), or at a CROSS boundary (u = 0, overlapped: the P V in flight is the previous tile's
         // last) the next tile's fresh pair, while m and l are still the previous tile's, for its epilogue.
-        auto step = [&](const TileWork& x, int u, auto masked, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
+        // s_keys, pv_keys: the width of S_u and of the P V in flight, num<BN> but at a narrow tail (TAIL_BN).
+        auto step = [&](const TileWork& x, int u, auto masked, auto overlapped, auto s_keys, auto pv_keys,
+                        float (&mx)[1][2], float (&lx)[1][2]) {
             constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
             const int j = x.w.blocks.end - 1 - u;
-            float s[1][NT][4];
+            float s[1][decltype(s_keys)::value / 8][4];
             mbar_wait(k_full(stage_of(x, u)), phase_of(x, u));
             if constexpr (PREV) mbar_wait(v_full(stage_of(x, u - 1)), phase_of(x, u - 1));
             sched_wait();
             issue_qk(s, x.q, stage_of(x, u));
-            if constexpr (PREV) issue_pv(stage_of(x, u - 1));  // O is in block u-1's reference already
+            if constexpr (PREV) issue_pv(stage_of(x, u - 1), pv_keys);  // O is in block u-1's reference already
             sched_pass();
             wgmma_wait<PREV ? 1 : 0>();
             hold_registers(s[0]);
@@ -454,9 +470,15 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 if (rescale) scale_rows(o, alpha);
             if constexpr (!OVERLAP) pv_alone(x, u);  // P_u V_u now
         };
+        // A tile's first visited block u (u = z, or 0 at a CROSS boundary); the P V in flight is never narrow.
         auto visit = [&](const TileWork& x, int u, auto overlapped, float (&mx)[1][2], float (&lx)[1][2]) {
-            if (x.w.blocks.end - 1 - u >= x.j_mask) step(x, u, flag<true>(), overlapped, mx, lx);
-            else step(x, u, flag<false>(), overlapped, mx, lx);
+            if constexpr (TAIL_BN > 0)
+                if (x.narrow) {  // (then u = 0)
+                    step(x, u, flag<true>(), overlapped, num<TAIL_BN>(), num<BN>(), mx, lx);
+                    return;
+                }
+            if (x.w.blocks.end - 1 - u >= x.j_mask) step(x, u, flag<true>(), overlapped, num<BN>(), num<BN>(), mx, lx);
+            else step(x, u, flag<false>(), overlapped, num<BN>(), num<BN>(), mx, lx);
         };
         // A skipped block u of tile x: its stages go back to the producer once they have landed (an arrival
         // before that could complete the empty barrier's previous phase), and the consumer's turns pass without
@@ -584,14 +606,15 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 visit(x, x.z, flag<false>(), m, l);
             }
         };
-        // The blocks that need a mask come first (j from end - 1 down), so the loop is split where they end: the
-        // mask-free loop then has no branch (left to ptxas, it kept both steps in one loop in some instances).
+        // The blocks that need a mask come first (j from end - 1 down): a loop of their own, so that the mask-free
+        // loop has no branch (written as one loop, ptxas kept both steps in it: +0-2 %, bench/NOTES.md).
         auto blocks_after_first = [&](const TileWork& x) {
-            // The blocks that need a mask come first (j from end - 1 down): a loop of their own, so that the mask-free
-            // loop has no branch (written as one loop, ptxas kept both steps in it: +0-2 %, bench/NOTES.md).
             int u = x.z + 1;
-            for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_mask; ++u) step(x, u, flag<true>(), flag<OVERLAP>(), m, l);
-            for (; u < x.n; ++u) step(x, u, flag<false>(), flag<OVERLAP>(), m, l);
+            if constexpr (TAIL_BN > 0)  // block 0's narrow P V beside S_1 (block 1 needs no mask: x.narrow)
+                if (x.narrow) step(x, u++, flag<false>(), flag<OVERLAP>(), num<BN>(), num<TAIL_BN>(), m, l);
+            for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_mask; ++u)
+                step(x, u, flag<true>(), flag<OVERLAP>(), num<BN>(), num<BN>(), m, l);
+            for (; u < x.n; ++u) step(x, u, flag<false>(), flag<OVERLAP>(), num<BN>(), num<BN>(), m, l);
         };
         if constexpr (!PERSISTENT) {
             const TileWork x = tile_of(blockIdx.x);

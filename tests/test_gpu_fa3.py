@@ -136,3 +136,31 @@ def test_persistent_tile_counter_resets_across_launches_and_streams(monkeypatch,
     for n, (i, out) in enumerate(runs):
         assert np.array_equal(to_host(out).view(np.uint16), alone[i].view(np.uint16)), \
             f"launch {n} ({cases[i].id}) differs from the same launch alone"
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_narrow_tail_block_at_its_bounds(request, monkeypatch, poisoned, head_dim, causal, persistent):
+    """The seqlen_k tail block is computed at TAIL_BN = BN - 32 keys where it holds no more (fa3_fwd.cu): seqlen_k
+    with exactly TAIL_BN keys in the last block (the narrow step's widest), one key (its narrowest) and TAIL_BN + 1
+    (the full step), on either grid, against float64; seqlen_q != seqlen_k so that the causal diagonal crosses the
+    tail block's rows differently per tile."""
+    from fa_variants.kernels import fa3
+    ok, why = fav.get("fa3").available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setenv("FA_VARIANTS_FA3_PERSISTENT", persistent)
+    seed = new_seed()
+    request.node.user_properties.append(("seed", seed))
+    rng = np.random.default_rng(seed)
+    bn = fa3.config(head_dim, 1000, causal)[1]
+    for tail in (bn - 32, 1, bn - 31):
+        seqlen_k = 2 * bn + tail
+        case = Case(2, seqlen_k - 37, seqlen_k, 4, 2, head_dim, causal)
+        assert fa3.config(head_dim, seqlen_k, causal)[1] == bn
+        host = random_qkv_host(rng, case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.heads_kv,
+                               case.head_dim, "bfloat16")
+        ref_out, ref_lse = reference64(*host, causal=causal)
+        out, lse = _run(case, "bfloat16", host, persistent, monkeypatch, poisoned)
+        assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what=f"fa3 narrow tail {case.id} tail {tail}")

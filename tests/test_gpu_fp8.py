@@ -34,6 +34,8 @@ CASES = [
     # padded head dims: quantized into rows of the next template dim (64, 128, 256), zeros beyond d
     Case(2, 130, 97, 4, 2, 16, True), Case(2, 130, 97, 4, 2, 80, False), Case(1, 300, 300, 4, 2, 160, True),
     Case(1, 200, 211, 2, 2, 208, False),
+    # fa3_fp8's seqlen_k tail block at d 128 (192 keys): 128 keys (its narrow step's widest), 129 (the full step)
+    Case(2, 300, 320, 4, 2, 128, False), Case(1, 200, 321, 4, 4, 128, True),
 ]
 
 

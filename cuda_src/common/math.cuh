@@ -13,6 +13,11 @@ template <bool V>
 struct flag {
     static constexpr bool value = V;
 };
+// A compile-time int as a type (flag's counterpart): a width chosen per call of a generic lambda.
+template <int V>
+struct num {
+    static constexpr int value = V;
+};
 
 // Pick<C, A, B>::type is A when C holds, else B (std::conditional, which needs <type_traits>).
 template <bool C, class A, class B>

@@ -1,7 +1,7 @@
 // wgmma.mma_async m64nNk16 with both operands in shared memory (fp16/bf16, fp32 accumulators) for key-block
 // widths other than wgmma.cuh's n64 and n128: fa3's S = Q K^T over BN = 80, 96, 144, 160, 176 or 192 keys
-// (FA3's own tiles are 128 x 176 at d = 128 and 128 x 80 at d = 256), and fa2_bwd_sm90's n32 (S^T over 32
-// queries or S over 32 keys at d = 256). Same contract as wgmma_16_ss in wgmma.cuh: d is the
+// (FA3's own tiles are 128 x 176 at d = 128 and 128 x 80 at d = 256) and over its narrow tail blocks of BN - 32
+// keys (32 to 144), and fa2_bwd_sm90's n32 (S^T over 32 queries or S over 32 keys at d = 256). Same contract as wgmma_16_ss in wgmma.cuh: d is the
 // 64 x N accumulator in its fragment layout (N/8 n-tiles of 4), accumulate == 0 overwrites it.
 // wgmma_e4m3_ss: the same for e4m3 operands (m64nNk32, K-major both), fa3_fp8's S over 192 or 256 keys.
 // The operand lists are spelled out because inline asm cannot take a register array; this file is written by
@@ -22,6 +22,20 @@ __forceinline__ __device__ void wgmma_16_ss(float (&d)[4][4], u64 a_desc, u64 b_
         asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0; }"
                      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+template <class T>
+__forceinline__ __device__ void wgmma_16_ss(float (&d)[6][4], u64 a_desc, u64 b_desc, int accumulate) {
+    if constexpr (T::is_bf16)
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %26, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, %24, %25, p, 1, 1, 0, 0; }"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %26, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, %24, %25, p, 1, 1, 0, 0; }"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
                      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
