@@ -13,7 +13,9 @@ What differs from ``reference/fa2.py``, and what this model reproduces:
   (``kv_visits``). The blocks that need a mask (the causal diagonal's, the short tail block of N_k) are the
   highest-numbered ones a CTA visits, so they come first, and the rest of the loop runs without masks. Here a
   mask is applied only where ``kv_visits`` says the kernel applies one: the comparison with the dense reference
-  (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none.
+  (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none. The short tail block is a
+  short slice here; the kernel computes it at B_c - 32 keys where it holds no more (fp8: B_c - 64; fa3_fwd.cu's
+  TAIL_BN), at B_c otherwise: the keys past N_k are masked to exact zeros either way.
 * Per consumer, intra-warpgroup overlap (the kernel's OVERLAP): S_j = Q K_j^T is issued together with, and
   before, O += P_prev V_prev, the product of the previous block's probabilities; O has taken the previous block's
   rescale factor e^(m - m_new) before that product is added (the kernel applies it once that P V's predecessor
@@ -404,6 +406,7 @@ PIPELINE = "\n".join([
     "  to 1: the t-th block (t = 0, 1, ...) into ring stage s = t mod n_st. The empty barriers keep it at most",
     "  n_st blocks ahead of the consumers. Descending order puts the blocks that need a mask (the causal",
     "  diagonal's, the tail block of N_k) first: the consumers' steps after them are compiled without a mask.",
+    "  The tail block, where it holds at most B_c - 32 keys (fp8: B_c - 64), is computed at that width.",
     "  Causal, a consumer skips the first blocks that none of its 64 rows sees (right of its last row's",
     "  diagonal; consumer_visits): it hands their stages back and lets its ping-pong turn pass without a wgmma.",
     "",
