@@ -154,13 +154,14 @@ def test_narrow_tail_block_at_its_bounds(request, monkeypatch, poisoned, head_di
     seed = new_seed()
     request.node.user_properties.append(("seed", seed))
     rng = np.random.default_rng(seed)
-    bn = fa3.config(head_dim, 1000, causal)[1]
-    for tail in (bn - 32, 1, bn - 31):
-        seqlen_k = 2 * bn + tail
-        case = Case(2, seqlen_k - 37, seqlen_k, 4, 2, head_dim, causal)
-        assert fa3.config(head_dim, seqlen_k, causal)[1] == bn
-        host = random_qkv_host(rng, case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.heads_kv,
-                               case.head_dim, "bfloat16")
-        ref_out, ref_lse = reference64(*host, causal=causal)
-        out, lse = _run(case, "bfloat16", host, persistent, monkeypatch, poisoned)
-        assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what=f"fa3 narrow tail {case.id} tail {tail}")
+    for around in (600, 2600):  # the short tiles (SHORT_TILES, CAUSAL_SHORT_TILES) and the long ones
+        bn = fa3.config(head_dim, around, causal)[1]
+        for tail in (bn - 32, 1, bn - 31):
+            seqlen_k = around // bn * bn + tail
+            case = Case(2, seqlen_k - 37, seqlen_k, 4, 2, head_dim, causal)
+            assert fa3.config(head_dim, seqlen_k, causal)[1] == bn
+            host = random_qkv_host(rng, case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.heads_kv,
+                                   case.head_dim, "bfloat16")
+            ref_out, ref_lse = reference64(*host, causal=causal)
+            out, lse = _run(case, "bfloat16", host, persistent, monkeypatch, poisoned)
+            assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what=f"fa3 narrow tail {case.id} tail {tail}")

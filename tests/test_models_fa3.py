@@ -77,8 +77,9 @@ def test_gqa_mqa(rng, heads, heads_kv, causal):
 def test_kernel_tiles_by_head_dim(rng, d, blocks):
     q, k, v = inputs(rng, 1, 150, 140, 1, 1, d)
     assert fa3.default_blocks(d) == blocks
-    assert check(q, k, v, False).blocks == blocks
     t = fa3.template_dim(d)
+    full = fa3.SHORT_TILES.get(t)        # whole key blocks at N_k <= 1024, d 128 and 256
+    assert check(q, k, v, False).blocks == (full[1][:2] if full and 140 <= full[0] else blocks)
     short = fa3.CAUSAL_SHORT_TILES.get(t)   # (128, 64) at d 256 up to N_k 2048; (128, 128) at d 128
     causal_blocks = short[1][:2] if short and 140 <= short[0] else fa3.CAUSAL_TILES.get(t, blocks)[:2]
     assert check(q, k, v, True).blocks == causal_blocks
@@ -313,9 +314,14 @@ def test_default_tiles_are_the_kernels():
     assert kernels.LAUNCHER.tiles(128) == fa3.default_blocks(128)
     assert fa3.default_blocks(64, causal=True) == fa3.default_blocks(64)
     assert {d: (n, tuple(t)[:3]) for d, (n, t) in kernels.CAUSAL_SHORT_TILES.items()} == fa3.CAUSAL_SHORT_TILES
-    for d, (n, _) in fa3.CAUSAL_SHORT_TILES.items():
-        for seqlen_k in (n, n + 1):
-            assert kernels.config(d, seqlen_k, causal=True)[:2] == fa3.default_blocks(d, causal=True, seqlen_k=seqlen_k)
+    assert {d: (n, tuple(t)[:3]) for d, (n, t) in kernels.SHORT_TILES.items()} == fa3.SHORT_TILES
+    for causal, table in ((True, fa3.CAUSAL_SHORT_TILES), (False, fa3.SHORT_TILES)):
+        for d, (n, short) in table.items():
+            assert kernels.config(d, n, causal=causal)[:2] == fa3.default_blocks(d, causal=causal, seqlen_k=n)
+            # past n, the table's tiles (non-causal d 128: the persistent grid's 160-key blocks, which the model,
+            # knowing no grid, does not follow)
+            assert kernels.config(d, n + 1, causal=causal)[:2] != short[:2]
+            assert fa3.default_blocks(d, causal=causal, seqlen_k=n + 1) != short[:2]
     for d in (1, 64, 65, 128, 129, 256):
         assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]
     fp8_kernels = pytest.importorskip("fa_variants.kernels.fa3_fp8")

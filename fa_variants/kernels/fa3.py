@@ -55,6 +55,11 @@ CAUSAL_TILES = {128: [(128, 128, 2, 1, 1)]}
 # skip the diagonal blocks their own rows do not see and 64 keys leave less masked work than 80 (+1.7 % at
 # N 2K, level at 4K, -1 % at 8K; bench/NOTES.md, eleventh session).
 CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2, 1, 0))}
+# Non-causal calls up to a seqlen_k take these: at N 1K, 160-key blocks leave 64 keys in a tile's 7th block, which
+# runs at 128 (TAIL_BN); 128-key blocks leave none (d 128 on the persistent grid: +4.0 % bf16, +4.6 % fp16 at N 1K,
+# -0.6 % at 2K). d 256 at N 1K: 64-key blocks, none left, against 80 with 64 keys in the 13th block (+1.2-1.5 %;
+# level at 2K; bench/NOTES.md, fifteenth session).
+SHORT_TILES = {128: (1024, (128, 128, 2, 1, 1)), 256: (1024, (128, 64, 2, 1, 0))}
 # The persistent grid's last wave spread over every SM (fa3_fwd.cu's SPLIT, where O leaves by TMA; non-causal,
 # whose tiles are equal): the last tiles % CTAs tiles, cut along their K/V blocks into one range per CTA, each tile
 # into at most MAX_PIECES pieces, where the last wave leaves at least 1 / 8 of the SMs idle and a tile has at least
@@ -113,19 +118,24 @@ ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pin
 
 
 def as_persistent(d: int, cfg, causal: bool = False) -> tuple:
-    """A tile table entry as the persistent grid runs it: PERSISTENT_TILES' entry where there is one."""
+    """A tile table entry as the persistent grid runs it: itself if it is a persistent entry already, else
+    PERSISTENT_TILES' entry where there is one."""
+    if persistent(cfg):
+        return tuple(cfg)
     if not causal and d in PERSISTENT_TILES:
         return tuple(PERSISTENT_TILES[d])
     return tuple(cfg[:4]) + (1,)
 
 
 def config(d: int, seqlen_k: int | None = None, causal: bool = False):
-    """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls), run on the persistent grid
+    """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls; CAUSAL_SHORT_TILES' or
+    SHORT_TILES' up to their seqlen_k), run on the persistent grid
     (as_persistent) up to PERSISTENT_UP_TO[d] (its causal or its non-causal limit) unless the entry sets its flag;
     FA_VARIANTS_FA3_PERSISTENT=0 or 1 forces either grid (call fav.clear_plans() after changing it)."""
     entry = (CAUSAL_TILES if causal and d in CAUSAL_TILES else TILES)[d][0]
-    if causal and d in CAUSAL_SHORT_TILES and seqlen_k is not None and seqlen_k <= CAUSAL_SHORT_TILES[d][0]:
-        entry = CAUSAL_SHORT_TILES[d][1]
+    short = (CAUSAL_SHORT_TILES if causal else SHORT_TILES).get(d)
+    if short and seqlen_k is not None and seqlen_k <= short[0]:
+        entry = short[1]
     cfg = tuple(entry) + (0,) * (5 - len(entry))
     flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
     if flag:
@@ -217,7 +227,8 @@ def tile_counter(device: int, stream: int) -> int:
 def specializations():
     grids = lambda d, cfg, causal: (cfg[:4] + (0,), as_persistent(d, cfg, causal))  # noqa: E731
     cfgs = [(d, config(d, causal=causal), causal) for d in DIMS for causal in (False, True)]
-    cfgs += [(d, config(d, 1, causal=True), True) for d in CAUSAL_SHORT_TILES]
+    cfgs += [(d, config(d, 1, causal=c), c) for c, table in ((True, CAUSAL_SHORT_TILES), (False, SHORT_TILES))
+             for d in table]
     main = tuple(dict.fromkeys(instance(c, d, cfg=g) for c in CTYPE.values() for d, cfg, causal in cfgs
                                for g in grids(d, cfg, causal)))
     ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)

@@ -62,6 +62,9 @@ CAUSAL_TILES = {128: (128, 128, 2)}
 #: Causal calls up to a seqlen_k take these tiles (kernels/fa3.py ``CAUSAL_SHORT_TILES``): 64-key blocks at
 #: d = 256 up to N_k = 2048.
 CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2))}
+#: Non-causal calls up to a seqlen_k take these (kernels/fa3.py ``SHORT_TILES``): N_k = 1024 in whole blocks of
+#: 128 keys at d = 128 and of 64 at d = 256.
+SHORT_TILES = {128: (1024, (128, 128, 2)), 256: (1024, (128, 64, 2))}
 #: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
 #: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread).
 FP8_TILES = {64: (192, 128, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
@@ -93,10 +96,10 @@ def template_dim(head_dim: int) -> int:
 def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None, causal=False,
                    seqlen_k=None) -> tuple[int, int]:
     """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``tiles``: fa3's
-    ``DEFAULT_TILES``, with ``CAUSAL_TILES`` for causal calls and ``CAUSAL_SHORT_TILES`` for causal calls up to
-    their seqlen_k, or fa3_fp8's ``FP8_TILES``)."""
+    ``DEFAULT_TILES``, with ``CAUSAL_TILES`` for causal calls and ``CAUSAL_SHORT_TILES`` / ``SHORT_TILES`` for
+    causal / other calls up to their seqlen_k, or fa3_fp8's ``FP8_TILES``)."""
     t = template_dim(head_dim)
-    short = CAUSAL_SHORT_TILES.get(t) if causal and tiles is None else None
+    short = (CAUSAL_SHORT_TILES if causal else SHORT_TILES).get(t) if tiles is None else None
     if tiles is None:
         tiles = CAUSAL_TILES if causal and t in CAUSAL_TILES else DEFAULT_TILES
     b_r, b_c, _ = short[1] if short and seqlen_k is not None and seqlen_k <= short[0] else tiles[t]
@@ -458,6 +461,8 @@ PIPELINE = "\n".join([
       for t, (b_r, b_c, _) in CAUSAL_TILES.items()],
     *[f"  causal d={t}, N_k <= {n}: B_r x B_c = {b_r} x {b_c} (CAUSAL_SHORT_TILES)"
       for t, (n, (b_r, b_c, _)) in CAUSAL_SHORT_TILES.items()],
+    *[f"  d={t}, N_k <= {n}: B_r x B_c = {b_r} x {b_c} (SHORT_TILES: whole key blocks at N_k = {n})"
+      for t, (n, (b_r, b_c, _)) in SHORT_TILES.items()],
     "",
     "grid: one CTA per tile (Q block, head, batch), last Q blocks first; or, where tiles are short (kernels/fa3.py",
     "  PERSISTENT_UP_TO: non-causal at d = 64 and d = 128 (160-key blocks there), causal up to 8K at d = 64 and",
