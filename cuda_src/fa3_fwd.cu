@@ -73,7 +73,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p,
         int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
     using namespace fav;
-    constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, CONSUMERS = 128 * NC;
+    constexpr int BM = 64 * NC, DT = D / 8, CONSUMERS = 128 * NC;
     constexpr int EB = FP8 ? 1 : 2;          // bytes per element of Q, K, V
     constexpr int KK = FP8 ? 32 : 16;        // reduction step of one wgmma (k32 e4m3, k16 fp16/bf16)
     constexpr int REGS = NC == 2 ? 240 : 160;  // the consumers' share once the producer keeps 24
