@@ -401,8 +401,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // above the wgmmas, stalling their issue instead. (Addressed afresh every step on purpose: a row pointer
         // held once a tile, 136 instructions fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md,
         // sixth session.)
-        auto k_scale = [&](const TileWork& x, int j) {
-            return FP8 ? p.sk + ((i64)x.w.b * p.heads_kv + x.h_kv) * kv_blocks() + j : nullptr;
+        auto k_scale = [&](const TileWork& x, int j) -> const float* {
+            if constexpr (FP8) return p.sk + ((i64)x.w.b * p.heads_kv + x.h_kv) * kv_blocks() + j;
+            else return nullptr;
         };
         // The online softmax of block j of tile x into (mx, lx); sk: K block j's scale (fp8). alpha: what O is
         // multiplied by for this block. Returns whether O needs it (warp-uniform: the rescale below is a branch,
