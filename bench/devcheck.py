@@ -240,11 +240,12 @@ def fp8_sweep(shapes, repeats, mma_sync=True, names=("fa2", "fa3", "fa2_fp8", "f
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
         tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
-        best16 = max(v for k, v in tf.items() if "fp8" not in k)
+        # (no 16-bit number: --variants of fp8 ones only with --no-peers, an A/B of fp8 kernels alone)
+        best16 = max((v for k, v in tf.items() if "fp8" not in k), default=math.nan)
         best = fp8[-1][0]  # the last fp8 variant (fa3_fp8 where it runs)
         base = half[0] if half else "torch-cudnn"
         rows.append([shape.id] + [f"{v:.1f}" for v in tf.values()]
-                    + [f"{tf[best + ' prequant'] / tf[base]:.2f}", f"{tf[best + ' +quant'] / best16:.2f}",
+                    + [f"{tf[best + ' prequant'] / tf.get(base, math.nan):.2f}", f"{tf[best + ' +quant'] / best16:.2f}",
                        f"{tf[best + ' prequant'] / best16:.2f}"])
         heads = (["shape"] + [f"{k} TF/s" for k in tf]
                  + [f"{best} prequant/{base}", f"{best} +quant/best16", f"{best} prequant/best16"])
