@@ -395,24 +395,16 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // Read here, once for the kernel: read inside the step, it moved d 64's schedule and cost 3 % (eighth
         // session).
         const float softmax_log2 = p.scale_log2;
-        // fp8: where K block j's scale is. The step prefetches it into L1 before its waits and reads it after
-        // S's: the load, issued after S's wait (where ptxas keeps it), would otherwise stall every warp for an L2
-        // latency before its first exponential; read into a register before the waits, ptxas moved its first use
-        // above the wgmmas, stalling their issue instead. (Addressed afresh every step on purpose: a row pointer
-        // held once a tile, 136 instructions fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md,
-        // sixth session.)
-        auto k_scale = [&](const TileWork& x, int j) -> const float* {
-            if constexpr (FP8) return p.sk + ((i64)x.w.b * p.heads_kv + x.h_kv) * kv_blocks() + j;
-            else return nullptr;
-        };
-        // The online softmax of block j of tile x into (mx, lx); sk: K block j's scale (fp8). alpha: what O is
-        // multiplied by for this block. Returns whether O needs it (warp-uniform: the rescale below is a branch,
-        // not predicated work).
-        auto softmax = [&](const TileWork& x, auto& s, const float* sk, float (&mx)[1][2], float (&lx)[1][2],
+        // The online softmax of block j of tile x into (mx, lx). alpha: what O is multiplied by for this block.
+        // Returns whether O needs it (warp-uniform: the rescale below is a branch, not predicated work). (K's
+        // scale is addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions
+        // fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
+        auto softmax = [&](const TileWork& x, auto& s, int j, float (&mx)[1][2], float (&lx)[1][2],
                            float (&alpha)[1][2]) {
             bool moved;
             if constexpr (FP8) {
-                const float f = fmaxf(x.q_scale * *sk, min_normal());
+                const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
+                const float f = fmaxf(x.q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
                 moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
             } else {
                 moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
@@ -447,8 +439,6 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
             const int j = x.w.blocks.end - 1 - u;
             float s[1][decltype(s_keys)::value / 8][4];
-            const float* sk = k_scale(x, j);
-            if constexpr (FP8) prefetch_l1(sk);
             mbar_wait(k_full(stage_of(x, u)), phase_of(x, u));
             if constexpr (PREV) mbar_wait(v_full(stage_of(x, u - 1)), phase_of(x, u - 1));
             sched_wait();
@@ -461,7 +451,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             mbar_arrive_if(q_empty(x.q), leader && u == x.n - 1);
             if constexpr (MASKED) mask_scores(s, x.w.m0 + row0, j * BN, seqlen_k, diag, causal);
             float alpha[1][2];
-            const bool moved = softmax(x, s, sk, mx, lx, alpha);
+            const bool moved = softmax(x, s, j, mx, lx, alpha);
             // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous
             // tile's, which this block's alpha must not touch. (An overlapped step inside the loop is past both.)
             const bool rescale = (PREV ? u > 0 : u > x.z) && moved;

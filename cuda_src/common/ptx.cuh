@@ -30,11 +30,6 @@ __forceinline__ __device__ float2 ld_shared_f32x2(u32 addr) {  // (8-byte aligne
     return v;
 }
 
-// Asks for the global line holding *p in L1 (no register, so nothing the compiler could move to the load's use).
-__forceinline__ __device__ void prefetch_l1(const void* p) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-}
-
 // ---- An ordered sum in global memory (fa2_bwd_sm90's fused dQ) ---------------------------------------------
 // Writers take turns on a counter: a writer waits until it reaches its rank (acquire), adds its share, and after
 // a barrier of the threads that added one of them counts itself in (release). CUTLASS's semaphore pattern: the
