@@ -266,10 +266,33 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // Ping-pong: consumer c issues after `sched_wait` on barrier 1 + c, which the previous consumer's
         // `sched_pass` (bar.arrive) completes once it has issued. The last consumer passes first, so consumer 0
         // starts; the turns run on across tiles (every consumer visits the same blocks). (Barrier 0 is
-        // __syncthreads, barrier 4 the consumers' own, 5 + c consumer c's own.)
+        // __syncthreads, barrier 4 the consumers' own, 5 + c consumer c's own, 8 + c EXP_TURNS'.)
         auto sched_wait = [&] { if constexpr (PINGPONG) named_sync(1 + c, 256); };
         auto sched_pass = [&] { if constexpr (PINGPONG) named_arrive(1 + (c + 1) % NC, 256); };
         if (PINGPONG && c == NC - 1) named_arrive(1, 256);
+        // EXP_TURNS: the consumers also take turns at their exponentials (barriers 8 + c, round robin as above):
+        // the SFU (16 MUFU lanes an SM, 8 cycles a warp's MUFU.EX2 on its sub-partition) runs one consumer's
+        // exponentials at a time instead of two consumers' interleaved, each at half speed. fp8, where the SFU
+        // is one of the two limits (bench/NOTES.md, sixteenth session). Every consumer takes one turn per block
+        // of every tile, visited or skipped, so the turns stay matched.
+        constexpr bool EXP_TURNS = FP8 && PINGPONG;
+        struct ExpTurn {
+            int mine, next;
+            __forceinline__ __device__ void wait() const { named_sync(mine, 256); }
+            // The thread count read from the row sums (never negative, so always 256): a plain bar.arrive, ptxas
+            // scheduled it before every exponential, and the turn then passed at once.
+            __forceinline__ __device__ void pass(const float (&l)[1][2]) const {
+                named_arrive(next, l[0][0] < 0.f || l[0][1] < 0.f ? 288 : 256);
+            }
+        };
+        const ExpTurn exp_turn{8 + c, 8 + (c + 1) % NC};
+        auto exp_turn_alone = [&] {  // a skipped block's turn
+            if constexpr (EXP_TURNS) {
+                exp_turn.wait();
+                exp_turn.pass({{0.f, 0.f}});
+            }
+        };
+        if (EXP_TURNS && c == NC - 1) named_arrive(8, 256);
 
         // A tile as the consumers see it: its rows and key blocks, where block u = 0 sits in the K/V ring, its Q
         // buffer, and (fp8) Q's scale. The steps take it as an argument: at a CROSS tile boundary the step works
@@ -405,7 +428,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) {
                 const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
                 const float f = fmaxf(x.q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
-                moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
+                if constexpr (EXP_TURNS)
+                    moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU,
+                                                          exp_turn);
+                else moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
             } else {
                 moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
             }
@@ -488,6 +514,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             mbar_arrive_if(k_empty(stage_of(x, u)), leader);
             mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
             mbar_arrive_if(v_empty(stage_of(x, u)), leader);
+            exp_turn_alone();
             for (int i = 0; turn && i < (OVERLAP ? 1 : 2); ++i) {
                 sched_wait();
                 sched_pass();
@@ -661,5 +688,6 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             }
         }
         if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
+        if (EXP_TURNS && c == 0) named_sync(8, 256);
     }
 }

@@ -140,10 +140,19 @@ __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], fl
 // the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE. (Summing P~ on the tensor
 // cores instead, a column of ones beside V, biased l low as it grew: QGMMA's accumulator truncates; bench/NOTES.md,
 // ninth session.) tau and the result: online_softmax_rescale's.
-template <int MT, int NT>
+// turn: a kernel that takes turns at the exponentials (fa3_fwd.cu's EXP_TURNS) waits for its turn before them
+// and passes it on after them, given the row sums (which depend on every exponential: the pass may then not be
+// scheduled before them); NoTurn does neither.
+struct NoTurn {
+    __forceinline__ __device__ void wait() const {}
+    template <class L>
+    __forceinline__ __device__ void pass(const L&) const {}
+};
+template <int MT, int NT, class Turn = NoTurn>
 __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
                                                               float (&l)[MT][2], float f, float p_log2,
-                                                              float (&alpha)[MT][2], float tau = 0.f) {
+                                                              float (&alpha)[MT][2], float tau = 0.f,
+                                                              const Turn& turn = Turn()) {
     float mx[MT][2], ref[MT][2];
     bool moved = false;
 #pragma unroll
@@ -162,7 +171,9 @@ __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT]
             ref[mt][r] = base - p_log2;
             moved |= move;
         }
+    turn.wait();
     exponentiate(s, ref, f, l);
+    turn.pass(l);
     return moved;
 }
 
