@@ -272,10 +272,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         if (PINGPONG && c == NC - 1) named_arrive(1, 256);
         // EXP_TURNS: the consumers also take turns at their exponentials (barriers 8 + c, round robin as above):
         // the SFU (16 MUFU lanes an SM, 8 cycles a warp's MUFU.EX2 on its sub-partition) runs one consumer's
-        // exponentials at a time instead of two consumers' interleaved, each at half speed. fp8, where the SFU
-        // is one of the two limits (bench/NOTES.md, sixteenth session). Every consumer takes one turn per block
-        // of every tile, visited or skipped, so the turns stay matched.
-        constexpr bool EXP_TURNS = FP8 && PINGPONG;
+        // exponentials at a time instead of two consumers' interleaved, each at half speed, while the other
+        // takes its row max or issues its wgmmas. fp8 at d 128, where the SFU is one of the two limits: +8-11 %
+        // on the H200; d 64 (three consumers) lost 10-12 % and d 256 (at the fp8 matmul ceiling) 1.5 %
+        // (bench/NOTES.md, sixteenth session). Every consumer takes one turn per block of every tile, visited or
+        // skipped, so the turns stay matched.
+        constexpr bool EXP_TURNS = FP8 && PINGPONG && D == 128;
         struct ExpTurn {
             int mine, next;
             __forceinline__ __device__ void wait() const { named_sync(mine, 256); }
