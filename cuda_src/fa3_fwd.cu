@@ -438,8 +438,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
             }
             // LATE_PV_WAIT: lx < 0 never holds (a sum of exponentials, or NaN), but reading it makes the vote, and
-            // so the rescale's branch in the step, wait for every exponential: ptxas cannot sink them past it.
-            return __any_sync(0xffffffffu, moved || (LATE_PV_WAIT && (lx[0][0] < 0.f || lx[0][1] < 0.f)));
+            // so the rescale's branch in the step, wait for every exponential: ptxas cannot sink them past it. The
+            // branch then holds a wgmma wait, which every warp of the warpgroup must execute at the same place
+            // (compute-sanitizer synccheck: "mismatching warpgroup instruction pc" with a per-warp vote), so the
+            // vote is the consumer's (its barrier 5 + c), not the warp's.
+            if constexpr (LATE_PV_WAIT) return named_any(5 + c, 128, moved || lx[0][0] < 0.f || lx[0][1] < 0.f);
+            else return __any_sync(0xffffffffu, moved);
         };
         // Tile x's u-th block in the ring; u = -1 is the previous tile's last (the ring runs on across tiles).
         auto stage_of = [&](const TileWork& x, int u) { return (x.it + u) % STAGES; };

@@ -124,6 +124,14 @@ __forceinline__ __device__ void named_sync(int id, int threads) {
 __forceinline__ __device__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Whether p holds for any of the threads of named barrier id (a barrier with an OR reduction): the same answer in
+// all of them, where __any_sync's is per warp.
+__forceinline__ __device__ bool named_any(int id, int threads, bool p) {
+    int r;
+    asm volatile("{ .reg .pred q, a; setp.ne.b32 q, %1, 0; bar.red.or.pred a, %2, %3, q; selp.b32 %0, 1, 0, a; }"
+                 : "=r"(r) : "r"((int)p), "r"(id), "r"(threads) : "memory");
+    return r != 0;
+}
 
 template <int N>
 __forceinline__ __device__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
