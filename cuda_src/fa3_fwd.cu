@@ -414,9 +414,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // ptxas still hoists that wait above most of the exponentials (it interleaves them with P's packing,
         // which overwrites the A fragments the P V in flight reads), so the softmax of block u starts only once
         // P_{u-1} V_{u-1} is done. With the wait inside O's rescale branch, whose vote reads the row sums, every
-        // exponential comes first. fp8, bound by the softmax: on; 16-bit: -2 to -5 % (the packs then follow the
-        // last exponential, in series: bench/NOTES.md, twelfth session).
-        constexpr bool LATE_PV_WAIT = FP8;
+        // exponential comes first. The branch's vote must then be the warpgroup's (a barrier with an OR), since
+        // all four warps must execute the wait at one place (synccheck). fp8 d 64: on (+5 % at N 16K over the
+        // plain wait); fp8 d 128 and 256: off, the warpgroup's vote cost 2-4 % there, more than the late wait
+        // gains; 16-bit: -2 to -5 % (the packs then follow the last exponential, in series). (bench/NOTES.md,
+        // twelfth and sixteenth sessions.)
+        constexpr bool LATE_PV_WAIT = FP8 && D == 64;
         // Read here, once for the kernel: read inside the step, it moved d 64's schedule and cost 3 % (eighth
         // session).
         const float softmax_log2 = p.scale_log2;
