@@ -46,7 +46,7 @@ step() {
 # at a time, on first use: minutes of device time)
 step build checks.log 240 python3 -m fa_variants.cli build --arch 90a
 step gputests checks.log 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   step $tool checks.log 120 compute-sanitizer --tool $tool python3 bench/profile_one.py fa1,fa2,fa2_fp8,fa3,fa3_fp8 $S --calls 1
 done
 # fa3 (issue 9): the 60-shape matrix beside fa2 and both torch backends, and the FA3 paper's ablation
@@ -90,4 +90,5 @@ echo "== commit $commit"
 show gputests | tail -1
 show memcheck | grep -h "SUMMARY"
 show racecheck | grep -h "SUMMARY"
+show synccheck | grep -h "SUMMARY"
 rm -rf "$tmp"

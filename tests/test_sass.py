@@ -5,13 +5,15 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
     fa3          UTMALDG (TMA loads), USETMAXREG (the producer's registers to the consumers), no LDGSTS (cp.async);
                  UTMASTG (TMA stores of O) where the persistent grid pipelines across tiles (16-bit; TMA_OUT)
     spills       no LDL / STL in any of them: a spilled accumulator would serialize the wgmmas
+    exp turns    fa3_fp8 at d 128 (fa3_fwd.cu's EXP_TURNS): every turn passed after a softmax (a BAR.ARV whose thread
+                 count is read from the row sums) comes after that block's exponentials, not before them
 """
 from __future__ import annotations
 
 import pytest
 
 from fa_variants import jit, registry
-from fa_variants.sass import cuobjdump, sass_by_function
+from fa_variants.sass import cuobjdump, instructions_by_function, sass_by_function
 from fa_variants.kernels import fa3, fa3_fp8
 
 # source -> the instructions every function in it must hold, and those none may hold
@@ -64,3 +66,25 @@ def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
                 must.add("UTMASTG")
         assert must <= ops, f"{expr}: no {sorted(must - ops)} in its SASS"
         assert not must_not & ops, f"{expr}: {sorted(must_not & ops)} in its SASS"
+
+
+@pytest.mark.skipif(cuobjdump() is None,
+                    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@pytest.mark.parametrize("expr", [e for e in fa3_fp8.specializations() if e.split(",")[1].strip() == "128"])
+def test_fa3_fp8_turns_bracket_the_exponentials(expr):
+    """The consumers' turns at the SFU hold their exponentials: ptxas moves a plain bar.arrive above every MUFU (the
+    turn then passes at once and the consumers' exponentials interleave again, 8-11 % slower on the H200). Between
+    each such BAR.ARV and the BAR.SYNC before it lie at least a narrow tail block's exponentials (64 rows x 128 keys
+    over 128 threads)."""
+    path, lowered = jit.cached_cubin("fa3_fwd.cu", (expr,), "sm_90a")
+    ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+    since_sync, passes = None, []
+    for t in ins:
+        if t.startswith("BAR.SYNC"):
+            since_sync = 0
+        elif "MUFU.EX2" in t and since_sync is not None:
+            since_sync += 1
+        elif t.startswith("BAR.ARV") and t.split(",")[-1].strip().startswith("R"):  # thread count in a register
+            passes.append(since_sync)
+    assert passes, f"{expr}: no turn passed with its thread count in a register"
+    assert min(passes) >= 64, f"{expr}: exponentials between a turn's wait and its pass: {passes}"
