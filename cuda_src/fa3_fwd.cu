@@ -287,12 +287,14 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 named_arrive(next, l[0][0] < 0.f || l[0][1] < 0.f ? 288 : 256);
             }
         };
-        const ExpTurn exp_turn{8 + c, 8 + (c + 1) % NC};
+        const auto exp_turn = [&] {  // (NoTurn: softmax.cuh's, which does nothing)
+            if constexpr (EXP_TURNS) return ExpTurn{8 + c, 8 + (c + 1) % NC};
+            else return NoTurn{};
+        }();
         auto exp_turn_alone = [&] {  // a skipped block's turn
-            if constexpr (EXP_TURNS) {
-                exp_turn.wait();
-                exp_turn.pass({{0.f, 0.f}});
-            }
+            const float none[1][2] = {};
+            exp_turn.wait();
+            exp_turn.pass(none);
         };
         if (EXP_TURNS && c == NC - 1) named_arrive(8, 256);
 
@@ -433,10 +435,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) {
                 const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
                 const float f = fmaxf(x.q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
-                if constexpr (EXP_TURNS)
-                    moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU,
-                                                          exp_turn);
-                else moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU);
+                moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
             } else {
                 moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
             }
