@@ -29,7 +29,9 @@
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
 //                        softmax's exponent, P repacked to e4m3 in registers, O dequantized on the way out
 //                        (Fp8DequantOut; staged through shared memory on one CTA per tile: +5-12 % over 4-byte
-//                        stores from registers at N 4K-8K, bench/NOTES.md, thirteenth session).
+//                        stores from registers at N 4K-8K, bench/NOTES.md, thirteenth session). e4m3 halves the
+//                        tensor cores' time per key, not the exponentials': at d 128 the consumers also take turns
+//                        at the SFU (EXP_TURNS).
 // O's rescale (every instance): after the P V that O was waited for, and only where a reference point of the
 // warp's rows moved. The references move lazily (FA4's rule, softmax.cuh's reference_moves): only when a row's max
 // has grown by more than RESCALE_TAU, so P~ <= 2^tau and most blocks skip the rescale.
