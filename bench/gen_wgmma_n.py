@@ -7,14 +7,15 @@ blocks). inline asm cannot take a register array, so each width's operand list i
 from pathlib import Path
 
 NS = (32, 48, 80, 96, 144, 160, 176, 192)
-NS_E4M3 = (192, 256)
+NS_E4M3 = (96, 160, 192, 256)
 
 HEAD = """// wgmma.mma_async m64nNk16 with both operands in shared memory (fp16/bf16, fp32 accumulators) for key-block
 // widths other than wgmma.cuh's n64 and n128: fa3's S = Q K^T over BN = 80, 96, 144, 160, 176 or 192 keys
 // (FA3's own tiles are 128 x 176 at d = 128 and 128 x 80 at d = 256) and over its narrow tail blocks of BN - 32
 // keys (32 to 144), and fa2_bwd_sm90's n32 (S^T over 32 queries or S over 32 keys at d = 256). Same contract as wgmma_16_ss in wgmma.cuh: d is the
 // 64 x N accumulator in its fragment layout (N/8 n-tiles of 4), accumulate == 0 overwrites it.
-// wgmma_e4m3_ss: the same for e4m3 operands (m64nNk32, K-major both), fa3_fp8's S over 192 or 256 keys.
+// wgmma_e4m3_ss: the same for e4m3 operands (m64nNk32, K-major both), fa3_fp8's S over 160, 192 or 256 keys
+// and over its narrow tail blocks of BN - 64 (96 at d = 64).
 // The operand lists are spelled out because inline asm cannot take a register array; this file is written by
 // bench/gen_wgmma_n.py (run it to add a width), not by hand.
 #pragma once

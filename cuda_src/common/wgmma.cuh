@@ -8,7 +8,7 @@
 //                                      softmax helpers of softmax.cuh work on it unchanged (as s[1][N/8][4]).
 //   A from registers (64 x 32 e4m3), u32 a[4]: warp w's 16 rows in mma_16832_e4m3's A layout (ptx.cuh);
 //                    (64 x 16 fp16/bf16), u32 a[4]: warp w's 16 rows in mma_16816's A layout (repack_a fills it).
-//   A, B from shared memory: K-major (the 32-byte reduction slice contiguous in each row), 128- or 64-byte
+//   A, B from shared memory: K-major (the 32-byte reduction slice contiguous in each row), 128-, 64- or 32-byte
 //                            swizzled (SwizzledTile below), addressed by a 64-bit descriptor.
 #pragma once
 #include "ptx.cuh"
@@ -18,18 +18,19 @@ typedef unsigned long long u64;
 namespace fav {
 
 // ROWS rows of KB bytes each, K-major, in the canonical swizzled layout wgmma reads. Rows are cut into slabs of
-// W = 128 bytes, or 64 where KB is not a multiple of 128 (64-byte swizzle: fa3_fp8's V^T over 192 keys), slab s
+// W = 128 bytes, or 64 where KB is not a multiple of 128 (64-byte swizzle: fa3_fp8's V^T over 192 keys), or 32
+// where it is not one of 64 either (32-byte swizzle: V^T over 160 keys), slab s
 // holding bytes [sW, sW + W) of every row, rows W apart; inside a slab the 16-byte
 // chunk c of row r is stored at chunk c ^ ((r * W / 128) % (W / 16)): the hardware's XOR of address bits [4, 7)
 // with bits [7, 10), which also spreads a column of chunks over all banks. Slabs must start 1024-byte aligned.
 template <int ROWS, int KB>
 struct SwizzledTile {
-    static constexpr int W = KB % 128 == 0 ? 128 : 64;
+    static constexpr int W = KB % 128 == 0 ? 128 : KB % 64 == 0 ? 64 : 32;
     static constexpr int SLAB = ROWS * W;
     static constexpr int SLABS = KB / W;
     static constexpr int BYTES = ROWS * KB;
-    static constexpr u64 MODE = W == 128 ? 1 : 2;  // descriptor swizzle field: 1 = 128 B, 2 = 64 B
-    static_assert(KB % W == 0, "whole slabs: a row is a multiple of 64 bytes");
+    static constexpr u64 MODE = W == 128 ? 1 : W == 64 ? 2 : 3;  // descriptor swizzle field: 128, 64, 32 B
+    static_assert(KB % W == 0, "whole slabs: a row is a multiple of 32 bytes");
     static_assert(SLAB % 1024 == 0, "each slab must keep the 1024-byte alignment of the swizzle pattern");
 
     // Byte offset of the 16-byte chunk holding bytes [byte, byte + 16) of row `row`.

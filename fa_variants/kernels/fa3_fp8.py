@@ -25,8 +25,10 @@ DIMS = fa2_fp8.FP8_TEMPLATE_DIMS
 # first used. BM is Q's scale block and BN K's (fa2_fp8's quantizers take them). e4m3 halves the shared memory and
 # the P fragments of fa3's tiles; S (BN / 2 fp32 registers a thread) and O (D / 2) stay. d 64 on the persistent
 # grid: +6-8 % at N 4K and 16K (bench/RESULTS.md, fourth session); d 128 and 256 within the run-to-run noise.
-# d 128 with 192-key blocks (V^T in 64-byte slabs): +3-5 % at N >= 8K, even at 4K (eighth session); 256 keys spill.
-TILES = {64: [(192, 128, 2, 1, 1)], 128: [(128, 192, 2, 1, 0)], 256: [(128, 128, 2, 1, 0)]}
+# d 128 with 192-key blocks (V^T in 64-byte slabs): +3-5 % at N >= 8K, even at 4K (eighth session); 256 keys spill,
+# and FA3's 224 (V^T in 32-byte slabs) measured level (0.98-1.01, seventeenth session). d 64 with FA3's 160-key
+# blocks (V^T in 32-byte slabs): +2-3 % at N 4K and 16K over 128 (seventeenth session).
+TILES = {64: [(192, 160, 2, 1, 1)], 128: [(128, 192, 2, 1, 0)], 256: [(128, 128, 2, 1, 0)]}
 
 
 def config(head_dim: int, limit=None) -> tuple:

@@ -3,8 +3,8 @@
 Through ctypes on libcuda itself rather than NVIDIA's ``cuda-bindings``: the driver is what CuPy already loads, so
 this adds no dependency and no import cost. A map describes one (batch, seqlen, heads, head_dim) tensor as a 4-d
 tensor of 16-bit (or, for fa3_fp8, one-byte e4m3) elements, innermost first: (head_dim, seqlen, heads, batch), byte
-strides of the three outer dims (any order, as the kernels take strides), a box of ``box_bytes`` (128, or 64 for
-rows of 64 e4m3 values) x ``rows`` rows (one swizzled slab of common/wgmma.cuh's SwizzledTile), swizzled as wide as
+strides of the three outer dims (any order, as the kernels take strides), a box of ``box_bytes`` (128, or 64 or 32 for
+fa3_fp8's V^T rows of 192, 160 or 224 keys) x ``rows`` rows (one swizzled slab of common/wgmma.cuh's SwizzledTile), swizzled as wide as
 the box, zero fill past the extents (the seqlen tails and the columns past head_dim of a padded template).
 
 A map embeds the tensor's address. So that a warm call does not pay for three driver calls, ``MapTemplate`` encodes
@@ -19,7 +19,7 @@ import struct
 
 _DTYPE = {2: 6}          # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 (the bits are copied, so bf16 uses it too); 1: UINT8
 _DTYPE_1B = 0            # CU_TENSOR_MAP_DATA_TYPE_UINT8, for e4m3
-_SWIZZLE = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B, by the box's inner bytes
+_SWIZZLE = {128: 3, 64: 2, 32: 1}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B / _32B, by the box's inner bytes
 _L2_256B = 3
 _OOB_ZERO = 0
 _INTERLEAVE_NONE = 0
@@ -28,8 +28,9 @@ BOX_BYTES = 128          # inner box extent: one swizzled slab row
 
 def slab_bytes(row_bytes: int) -> int:
     """The bytes of a row that one slab (one TMA box) holds for a tile of ``row_bytes``-byte rows: common/wgmma.cuh's
-    SwizzledTile::W, 128, or 64 (64-byte swizzle) where a row is not a multiple of 128 bytes."""
-    return 128 if row_bytes % 128 == 0 else 64
+    SwizzledTile::W, 128, or 64 (64-byte swizzle) where a row is not a multiple of 128 bytes, or 32 (32-byte
+    swizzle) where it is not one of 64 (fa3_fp8's V^T over 160 or 224 keys)."""
+    return 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
 
 _ENCODE = None
 

@@ -66,8 +66,9 @@ CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2))}
 #: 128 keys at d = 128 and of 64 at d = 256.
 SHORT_TILES = {128: (1024, (128, 128, 2)), 256: (1024, (128, 64, 2))}
 #: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
-#: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread).
-FP8_TILES = {64: (192, 128, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
+#: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread;
+#: d = 64: FA3's 160).
+FP8_TILES = {64: (192, 160, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 #: FA4's lazy rescaling, the kernel's RESCALE_TAU (cuda_src/fa3_fwd.cu; a test reads it there): a row's reference
 #: point (the max subtracted before exp) moves to its new max only once that has grown by more than tau, in log2
 #: units, so P~ <= 2^tau and O is rescaled only when some reference moves. 16-bit P takes 2^8; fa3_fp8's e4m3
