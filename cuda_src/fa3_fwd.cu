@@ -427,19 +427,24 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // Read here, once for the kernel: read inside the step, it moved d 64's schedule and cost 3 % (eighth
         // session).
         const float softmax_log2 = p.scale_log2;
+        // INT_MAX: fp8's row maxima by the integer max of the scores' patterns (softmax.cuh's row_max_int) in the
+        // blocks without a mask, whose rows rarely hold only negative scores.
+        constexpr bool INT_MAX = FP8 && D <= 128;
         // The online softmax of block j of tile x into (mx, lx). alpha: what O is multiplied by for this block.
         // Returns whether O needs it (warp-uniform: the rescale below is a branch, not predicated work). (K's
         // scale is addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions
         // fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
         auto softmax = [&](const TileWork& x, auto& s, int j, float (&mx)[1][2], float (&lx)[1][2],
-                           float (&alpha)[1][2]) {
+                           float (&alpha)[1][2], auto masked) {
             bool moved;
             if constexpr (FP8) {
                 const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
                 const float f = fmaxf(x.q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
-                moved = online_softmax_rescale_folded(s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
+                moved = online_softmax_rescale_folded<INT_MAX && !decltype(masked)::value>(
+                    s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
             } else {
-                moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
+                moved = online_softmax_rescale<true, INT_MAX && !decltype(masked)::value>(s, mx, lx, softmax_log2, alpha,
+                                                                                          RESCALE_TAU);
             }
             // LATE_PV_WAIT: lx < 0 never holds (a sum of exponentials, or NaN), but reading it makes the vote, and
             // so the rescale's branch in the step, wait for every exponential: ptxas cannot sink them past it. The
@@ -487,7 +492,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             mbar_arrive_if(q_empty(x.q), leader && u == x.n - 1);
             if constexpr (MASKED) mask_scores(s, x.w.m0 + row0, j * BN, seqlen_k, diag, causal);
             float alpha[1][2];
-            const bool moved = softmax(x, s, j, mx, lx, alpha);
+            const bool moved = softmax(x, s, j, mx, lx, alpha, masked);
             // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous
             // tile's, which this block's alpha must not touch. (An overlapped step inside the loop is past both.)
             const bool rescale = (PREV ? u > 0 : u > x.z) && moved;

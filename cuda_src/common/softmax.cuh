@@ -55,6 +55,65 @@ __forceinline__ __device__ void row_max(const float (&s)[MT][NT][4], float (&mx)
         }
 }
 
+#if __CUDA_ARCH__ >= 900
+// row_max by a signed-integer max of the scores' bit patterns, three at a time (sm_90's VIMNMX3, a DPX instruction:
+// about half the instructions of FMNMX's pairs). Non-negative floats (+inf and NaN above the finite ones) order as
+// their patterns do, and every pattern with the sign bit set is below all of them, so wherever a row holds a score
+// whose sign bit is clear the integer max is the float max. A row of negative scores only (rare outside the masked
+// blocks, which do not use this) sends its warp to row_max's float path, after the quad's reduction.
+// A NaN score gives a NaN max, where fmaxf would skip it: the row's output is NaN either way (exp2 of NaN).
+template <int N>
+__forceinline__ __device__ int max3_tree(const int (&x)[N]) {
+    if constexpr (N == 1) {
+        return x[0];
+    } else if constexpr (N == 2) {
+        return max(x[0], x[1]);
+    } else {
+        constexpr int M = (N + 2) / 3;
+        int y[M];
+#pragma unroll
+        for (int i = 0; i < M; ++i)
+            y[i] = 3 * i + 2 < N ? __vimax3_s32(x[3 * i], x[3 * i + 1], x[3 * i + 2])
+                 : 3 * i + 1 < N ? max(x[3 * i], x[3 * i + 1]) : x[3 * i];
+        return max3_tree(y);
+    }
+}
+template <int MT, int NT>
+__forceinline__ __device__ void row_max_int(const float (&s)[MT][NT][4], float (&mx)[MT][2]) {
+    int r[MT][2];
+    bool negative = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int x[2 * NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                x[2 * nt] = __float_as_int(s[mt][nt][2 * h]);
+                x[2 * nt + 1] = __float_as_int(s[mt][nt][2 * h + 1]);
+            }
+            r[mt][h] = max3_tree(x);
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            r[mt][h] = max(r[mt][h], __shfl_xor_sync(0xffffffffu, r[mt][h], 1));
+            r[mt][h] = max(r[mt][h], __shfl_xor_sync(0xffffffffu, r[mt][h], 2));
+            negative |= r[mt][h] < 0;
+        }
+    // (warp-uniform: row_max's quad shuffles take the whole warp)
+    if (!__any_sync(0xffffffffu, negative)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) mx[mt][h] = fmaxf(mx[mt][h], __int_as_float(r[mt][h]));
+    } else {  // a row of the warp's whose every score is negative (or -0, -inf, a negative NaN)
+        row_max(s, mx);
+    }
+}
+#endif
+
 // The reference point subtracted before exponentiating, in log2 units: m * scale * log2(e). A row whose scores
 // are all -inf so far uses 0 instead, so that exp2(-inf - ref) = 0 rather than NaN.
 __forceinline__ __device__ float exp2_ref(float m, float scale_log2) {
@@ -101,16 +160,21 @@ __forceinline__ __device__ bool reference_moves(float m_cand, float m_old, float
 // LAZY (fa3): m is the row's reference point instead, moved only as reference_moves says (tau in log2 units), and
 // the result says whether a reference of this thread's rows moved: where none did, alpha = 1 and O needs no
 // rescale. Without LAZY (fa2's kernels, whose machine code this keeps as it was) the result is always true.
+// INT_MAX: the block's row maxima by row_max_int (sm_90).
 // O must be rescaled by the same alpha: online_softmax_step does it at once; a kernel whose O is still being
 // written by the tensor cores (fa2_fp8_fwd_sm90.cu, fa3_fwd.cu) takes alpha and rescales O once the MMA is done.
-template <bool LAZY = false, int MT, int NT>
+template <bool LAZY = false, bool INT_MAX = false, int MT, int NT>
 __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                        float scale_log2, float (&alpha)[MT][2], float tau = 0.f) {
     float m_new[MT][2], ref[MT][2];
     bool moved = !LAZY;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
-    row_max(s, m_new);
+#if __CUDA_ARCH__ >= 900
+    if constexpr (INT_MAX) row_max_int(s, m_new);
+    else
+#endif
+        row_max(s, m_new);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -142,13 +206,13 @@ __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], fl
 // ninth session.) tau and the result: online_softmax_rescale's.
 // turn: a kernel that takes turns at the exponentials (fa3_fwd.cu's EXP_TURNS) waits for its turn before them
 // and passes it on after them, given the row sums (which depend on every exponential: the pass may then not be
-// scheduled before them); NoTurn does neither.
+// scheduled before them); NoTurn does neither. INT_MAX: the block's row maxima by row_max_int (sm_90).
 struct NoTurn {
     __forceinline__ __device__ void wait() const {}
     template <class L>
     __forceinline__ __device__ void pass(const L&) const {}
 };
-template <int MT, int NT, class Turn = NoTurn>
+template <bool INT_MAX = false, int MT, int NT, class Turn = NoTurn>
 __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
                                                               float (&l)[MT][2], float f, float p_log2,
                                                               float (&alpha)[MT][2], float tau = 0.f,
@@ -157,7 +221,11 @@ __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT]
     bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) mx[mt][0] = mx[mt][1] = neg_inf();
-    row_max(s, mx);
+#if __CUDA_ARCH__ >= 900
+    if constexpr (INT_MAX) row_max_int(s, mx);
+    else
+#endif
+        row_max(s, mx);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
