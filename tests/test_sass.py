@@ -7,6 +7,7 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
     spills       no LDL / STL in any of them: a spilled accumulator would serialize the wgmmas
     exp turns    fa3_fp8 at d 128 (fa3_fwd.cu's EXP_TURNS): every turn passed after a softmax (a BAR.ARV whose thread
                  count is read from the row sums) comes after that block's exponentials, not before them
+    integer max  fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX): the row maxima by VIMNMX3 (softmax.cuh's row_max_int)
 """
 from __future__ import annotations
 
@@ -88,3 +89,16 @@ def test_fa3_fp8_turns_bracket_the_exponentials(expr):
             passes.append(since_sync)
     assert passes, f"{expr}: no turn passed with its thread count in a register"
     assert min(passes) >= 64, f"{expr}: exponentials between a turn's wait and its pass: {passes}"
+
+
+@pytest.mark.skipif(cuobjdump() is None,
+                    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@pytest.mark.parametrize("expr", [e for e in fa3_fp8.specializations() if int(e.split(",")[1]) <= 128])
+def test_fa3_fp8_row_max_by_three_input_integer_max(expr):
+    """fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX: FP8 && D <= 128) takes a mask-free block's row maxima as an
+    integer max of the scores' bit patterns, three at a time (+3-4 % on the H200): VIMNMX3 in the machine code, at
+    least one row's worth (a thread holds BN / 4 scores of a row: BN / 8 three-input maxima reduce them)."""
+    path, lowered = jit.cached_cubin("fa3_fwd.cu", (expr,), "sm_90a")
+    ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+    bn = int(expr.split(",")[2])
+    assert sum(t.startswith("VIMNMX3") for t in ins) >= bn // 8, f"{expr}: too few VIMNMX3 for its row max"

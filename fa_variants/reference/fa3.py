@@ -490,7 +490,10 @@ PIPELINE = "\n".join([
     "  V^T (d rows of B_c keys, fa2_fp8's quantizer layout: e4m3 wgmma wants both operands K-major), the wgmmas",
     "  32 values a step (QGMMA); the row max over the raw S_j, and S_j's scale f (its Q tile's and K_j's",
     "  scales) and P's x 256 folded into the exponent: P_j = exp2(S_j f - (m - 8)), packed to e4m3 in",
-    "  registers; O / l times V's channel scales on the way out. Its tiles (FP8_TILES):",
+    "  registers; O / l times V's channel scales on the way out. At d = 64 and 128 the row max of a block",
+    "  without a mask is an integer max of the scores' bit patterns, three at a time (sm_90's VIMNMX3): the",
+    "  float max wherever a row holds a non-negative score, half the instructions of FMNMX pairs (a warp with",
+    "  a row of negative scores only takes the float max). Its tiles (FP8_TILES):",
     *[f"  d={t:<3d}  B_r x B_c = {b_r} x {b_c}, n_st = {st}: smem Q {b_r * t / 1024:g} KiB + {st} x (K+V^T) "
       f"{2 * b_c * t / 1024:g} KiB" for t, (b_r, b_c, st) in FP8_TILES.items()],
     "",
