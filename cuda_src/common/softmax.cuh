@@ -55,13 +55,13 @@ __forceinline__ __device__ void row_max(const float (&s)[MT][NT][4], float (&mx)
         }
 }
 
-#if __CUDA_ARCH__ >= 900
-// row_max by a signed-integer max of the scores' bit patterns, three at a time (sm_90's VIMNMX3, a DPX instruction:
-// about half the instructions of FMNMX's pairs). Non-negative floats (+inf and NaN above the finite ones) order as
-// their patterns do, and every pattern with the sign bit set is below all of them, so wherever a row holds a score
-// whose sign bit is clear the integer max is the float max. A row of negative scores only (rare outside the masked
-// blocks, which do not use this) sends its warp to row_max's float path, after the quad's reduction.
-// A NaN score gives a NaN max, where fmaxf would skip it: the row's output is NaN either way (exp2 of NaN).
+// row_max by a signed-integer max of the scores' bit patterns, three at a time (sm_90's VIMNMX3, a DPX instruction,
+// about half the instructions of FMNMX's pairs; __vimax3_s32 is emulated below sm_90, where nothing uses this).
+// Non-negative floats (+inf and NaN above the finite ones) order as their patterns do, and every pattern with the
+// sign bit set is below all of them, so wherever a row holds a score whose sign bit is clear the integer max is the
+// float max. A row of negative scores only (rare outside the masked blocks, which do not use this) sends its warp to
+// row_max's float path, after the quad's reduction. A NaN score gives a NaN max, where fmaxf would skip it: the
+// row's output is NaN either way (exp2 of NaN).
 template <int N>
 __forceinline__ __device__ int max3_tree(const int (&x)[N]) {
     if constexpr (N == 1) {
@@ -112,7 +112,6 @@ __forceinline__ __device__ void row_max_int(const float (&s)[MT][NT][4], float (
         row_max(s, mx);
     }
 }
-#endif
 
 // The reference point subtracted before exponentiating, in log2 units: m * scale * log2(e). A row whose scores
 // are all -inf so far uses 0 instead, so that exp2(-inf - ref) = 0 rather than NaN.
@@ -170,11 +169,8 @@ __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], fl
     bool moved = !LAZY;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
-#if __CUDA_ARCH__ >= 900
     if constexpr (INT_MAX) row_max_int(s, m_new);
-    else
-#endif
-        row_max(s, m_new);
+    else row_max(s, m_new);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -203,7 +199,8 @@ __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], fl
 // exponent's FMA, P~ = exp2(s f - (m_new - p_log2)), instead of two multiplies per score. l sums the scaled P~:
 // the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE. (Summing P~ on the tensor
 // cores instead, a column of ones beside V, biased l low as it grew: QGMMA's accumulator truncates; bench/NOTES.md,
-// ninth session.) tau and the result: online_softmax_rescale's.
+// ninth session. A fresh accumulator per block was 6 % slower and still moved the LSE 7e-3: seventeenth session.)
+// tau and the result: online_softmax_rescale's.
 // turn: a kernel that takes turns at the exponentials (fa3_fwd.cu's EXP_TURNS) waits for its turn before them
 // and passes it on after them, given the row sums (which depend on every exponential: the pass may then not be
 // scheduled before them); NoTurn does neither. INT_MAX: the block's row maxima by row_max_int (sm_90).
@@ -221,11 +218,8 @@ __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT]
     bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) mx[mt][0] = mx[mt][1] = neg_inf();
-#if __CUDA_ARCH__ >= 900
     if constexpr (INT_MAX) row_max_int(s, mx);
-    else
-#endif
-        row_max(s, mx);
+    else row_max(s, mx);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
