@@ -428,7 +428,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // session).
         const float softmax_log2 = p.scale_log2;
         // INT_MAX: fp8's row maxima by the integer max of the scores' patterns (softmax.cuh's row_max_int) in the
-        // blocks without a mask, whose rows rarely hold only negative scores.
+        // blocks without a mask, whose rows rarely hold only negative scores: +3-4 % at d 64 and 128; d 256 not
+        // (ptxas then injected a warpgroup.arrive, C7519); the 16-bit kernels lost 1-3 % at d 128 with it
+        // (bench/NOTES.md, seventeenth session).
         constexpr bool INT_MAX = FP8 && D <= 128;
         // The online softmax of block j of tile x into (mx, lx). alpha: what O is multiplied by for this block.
         // Returns whether O needs it (warp-uniform: the rescale below is a branch, not predicated work). (K's
@@ -439,12 +441,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             bool moved;
             if constexpr (FP8) {
                 const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
-                const float f = fmaxf(x.q_scale * p.sk[bhk * ((seqlen_k + BN - 1) / BN) + j], min_normal());
+                const float f = fmaxf(x.q_scale * p.sk[bhk * kv_blocks() + j], min_normal());
                 moved = online_softmax_rescale_folded<INT_MAX && !decltype(masked)::value>(
                     s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
             } else {
-                moved = online_softmax_rescale<true, INT_MAX && !decltype(masked)::value>(s, mx, lx, softmax_log2, alpha,
-                                                                                          RESCALE_TAU);
+                moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
             }
             // LATE_PV_WAIT: lx < 0 never holds (a sum of exponentials, or NaN), but reading it makes the vote, and
             // so the rescale's branch in the step, wait for every exponential: ptxas cannot sink them past it. The

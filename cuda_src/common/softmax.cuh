@@ -159,18 +159,16 @@ __forceinline__ __device__ bool reference_moves(float m_cand, float m_old, float
 // LAZY (fa3): m is the row's reference point instead, moved only as reference_moves says (tau in log2 units), and
 // the result says whether a reference of this thread's rows moved: where none did, alpha = 1 and O needs no
 // rescale. Without LAZY (fa2's kernels, whose machine code this keeps as it was) the result is always true.
-// INT_MAX: the block's row maxima by row_max_int (sm_90).
 // O must be rescaled by the same alpha: online_softmax_step does it at once; a kernel whose O is still being
 // written by the tensor cores (fa2_fp8_fwd_sm90.cu, fa3_fwd.cu) takes alpha and rescales O once the MMA is done.
-template <bool LAZY = false, bool INT_MAX = false, int MT, int NT>
+template <bool LAZY = false, int MT, int NT>
 __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                        float scale_log2, float (&alpha)[MT][2], float tau = 0.f) {
     float m_new[MT][2], ref[MT][2];
     bool moved = !LAZY;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_new[mt][0] = m[mt][0], m_new[mt][1] = m[mt][1];
-    if constexpr (INT_MAX) row_max_int(s, m_new);
-    else row_max(s, m_new);
+    row_max(s, m_new);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
