@@ -102,16 +102,12 @@ def test_rows_whose_scores_are_all_negative(request, poisoned, head_dim, fp8_ker
     host = tuple(x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
     scores = np.einsum("bqhd,bkhd->bhqk", host[0][:, :, ::2].astype(np.float64), host[1].astype(np.float64))
     assert (scores[:, :, 0::2] < 0).all() and (scores[:, :, 1::2] > 0).all(), "one sign a row"
-    ref_out, ref_lse = reference64(*host, case.causal)
-    qd, kd, vd = to_device(host)
-    with poisoned(case):
-        out, lse = fav.attention(qd, kd, vd, variant=fp8_kernel.variant, return_lse=True)
-    err = rel_err(to_host(out).astype(np.float64), ref_out)
-    assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
-    assert np.abs(to_host(lse).astype(np.float64) - ref_lse).max() <= LSE_ATOL_FP8
+    _check_against_float64(host, case, fp8_kernel, poisoned)
 
 
-def _check_against_float64_and_model(host, case, fp8_kernel, poisoned):
+def _check_against_float64(host, case, fp8_kernel, poisoned):
+    """Runs the kernel on host's q, k, v (outputs poisoned) and checks O and the LSE against float64; returns
+    (O as float64, its relative error, the LSE as float64, the rows where no key is visible) for the model's."""
     ref_out, ref_lse = reference64(*host, case.causal)
     q, k, v = to_device(host)
     with poisoned(case):
@@ -121,6 +117,17 @@ def _check_against_float64_and_model(host, case, fp8_kernel, poisoned):
     assert np.isfinite(o).all(), "output holds NaN/inf: elements left unwritten or a bad scale"
     err = rel_err(o, ref_out)
     assert err <= FP8_TOL, f"relative error {err:.3e} against float64 > {FP8_TOL}"
+    lh = to_host(lse).astype(np.float64)
+    empty = ~np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lh), empty), "lse is -inf exactly where no key is visible"
+    if empty.any():
+        assert (o.transpose(0, 2, 1, 3)[empty] == 0).all(), "rows with no visible key must be zero"
+    assert np.abs(lh[~empty] - ref_lse[~empty]).max(initial=0) <= LSE_ATOL_FP8
+    return o, err, lh, empty
+
+
+def _check_against_float64_and_model(host, case, fp8_kernel, poisoned):
+    o, err, lh, empty = _check_against_float64(host, case, fp8_kernel, poisoned)
     bm, bn = fp8_kernel.tiles(case.head_dim)
     res = fp8_kernel.model(*host, causal=case.causal, block_q=bm, block_k=bn)
     to_model = rel_err(o, res.out)
@@ -128,12 +135,6 @@ def _check_against_float64_and_model(host, case, fp8_kernel, poisoned):
     assert to_model <= tol, f"relative difference {to_model:.3e} from the NumPy model > {tol}"
     assert to_model <= FP8_MODEL_TO_FLOAT64 * err or err < 1e-6, \
         f"the kernel should match its model far more tightly ({to_model:.3e}) than float64 ({err:.3e})"
-    lh = to_host(lse).astype(np.float64)
-    empty = ~np.isfinite(ref_lse)
-    assert np.array_equal(np.isneginf(lh), empty), "lse is -inf exactly where no key is visible"
-    if empty.any():
-        assert (o.transpose(0, 2, 1, 3)[empty] == 0).all(), "rows with no visible key must be zero"
-    assert np.abs(lh[~empty] - ref_lse[~empty]).max(initial=0) <= LSE_ATOL_FP8
     assert np.abs(lh[~empty] - res.lse[~empty]).max(initial=0) <= FP8_MODEL_LSE_ATOL, "lse differs from the model"
 
 

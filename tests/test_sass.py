@@ -38,6 +38,12 @@ def fa3_stores_o_by_tma(expr: str) -> bool:
     return fa3.stores_o_by_tma(int(d), cfg, overlap == "true")
 
 
+def fa3_instructions(expr: str) -> list[str]:
+    """The SASS instructions of one fa3_fwd.cu instance, in order (its sm_90a cubin from the kernel cache)."""
+    path, lowered = jit.cached_cubin("fa3_fwd.cu", (expr,), "sm_90a")
+    return [t for _, t in instructions_by_function(path)[lowered[expr]]]
+
+
 def units():
     """(variant, source, name expressions) of every wgmma source a registry entry compiles for sm_90a."""
     seen = set()
@@ -77,8 +83,7 @@ def test_fa3_fp8_turns_bracket_the_exponentials(expr):
     turn then passes at once and the consumers' exponentials interleave again, 8-11 % slower on the H200). Between
     each such BAR.ARV and the BAR.SYNC before it lie at least a narrow tail block's exponentials (64 rows x 128 keys
     over 128 threads)."""
-    path, lowered = jit.cached_cubin("fa3_fwd.cu", (expr,), "sm_90a")
-    ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+    ins = fa3_instructions(expr)
     since_sync, passes = None, []
     for t in ins:
         if t.startswith("BAR.SYNC"):
@@ -98,7 +103,6 @@ def test_fa3_fp8_row_max_by_three_input_integer_max(expr):
     """fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX: FP8 && D <= 128) takes a mask-free block's row maxima as an
     integer max of the scores' bit patterns, three at a time (+3-4 % on the H200): VIMNMX3 in the machine code, at
     least one row's worth (a thread holds BN / 4 scores of a row: BN / 8 three-input maxima reduce them)."""
-    path, lowered = jit.cached_cubin("fa3_fwd.cu", (expr,), "sm_90a")
-    ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+    ins = fa3_instructions(expr)
     bn = int(expr.split(",")[2])
     assert sum(t.startswith("VIMNMX3") for t in ins) >= bn // 8, f"{expr}: too few VIMNMX3 for its row max"
