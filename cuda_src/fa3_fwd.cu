@@ -18,17 +18,18 @@
 //                        next tile in the heavy-first order (longest processing time first, what the hardware
 //                        does for one CTA per tile), and hands each to the consumers through a two-slot ring in
 //                        shared memory. It loads the next tile's Q and K/V while the consumers finish this one.
-//                        Where it pipelines across tiles (CROSS, 16-bit), each consumer writes its O rows over
-//                        its own rows of the tile's Q buffer, which nothing reads any more (SwizzledOut), and
-//                        sends them out by TMA; otherwise O goes out straight from registers (DirectOut:
-//                        shared memory is busy). Non-causal, the last wave's tiles are cut into one K/V range
-//                        per SM, merged by each tile's last piece (SPLIT). Without PERSISTENT: one CTA per tile,
-//                        O staged through shared memory (NormalizedOut).
+//                        Where it pipelines across tiles (CROSS), each consumer writes its O rows into shared
+//                        memory (SwizzledOut) and sends them out by TMA (TMA_OUT): 16-bit over its own rows of
+//                        the tile's Q buffer, which nothing reads any more; fp8 into a buffer of its own. Else
+//                        (d 256) O goes out straight from registers (DirectOut: shared memory is busy).
+//                        Non-causal, the last wave's tiles are cut into one K/V range per SM, merged by each
+//                        tile's last piece (SPLIT). Without PERSISTENT: one CTA per tile, O staged through
+//                        shared memory (NormalizedOut).
 //   FP8 (fa3_fp8)        the same pipeline on e4m3 operands, fa2_fp8's quantized layouts and scales: Q and K
 //                        e4m3 rows (one scale per Q tile and per K block), V^T (keys in vt_key order, one
 //                        scale per channel), QGMMA k32 steps, S's block-pair scale and P's x 256 folded into the
 //                        softmax's exponent, P repacked to e4m3 in registers, O dequantized on the way out
-//                        (Fp8DequantOut; staged through shared memory on one CTA per tile: +5-12 % over 4-byte
+//                        (Fp8DequantOut's scales; through shared memory on both grids: +5-12 % over 4-byte
 //                        stores from registers at N 4K-8K, bench/NOTES.md, thirteenth session). e4m3 halves the
 //                        tensor cores' time per key, not the exponentials': at d 128 the consumers also take turns
 //                        at the SFU (EXP_TURNS).
@@ -58,12 +59,15 @@ template <int BM, int BN>
 __forceinline__ __device__ BlockRange blocks_of(const Fp8FwdParams& p, int m0) {
     return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal);
 }
-// The persistent grid's split tail (fa3_fwd's SPLIT) and its fp32 workspace: the 16-bit forward's; fp8 has none.
+// The persistent grid's split tail (fa3_fwd's SPLIT) and its fp32 workspace.
 struct Tail { int tiles, blocks, ranges; float* ws; };
 __forceinline__ __device__ Tail tail_of(const FwdParams& p) {
     return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
 }
 __forceinline__ __device__ Tail tail_of(const Fp8FwdParams&) { return {0, 1, 0, nullptr}; }
+__forceinline__ __device__ Tail tail_of(const Fa3Fp8FwdParams& p) {
+    return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
+}
 }  // namespace fav
 
 template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false,
@@ -71,8 +75,10 @@ template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int N
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
         const __grid_constant__ fav::TmaDesc tv,
-        const __grid_constant__ fav::TmaDesc to,  // O (16-bit CROSS instances: TMA_OUT), boxes of 64 rows
-        const typename fav::Pick<FP8, fav::Fp8FwdParams, fav::FwdParams>::type p,
+        const __grid_constant__ fav::TmaDesc to,  // O (TMA_OUT instances), boxes of 64 rows
+        // fp8: Fp8FwdParams, on the persistent grid with its split tail (Fa3Fp8FwdParams)
+        const typename fav::Pick<FP8, typename fav::Pick<PERSISTENT, fav::Fa3Fp8FwdParams, fav::Fp8FwdParams>::type,
+                                 fav::FwdParams>::type p,
         int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
     using namespace fav;
     constexpr int BM = 64 * NC, DT = D / 8, CONSUMERS = 128 * NC;
@@ -94,12 +100,18 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     constexpr int RING = STAGES * (TK::BYTES + TV::BYTES), BARS = 8 * (8 + 4 * STAGES) + 8;
     constexpr bool CROSS = PERSISTENT && OVERLAP && 1024 + 2 * TQ::BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
     constexpr int QBUF = CROSS ? 2 : 1;
-    // TMA_OUT: a tile's O leaves through its Q buffer. Each consumer writes its rows, in the input's format, over
-    // its own 64 rows of Q (its last S has read them); one of its threads stores them by TMA and, once the TMA
-    // unit has read them, arrives on the buffer's q_empty beside the warps' "last S issued" arrivals. 4-byte
-    // stores straight to global memory (DirectOut) cost the consumers 4 % at d 128 N 2K (bench/NOTES.md,
-    // thirteenth session). (fp8: 16-bit O rows are twice Q's e4m3 rows: no room.)
-    constexpr bool TMA_OUT = CROSS && !FP8;
+    // TMA_OUT: a tile's O leaves by TMA from shared memory. Each consumer writes its rows there in the output's
+    // format, and one of its threads stores them. 4-byte stores straight to global memory (DirectOut) cost the
+    // consumers 4 % at d 128 N 2K (bench/NOTES.md, thirteenth session). 16-bit: over its own 64 rows of the tile's
+    // Q buffer (its last S has read them); once the TMA unit has read them, that thread arrives on the buffer's
+    // q_empty beside the warps' "last S issued" arrivals. fp8: 16-bit O rows are twice Q's e4m3 rows, so O has a
+    // buffer of its own (TO) where it fits (d 64 and 128); the thread waits for the TMA unit's read of the
+    // previous tile's rows before its consumer writes the next (o_free).
+    using TO = SwizzledTile<BM, 2 * D>;
+    constexpr int OBUF_BYTES = FP8 ? TO::BYTES : 0;
+    constexpr bool TMA_OUT = CROSS && 1024 + 2 * TQ::BYTES + OBUF_BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
+    constexpr bool O_IN_Q = TMA_OUT && !FP8;   // O over the Q buffer; else (fp8) its own buffer sO
+    constexpr int OBUF = TMA_OUT && FP8 ? OBUF_BYTES : 0;
     // SPLIT: the last wave spread over every SM (stream-K's idea, for the persistent grid's equal non-causal
     // tiles; the launcher turns it on: tail_of(p).ranges > 0). The last tiles, fewer than the SMs, would leave
     // the other SMs idle for a whole tile: their K/V blocks, end to end, are cut into ranges of equal length, one
@@ -119,7 +131,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
     auto sQ = [&](int q) { return base + q * TQ::BYTES; };
-    auto sK = [&](int s) { return sQ(QBUF) + s * (TK::BYTES + TV::BYTES); };
+    const u32 sO = sQ(QBUF);  // (OBUF bytes: fp8's O buffer, or none)
+    auto sK = [&](int s) { return sQ(QBUF) + OBUF + s * (TK::BYTES + TV::BYTES); };
     auto sV = [&](int s) { return sK(s) + TK::BYTES; };
     const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty per Q buffer (two slots each); per
     // stage K/V full, K/V empty; PERSISTENT: tile full, tile empty per slot, then the slots
@@ -134,7 +147,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     auto tile_slot = [&](int k) { return bars + 8 * (8 + 4 * STAGES) + 4 * (k % 2); };
     // The launcher sizes shared memory by the same rule (kernels/fa3.py's smem_bytes): a mismatch traps at once
     // rather than overrunning it.
-    if (threadIdx.x == 0 && dynamic_smem_bytes() < 1024 + QBUF * TQ::BYTES + RING + BARS) __trap();
+    if (threadIdx.x == 0 && dynamic_smem_bytes() < 1024 + QBUF * TQ::BYTES + OBUF + RING + BARS) __trap();
 
     // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
     // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
@@ -177,7 +190,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             mbar_init(q_full(q), 1);
             // one arrival per consumer warp, once it has issued its last S on it; TMA_OUT: and one per consumer,
             // once the TMA unit has read the O rows written over it
-            mbar_init(q_empty(q), TMA_OUT ? 5 * NC : 4 * NC);
+            mbar_init(q_empty(q), O_IN_Q ? 5 * NC : 4 * NC);
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);   // the producer's expect_tx arrival; the bytes complete the phase
@@ -571,7 +584,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 named_sync(5 + c, 128);
                 if (tid == 0) {
                     release_count(done);
-                    mbar_arrive_if(q_empty(x.q), true);  // the arrival its TMA store would have made
+                    mbar_arrive_if(q_empty(x.q), O_IN_Q);  // the arrival its TMA store would have made
                 }
                 return false;
             }
@@ -589,8 +602,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 const float4 ml = __ldcg(part(piece_no(i)) + DT * 128);
                 top[0] = fmaxf(top[0], ml.x), top[1] = fmaxf(top[1], ml.y);
             }
-            const float ref0 = exp2_ref(top[0], softmax_log2), ref1 = exp2_ref(top[1], softmax_log2);
-            auto factor = [&](float mp, float ref) { return mp == neg_inf() ? 0.f : exp2f_approx(mp * softmax_log2 - ref); };
+            const float m_log2 = FP8 ? 1.f : softmax_log2;  // (fp8's m is in log2 units already)
+            const float ref0 = exp2_ref(top[0], m_log2), ref1 = exp2_ref(top[1], m_log2);
+            auto factor = [&](float mp, float ref) { return mp == neg_inf() ? 0.f : exp2f_approx(mp * m_log2 - ref); };
             {
                 const float f0 = factor(m[0][0], ref0), f1 = factor(m[0][1], ref1);
                 l[0][0] *= f0, l[0][1] *= f1;
@@ -613,26 +627,35 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         };
         auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
-            if constexpr (FP8) {
-                const float* sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
-                if constexpr (PERSISTENT) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
-                else Fp8DequantOut<T, P_SCALE_LOG2, true>::template staged<D>(rows, p, sv, staging());
-            } else if constexpr (TMA_OUT) {
-                if (x.n == 0) {  // no key: no Q buffer of its own either
-                    DirectOut<T, D>::store(rows, p);
+            const float* sv = nullptr;  // fp8: V's channel scales of this tile's kv head
+            if constexpr (FP8) sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
+            if constexpr (TMA_OUT) {
+                if (x.n == 0) {  // no key: no Q buffer of its own either (16-bit)
+                    if constexpr (FP8) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
+                    else DirectOut<T, D>::store(rows, p);
                     return;
                 }
-                SwizzledOut<T, TQ>::store(rows, p, sQ(x.q), row0);
+                if constexpr (FP8) {  // the previous tile's rows read out of sO (o_free), by every thread's sight
+                    if (threadIdx.x % 128 == 0) bulk_wait_read<0>();
+                    named_sync(5 + c, 128);
+                }
+                const u32 tile = O_IN_Q ? sQ(x.q) : sO;
+                SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, FP8 ? P_SCALE_LOG2 : 0);
                 fence_proxy_async();     // this thread's rows, before the TMA unit reads them
                 named_sync(5 + c, 128);  // all of this consumer's rows
                 if (threadIdx.x % 128 == 0) {
-                    for (int slab = 0; slab < TQ::SLABS; ++slab)  // boxes of 64 rows of 128 bytes
-                        tma_store_4d(to, sQ(x.q) + slab * TQ::SLAB + c * 64 * TQ::W, slab * TQ::W / EB,
+                    for (int slab = 0; slab < TO::SLABS; ++slab)  // boxes of 64 rows of 128 bytes
+                        tma_store_4d(to, tile + slab * TO::SLAB + c * 64 * TO::W, slab * TO::W / 2,
                                      x.w.m0 + 64 * c, x.w.h, x.w.b);
                     bulk_commit();
-                    bulk_wait_read<0>();  // (which also keeps the CTA's shared memory until then)
-                    mbar_arrive_if(q_empty(x.q), true);
+                    if constexpr (O_IN_Q) {
+                        bulk_wait_read<0>();  // (which also keeps the CTA's shared memory until then)
+                        mbar_arrive_if(q_empty(x.q), true);
+                    }
                 }
+            } else if constexpr (FP8) {
+                if constexpr (PERSISTENT) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
+                else Fp8DequantOut<T, P_SCALE_LOG2, true>::template staged<D>(rows, p, sv, staging());
             } else if constexpr (PERSISTENT) {
                 DirectOut<T, D>::store(rows, p);
             } else {
@@ -703,6 +726,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 prev = x;
             }
         }
+        // fp8's O buffer: the last tile's rows read out before the CTA's shared memory goes
+        if (TMA_OUT && FP8 && threadIdx.x % 128 == 0) bulk_wait_read<0>();
         if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
         if (EXP_TURNS && c == 0) named_sync(8, 256);
     }

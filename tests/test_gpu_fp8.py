@@ -272,3 +272,71 @@ def test_tensors_quantized_for_one_variant_are_refused_by_the_other(request):
         fav.fp8.attention(wrong)
     with pytest.raises(ValueError, match="variant must be one of"):
         fav.fp8.quantize(q, k, v, variant="fa3")
+
+
+# fa3_fp8 on the persistent grid (d 64 and 128) with its last wave split: d 64 (BM 192: 11 x 16 x 2 = 352 tiles,
+# 88 in the last wave, 13 blocks of 160 keys), d 128 GQA 4:1 (BM 128: 8 x 8 x 3 = 192 tiles, 60 last, 6 blocks of
+# 192 keys), padded d 96 with a one-row last Q block (2 x 40 x 4 = 320 tiles, 56 last, 2 blocks: pieces of one).
+FP8_SPLIT_CASES = [Case(2, 2000, 2000, 16, 16, 64, False), Case(3, 1000, 1000, 8, 2, 128, False),
+                   Case(4, 129, 300, 40, 8, 96, False)]
+
+
+def _tail_rows(case, bm, tail_tiles):
+    """(batch, seqlen_q, heads) mask of the rows of the grid's last ``tail_tiles`` tiles, in fa3_fwd.cu's tile order
+    (each head's Q blocks from the last, head after head, batch after batch)."""
+    qb = -(-case.seqlen_q // bm)
+    mask = np.zeros((case.batch, case.seqlen_q, case.heads), bool)
+    for t in range(qb * case.heads * case.batch - tail_tiles, qb * case.heads * case.batch):
+        i, hb = qb - 1 - t % qb, t // qb
+        mask[hb // case.heads, i * bm:(i + 1) * bm, hb % case.heads] = True
+    return mask
+
+
+@pytest.mark.parametrize("case", FP8_SPLIT_CASES, ids=[c.id for c in FP8_SPLIT_CASES])
+def test_fa3_fp8_split_tail(request, monkeypatch, poisoned, case):
+    """fa3_fp8's last wave cut into pieces on several CTAs and merged by each tile's last piece (fa3_fwd.cu's
+    SPLIT; O stored by TMA from a buffer of its own). Unsplit, against float64 and the model. Split: against
+    float64, bitwise equal across calls with other inputs in between (the merges' counts reset), bitwise equal to
+    the unsplit grid outside the split tiles, and inside them within twice the unsplit grid's own error: a piece
+    rounds its P to e4m3 relative to its own rows' running max, which the model (one pass over every block) does
+    not follow, so the two differ by e4m3 roundings of P, not by the merge. The LSE (l sums the unrounded P) stays
+    within the model's bound of the unsplit one."""
+    from fa_variants.kernels import fa3, fa3_fp8
+    from fa_variants.kernels.common import cdiv, sm_count
+    kernel = Fp8Kernel("fa3_fp8", fa3_model.forward_fp8, "wgmma")
+    ok, why = registry.get(kernel.variant).available()
+    if not ok:
+        pytest.skip(f"fa3_fp8 cannot run here: {why}")
+    hosts = [_data(request, case, "bfloat16") for _ in range(2)]
+
+    def run(host, split):
+        monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", split)  # these short tiles split only when asked to
+        fav.clear_plans()
+        with poisoned(case):
+            out, lse = fav.attention(*to_device(host), variant=kernel.variant, return_lse=True)
+        return to_host(out).astype(np.float64), to_host(lse)
+
+    monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", "0")
+    fav.clear_plans()
+    _check_against_float64_and_model(hosts[0], case, kernel, poisoned)
+    monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", "1")
+    fav.clear_plans()
+    d, cfg = fp8_launcher.fp8_template_dim(case.head_dim), fa3_fp8.config(case.head_dim)
+    tiles = cdiv(case.seqlen_q, cfg[0]) * case.heads * case.batch
+    tail = fa3.tail_split(tiles, min(tiles, sm_count()), cdiv(case.seqlen_k, cfg[1]), False,
+                          fa3.stores_o_by_tma(d, cfg, itemsize=1))
+    assert fa3.persistent(cfg) and tail[2] > 0, "the case does not split"
+    for host in hosts:
+        _check_against_float64(host, case, kernel, poisoned)
+    runs = [run(hosts[i], "1") for i in (0, 1, 0)]
+    assert np.array_equal(runs[0][0], runs[2][0]), "split: out differs across calls"
+    assert np.array_equal(runs[0][1], runs[2][1], equal_nan=True), "split: lse differs across calls"
+    unsplit = run(hosts[0], "0")
+    split_rows = _tail_rows(case, cfg[0], tail[0])
+    assert np.array_equal(runs[0][0][~split_rows], unsplit[0][~split_rows]), "tiles that are not split differ"
+    ref_out, _ = reference64(*hosts[0], False)
+    err = rel_err(unsplit[0][split_rows], ref_out[split_rows])
+    to_unsplit = rel_err(runs[0][0][split_rows], unsplit[0][split_rows])
+    assert to_unsplit <= 2 * err, f"split tiles differ from unsplit by {to_unsplit:.3e} (their own error {err:.3e})"
+    assert np.abs(runs[0][1] - unsplit[1]).max() <= FP8_MODEL_LSE_ATOL
+    fav.clear_plans()

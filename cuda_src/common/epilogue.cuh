@@ -138,24 +138,30 @@ struct DirectOut {
 // within the tile. The 128-byte swizzle puts a row's 16-byte chunk k at k ^ (row % 8), so the 8 rows of one
 // store land in 8 distinct chunks: no bank conflict. The caller fences, synchronizes and has one thread store
 // the tile by TMA, which also leaves out the rows past seqlen_q and the columns past head_dim (its tensor map's
-// extent): fa3's persistent grid, whose O goes out through the Q buffer its tile no longer reads.
+// extent): fa3's persistent grid, whose O goes out through the Q buffer its tile no longer reads (fa3_fp8: a
+// buffer of its own). fa3_fp8 passes Fp8DequantOut's column scales (V's channel scales) and the power of two its
+// row sums hold (P_SCALE_LOG2, owed by the LSE).
 template <class T, class Tile>
 struct SwizzledOut {
-    template <int MT, int DT>
-    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u32 tile,
-                                                 int tile_row0) {
+    template <int MT, int DT, class Params>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const Params& p, u32 tile,
+                                                 int tile_row0, const float* __restrict__ col_scale = nullptr,
+                                                 float lse_log2 = 0.f) {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
+                const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - lse_log2);
                 const int row = mt * 16 + g + 8 * h2;
                 if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + row, e.lse);
 #pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-                    st_shared(tile + Tile::offset(tile_row0 + row, 2 * (dt * 8 + 2 * t)),
-                              T::pack(r.o[mt][dt][2 * h2] * e.inv, r.o[mt][dt][2 * h2 + 1] * e.inv));
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int c = dt * 8 + 2 * t;
+                    float x = r.o[mt][dt][2 * h2] * e.inv, y = r.o[mt][dt][2 * h2 + 1] * e.inv;
+                    if (col_scale) x *= col_scale[c], y *= col_scale[c + 1];
+                    st_shared(tile + Tile::offset(tile_row0 + row, 2 * c), T::pack(x, y));
+                }
             }
     }
 };

@@ -54,6 +54,14 @@ struct Fp8FwdParams {
     int heads_kv;             // heads / group, so that a kernel's per-block scale lookup needs no division
 };
 
+// fa3_fp8's on the persistent grid: fa2_fp8's struct and the split last wave, as FwdParams holds it. (A struct of
+// its own: four fields more in Fp8FwdParams made fa2_fp8's 255-register mma.sync kernel at d 256 spill, and moved
+// ptxas's code of fa3_fp8's one-CTA-per-tile instances.)
+struct Fa3Fp8FwdParams : Fp8FwdParams {
+    int tail_tiles, tail_blocks, tail_ranges;
+    float* o_ws;              // the split tail's fp32 partials, patched in per stream
+};
+
 // The 16-bit backward (fa2_bwd.cu): the forward's inputs and output, dO, the forward's LSE, the row statistic
 // D = rowsum(dO * O) the first pass writes, and the three gradients. Strides in elements, as FwdParams.
 struct BwdParams {

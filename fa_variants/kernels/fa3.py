@@ -87,6 +87,18 @@ def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: boo
     return (last, blocks, cdiv(last * kv_blocks, blocks))
 
 
+def workspace_bytes(d: int, cfg, tail: tuple) -> int:
+    """The split tail's partials: per consumer thread D / 8 float4 of O and one of m and l; per range at most two
+    pieces."""
+    return tail[2] * 2 * (cfg[0] // 64) * 128 * (d // 8 + 1) * 16
+
+
+def out_map(ptr: int, b: int, nq: int, h: int, d: int) -> MapTemplate:
+    """The tensor map of a 16-bit output as run_cupy / run_torch allocate it (contiguous (b, nq, h, d)), in boxes
+    of one consumer's 64 rows; made at any 16-byte aligned address (the launch patches in out's)."""
+    return MapTemplate(ptr, (b, nq, h, d), (nq * h * d * 2, h * d * 2, d * 2), 2, 64, "out")
+
+
 def _stream_buffer(cache: dict, device: int, stream: int, nbytes: int, zero: bool = False) -> int:
     """The address of at least ``nbytes`` of device memory kept in ``cache`` for launches on ``stream``: one
     buffer per stream, since launches on one stream run one after another while two kernels sharing one at once
@@ -169,16 +181,25 @@ def q_buffers(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
     return 2 if persistent(cfg) and overlap and _layout_bytes(d, cfg, itemsize, 2) <= SM90_SMEM else 1
 
 
-def stores_o_by_tma(d: int, cfg, overlap: bool = True) -> bool:
-    """Whether a 16-bit instance writes O over its Q buffers and stores it by TMA (fa3_fwd.cu's TMA_OUT: where the
-    persistent grid pipelines across tiles); it then takes a tensor map of the output."""
-    return q_buffers(d, cfg, 2, overlap) == 2
+def o_buffer_bytes(d: int, cfg) -> int:
+    """fa3_fp8's O buffer: BM rows of 16-bit O (twice Q's e4m3 rows, so O cannot go out through Q's buffer)."""
+    return cfg[0] * 2 * d
+
+
+def stores_o_by_tma(d: int, cfg, overlap: bool = True, itemsize: int = 2) -> bool:
+    """Whether an instance stores O by TMA (fa3_fwd.cu's TMA_OUT: where the persistent grid pipelines across
+    tiles; 16-bit O over its Q buffers, fa3_fp8's through a buffer of its own where that fits too); it then takes
+    a tensor map of the output."""
+    if q_buffers(d, cfg, itemsize, overlap) != 2:
+        return False
+    return itemsize == 2 or _layout_bytes(d, cfg, itemsize, 2) + o_buffer_bytes(d, cfg) <= SM90_SMEM
 
 
 def smem_bytes(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
-    """Alignment, the Q buffers, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers and the
-    persistent grid's two tile slots."""
-    return _layout_bytes(d, cfg, itemsize, q_buffers(d, cfg, itemsize, overlap))
+    """Alignment, the Q buffers, fa3_fp8's O buffer, the K/V ring (fp8: K and V^T, one byte an element), the
+    mbarriers and the persistent grid's two tile slots."""
+    o_buf = o_buffer_bytes(d, cfg) if itemsize == 1 and stores_o_by_tma(d, cfg, overlap, itemsize) else 0
+    return _layout_bytes(d, cfg, itemsize, q_buffers(d, cfg, itemsize, overlap)) + o_buf
 
 
 def tiles(head_dim, limit=None):
@@ -254,15 +275,16 @@ class Fa3Plan:
     lse_shape: tuple | None
     device: int
     persistent: bool = False  # the kernel's fifth parameter is then this stream's tile counter pair
-    workspace: int = 0        # bytes of the split tail's partials (FwdParams.o_ws, per stream), 0: no split
+    workspace: int = 0        # bytes of the split tail's partials (per stream), 0: no split
+    ws_offset: int = FWD.offset("o_ws")  # where the struct holds their address (Fp8FwdParams: its own o_ws)
     negate_q: bool = False    # fa3_fp8 with softmax_scale < 0: run on -Q with |scale| (fa3_fp8.run_quantized)
 
     def launch(self, stream, map_ptrs, ptrs):
         """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers."""
         params = ctypes.create_string_buffer(self.template, len(self.template))
-        if self.workspace:
-            ptrs = ptrs[:5] + (split_workspace(self.device, stream, self.workspace),) + ptrs[6:]
         struct.pack_into(self.fmt, params, 0, *ptrs)
+        if self.workspace:
+            struct.pack_into("<Q", params, self.ws_offset, split_workspace(self.device, stream, self.workspace))
         counter = ctypes.c_uint64(tile_counter(self.device, stream) if self.persistent else 0)
         maps = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)]
         maps += maps[:1] * (4 - len(maps))  # the kernel's O map where it stores O itself: never read
@@ -307,20 +329,15 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
                  for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
     tma_out = stores_o_by_tma(D, cfg, overlap)
     if tma_out:
-        # out, as run_cupy / run_torch allocate it (contiguous), in boxes of one consumer's 64 rows; made at q's
-        # address (any 16-byte aligned one serves: the launch patches in out's)
-        isz = q.dtype.itemsize
-        maps += (MapTemplate(q.data.ptr, (b, nq, h, d), (nq * h * d * isz, h * d * isz, d * isz), isz, 64, "out"),)
+        maps += (out_map(q.data.ptr, b, nq, h, d),)
     tiles = cdiv(nq, cfg[0]) * h * b
     if tiles >= 2**31:
         raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
     ctas = grid(nq, h, b, cfg)
     tail = tail_split(tiles, ctas[0], cdiv(k.shape[1], cfg[1]), causal, tma_out)
-    # a partial: per consumer thread D / 8 float4 of O and one of m and l; per range at most two pieces
-    workspace = tail[2] * 2 * (cfg[0] // 64) * 128 * (D // 8 + 1) * 16
     return Fa3Plan(func=function_of(kern, smem), grid=ctas, block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
-                                       out_strides=(nq * h * d, h * d, d), tail=tail), workspace=workspace,
+                                       out_strides=(nq * h * d, h * d, d), tail=tail), workspace=workspace_bytes(D, cfg, tail),
                    fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
                    lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
                    persistent=persistent(cfg))

@@ -3,7 +3,7 @@ operands fa2_fp8's quantizers make (fp8_quantize.cu), with this kernel's Q and K
 
 What differs from fa3's launcher is what the three tensor maps describe: e4m3 Q (batch, heads, seqlen_q, D) and
 K (batch, heads_kv, seqlen_k, D) in rows of D bytes, and V^T (batch, heads_kv, D, seqlen_k_pad) in rows of keys;
-and the parameter struct, fa2_fp8's Fp8FwdParams (the scales, V^T's padding). Quantized tensors carry the tiles
+and the parameter struct, Fa3Fp8FwdParams (fa2_fp8's Fp8FwdParams: the scales, V^T's padding; and the split tail). Quantized tensors carry the tiles
 they were made for; ``plan`` refuses others (their scale blocks would not be this kernel's).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from . import KernelLauncher
 from . import fa2_fp8, fa3
 from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, plan_cache, scale_log2
 from .launch import function_of
-from .params import FP8_FWD
+from .params import FA3_FP8_FWD, FP8_FWD
 from .tma import MapTemplate, slab_bytes
 
 SOURCE = fa3.SOURCE
@@ -24,11 +24,13 @@ DIMS = fa2_fp8.FP8_TEMPLATE_DIMS
 # template head_dim -> [(BM = 64 per consumer warpgroup, BN keys per block, stages, ping-pong, persistent)], the
 # first used. BM is Q's scale block and BN K's (fa2_fp8's quantizers take them). e4m3 halves the shared memory and
 # the P fragments of fa3's tiles; S (BN / 2 fp32 registers a thread) and O (D / 2) stay. d 64 on the persistent
-# grid: +6-8 % at N 4K and 16K (bench/RESULTS.md, fourth session); d 128 and 256 within the run-to-run noise.
+# grid: +6-8 % at N 4K and 16K (bench/RESULTS.md, fourth session). d 128 too since O leaves it by TMA from a buffer
+# of its own and its last wave is split (fa3_fwd.cu's TMA_OUT, SPLIT): +4-5 % at N 4K-16K, +1.4 % causal (d 64 +1-4 %;
+# bench/NOTES.md, eighteenth session); d 256 has no room for that buffer and runs one CTA per tile.
 # d 128 with 192-key blocks (V^T in 64-byte slabs): +3-5 % at N >= 8K, even at 4K (eighth session); 256 keys spill,
 # and FA3's 224 (V^T in 32-byte slabs) measured level (0.98-1.01, seventeenth session). d 64 with FA3's 160-key
 # blocks (V^T in 32-byte slabs): +2-3 % at N 4K and 16K over 128 (seventeenth session).
-TILES = {64: [(192, 160, 2, 1, 1)], 128: [(128, 192, 2, 1, 0)], 256: [(128, 128, 2, 1, 0)]}
+TILES = {64: [(192, 160, 2, 1, 1)], 128: [(128, 192, 2, 1, 1)], 256: [(128, 128, 2, 1, 0)]}
 
 
 def config(head_dim: int, limit=None) -> tuple:
@@ -103,11 +105,22 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
         raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
     smem = fa3.smem_bytes(D, cfg, itemsize=1)
     kern = jit.kernel(SOURCE, instance(CTYPE[np.dtype(qz["out_dtype"]).name], D, cfg))
-    template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
-                            batch=b, seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv,
-                            head_dim=d, scale_log2=scale_log2(abs(softmax_scale)), causal=int(bool(causal)), heads_kv=hkv)
-    return fa3.Fa3Plan(func=function_of(kern, smem), grid=fa3.grid(nq, h, b, cfg), block=fa3.threads(cfg),
-                       smem=smem, template=template, fmt=FP8_FWD.pointers_format, maps=_maps(qz, cfg),
+    maps = _maps(qz, cfg)
+    tma_out = fa3.stores_o_by_tma(D, cfg, itemsize=1)
+    if tma_out:  # O (16-bit) through a shared buffer of its own, stored by TMA
+        maps += (fa3.out_map(qz["k"].data.ptr, b, nq, h, d),)
+    ctas = fa3.grid(nq, h, b, cfg)
+    tail = fa3.tail_split(cdiv(nq, cfg[0]) * h * b, ctas[0], cdiv(nk, cfg[1]), causal, tma_out)
+    # the persistent grid's instances take the split tail's fields too (Fa3Fp8FwdParams), the others fa2_fp8's
+    params = FA3_FP8_FWD if fa3.persistent(cfg) else FP8_FWD
+    template = params.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d, batch=b,
+                           seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
+                           scale_log2=scale_log2(abs(softmax_scale)), causal=int(bool(causal)), heads_kv=hkv,
+                           **(dict(tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2], o_ws=0)
+                              if params is FA3_FP8_FWD else {}))
+    return fa3.Fa3Plan(func=function_of(kern, smem), grid=ctas, block=fa3.threads(cfg), smem=smem, template=template,
+                       workspace=fa3.workspace_bytes(D, cfg, tail), ws_offset=FA3_FP8_FWD.offset("o_ws"),
+                       fmt=params.pointers_format, maps=maps,
                        out_shape=(b, nq, h, d), dtype=np.dtype(qz["out_dtype"]),
                        lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
                        persistent=fa3.persistent(cfg), negate_q=softmax_scale < 0)
@@ -123,7 +136,8 @@ def run_quantized(p: fa3.Fa3Plan, qz: dict):
     q = qz["q"] ^ 0x80 if p.negate_q else qz["q"]
     maps = (q.data.ptr, qz["k"].data.ptr, qz["vt"].data.ptr)
     scales = tuple(qz[n].data.ptr for n in ("sq", "sk", "sv"))
-    p.launch(cupy.cuda.get_current_stream().ptr, maps, maps + scales + (out.data.ptr, 0 if lse is None else lse.data.ptr))
+    p.launch(cupy.cuda.get_current_stream().ptr, maps + (out.data.ptr,),  # (out: where O leaves by TMA)
+             maps + scales + (out.data.ptr, 0 if lse is None else lse.data.ptr))
     return out, lse
 
 

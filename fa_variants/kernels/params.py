@@ -91,6 +91,11 @@ FP8_FWD = ParamStruct("Fp8FwdParams", (
     ("scale_log2", "float"), ("causal", "int"), ("heads_kv", "int"),
 ))
 
+# fa3_fp8's (derived from Fp8FwdParams in C++: its fields start at the base's size, which has no tail padding)
+FA3_FP8_FWD = ParamStruct("Fa3Fp8FwdParams", (
+    *FP8_FWD.fields, *_fields("tail_tiles tail_blocks tail_ranges", "int"), ("o_ws", "ptr"),
+))
+
 BWD = ParamStruct("BwdParams", (
     *_fields("q k v o dout lse delta dq dk dv", "ptr"),
     *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h do_b do_n do_h", "i64"),
@@ -104,7 +109,7 @@ PAD = ParamStruct("PadParams", (
     *_fields("rows seqlen heads head_dim width", "int"),
 ))
 
-STRUCTS = (FWD, FP8_FWD, BWD, PAD)
+STRUCTS = (FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 
