@@ -105,8 +105,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     // consumers 4 % at d 128 N 2K (bench/NOTES.md, thirteenth session). 16-bit: over its own 64 rows of the tile's
     // Q buffer (its last S has read them); once the TMA unit has read them, that thread arrives on the buffer's
     // q_empty beside the warps' "last S issued" arrivals. fp8: 16-bit O rows are twice Q's e4m3 rows, so O has a
-    // buffer of its own (TO) where it fits (d 64 and 128); the thread waits for the TMA unit's read of the
-    // previous tile's rows before its consumer writes the next (o_free).
+    // buffer of its own (TO, sO) where it fits (d 64 and 128); the thread waits for the TMA unit's read of the
+    // previous tile's rows only when its consumer is about to write the next (store_out), not right after the store.
     using TO = SwizzledTile<BM, 2 * D>;
     constexpr int OBUF_BYTES = FP8 ? TO::BYTES : 0;
     constexpr bool TMA_OUT = CROSS && 1024 + 2 * TQ::BYTES + OBUF_BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
@@ -635,8 +635,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     else DirectOut<T, D>::store(rows, p);
                     return;
                 }
-                if constexpr (FP8) {  // the previous tile's rows read out of sO (o_free), by every thread's sight
-                    if (threadIdx.x % 128 == 0) bulk_wait_read<0>();
+                if constexpr (FP8) {  // sO is free once the TMA unit has read the previous tile's rows out of it: the
+                    if (threadIdx.x % 128 == 0) bulk_wait_read<0>();  // storing thread waits, its consumer with it
                     named_sync(5 + c, 128);
                 }
                 const u32 tile = O_IN_Q ? sQ(x.q) : sO;
