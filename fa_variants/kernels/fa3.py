@@ -276,7 +276,7 @@ class Fa3Plan:
     device: int
     persistent: bool = False  # the kernel's fifth parameter is then this stream's tile counter pair
     workspace: int = 0        # bytes of the split tail's partials (per stream), 0: no split
-    ws_offset: int = FWD.offset("o_ws")  # where the struct holds their address (Fp8FwdParams: its own o_ws)
+    ws_offset: int = FWD.offset("o_ws")  # where the struct holds their address (fa3_fp8: Fa3Fp8FwdParams')
     negate_q: bool = False    # fa3_fp8 with softmax_scale < 0: run on -Q with |scale| (fa3_fp8.run_quantized)
 
     def launch(self, stream, map_ptrs, ptrs):
@@ -337,7 +337,8 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = 
     tail = tail_split(tiles, ctas[0], cdiv(k.shape[1], cfg[1]), causal, tma_out)
     return Fa3Plan(func=function_of(kern, smem), grid=ctas, block=threads(cfg), smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
-                                       out_strides=(nq * h * d, h * d, d), tail=tail), workspace=workspace_bytes(D, cfg, tail),
+                                       out_strides=(nq * h * d, h * d, d), tail=tail),
+                   workspace=workspace_bytes(D, cfg, tail),
                    fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
                    lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
                    persistent=persistent(cfg))

@@ -3,8 +3,9 @@ operands fa2_fp8's quantizers make (fp8_quantize.cu), with this kernel's Q and K
 
 What differs from fa3's launcher is what the three tensor maps describe: e4m3 Q (batch, heads, seqlen_q, D) and
 K (batch, heads_kv, seqlen_k, D) in rows of D bytes, and V^T (batch, heads_kv, D, seqlen_k_pad) in rows of keys;
-and the parameter struct, Fa3Fp8FwdParams (fa2_fp8's Fp8FwdParams: the scales, V^T's padding; and the split tail). Quantized tensors carry the tiles
-they were made for; ``plan`` refuses others (their scale blocks would not be this kernel's).
+and the parameter struct, fa2_fp8's Fp8FwdParams (the scales, V^T's padding), or on the persistent grid
+Fa3Fp8FwdParams (the same and the split tail's fields). Quantized tensors carry the tiles they were made for;
+``plan`` refuses others (their scale blocks would not be this kernel's).
 """
 from __future__ import annotations
 
