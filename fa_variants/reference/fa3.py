@@ -289,6 +289,17 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0
     return O, LSE, hbm
 
 
+def _check_split(split_blocks, causal):
+    """``split_blocks`` as ``forward`` and ``forward_fp8`` take it: None, or a positive int on a non-causal call."""
+    if split_blocks is None:
+        return None
+    if isinstance(split_blocks, bool) or not isinstance(split_blocks, (int, np.integer)) or split_blocks < 1:
+        raise ValueError(f"split_blocks must be a positive int or None, got {split_blocks!r}")
+    if causal:
+        raise ValueError("split_blocks: the kernel splits non-causal tiles only (causal=True given)")
+    return int(split_blocks)
+
+
 def _p_operand(q, round_p):
     """P -> the P V operand: unchanged (fa2's float64 convention), or rounded to q's float16 / bfloat16."""
     if not isinstance(round_p, (bool, np.bool_)):
@@ -314,11 +325,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     last wave does (``merge_pieces``; non-causal only, as the kernel's).
     Returns ``ModelResult`` (out float64 in flash layout, lse, hbm, blocks)."""
     operand = _p_operand(q, round_p)
-    if split_blocks is not None:
-        if isinstance(split_blocks, bool) or not isinstance(split_blocks, (int, np.integer)) or split_blocks < 1:
-            raise ValueError(f"split_blocks must be a positive int or None, got {split_blocks!r}")
-        if causal:
-            raise ValueError("split_blocks: the kernel splits non-causal tiles only (causal=True given)")
+    split_blocks = _check_split(split_blocks, causal)
     rescale_tau = _check_tau(rescale_tau)
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
@@ -335,7 +342,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
 
 
 def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, rotate=False, seed=0,
-                scaling="block", p_scale=256.0, accumulate_bits=None, rescale_tau=FP8_RESCALE_TAU) -> ModelResult:
+                scaling="block", p_scale=256.0, accumulate_bits=None, rescale_tau=FP8_RESCALE_TAU,
+                split_blocks=None) -> ModelResult:
     """FA3's pipeline on e4m3 operands: ``reference/fp8.py``'s ``forward`` (fa2_fp8) with FA3's block order
     (descending, masked blocks first), its consumer split and its blocks (``default_blocks``).
 
@@ -348,11 +356,15 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
     Not fa2_fp8's numbers up to float64 rounding: P is rounded to e4m3 relative to the running max at the block,
     and that max depends on the order the blocks come in, so the two orders round different values (they agree
     within e4m3's rounding). On the same single block, or on keys reversed block for block, they are the same.
+    ``split_blocks``: ``forward``'s (the persistent grid's split last wave, here on every tile). For the same reason
+    a piece, which starts its own running max, rounds other P values than the unsplit pass: the merged O agrees
+    with the unsplit one within e4m3's rounding, not to float64 rounding; l sums the unrounded P, so the LSE does.
     """
     if scaling not in _fp8.SCALINGS:
         raise ValueError(f"scaling must be one of {_fp8.SCALINGS}, got {scaling!r}")
     p_scale = _fp8._check_p_scale(p_scale)
     rescale_tau = _check_tau(rescale_tau)
+    split_blocks = _check_split(split_blocks, causal)
     if p_scale * 2.0 ** rescale_tau > 448.0:
         raise ValueError(f"p_scale x 2^rescale_tau must stay <= 448 (e4m3's largest value, P~ <= 2^tau), got "
                          f"{p_scale:g} x 2^{rescale_tau:g}")
@@ -373,7 +385,8 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
         Q, K, V, B_r, B_c, causal, scores,
         product=lambda P8, j, cols, acc: _fp8.tc_matmul(P8, V[:, :, cols], accumulate_bits, acc=acc),
         operand=lambda P: (P * p_scale).astype(_fp8.E4M3).astype(np.float64),  # exact scaling, e4m3 rounding
-        finish=lambda i, O_c, l: normalize(O_c * (sv / p_scale)[:, :, None, :], l), tau=rescale_tau)
+        finish=lambda i, O_c, l: normalize(O_c * (sv / p_scale)[:, :, None, :], l), tau=rescale_tau,
+        split=split_blocks)
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
 
 
