@@ -38,3 +38,18 @@ def test_off_where_it_does_not_pay_or_cannot_run(monkeypatch):
     monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", "yes")
     with pytest.raises(ValueError, match="FA_VARIANTS_FA3_SPLIT"):
         fa3.tail_split(2048, 132, 26, causal=False, tma_out=True)
+
+
+def test_fa3_fp8_splits_where_its_o_buffer_fits():
+    """fa3_fp8's persistent tiles (d 64, 128) store O by TMA from a buffer of their own, so their last wave can be
+    split; every fa3_fp8 instance's shared memory (Q buffers, that O buffer, the K/V ring) fits sm_90's."""
+    from fa_variants.kernels import fa3_fp8
+    from fa_variants.kernels.common import SM90_SMEM
+    for d, cfgs in fa3_fp8.TILES.items():
+        for cfg in cfgs:
+            tma = fa3.stores_o_by_tma(d, cfg, itemsize=1)
+            assert tma == (fa3.persistent(cfg) and d < 256), (d, cfg)
+            assert fa3.smem_bytes(d, cfg, itemsize=1) <= SM90_SMEM
+            if tma:
+                assert fa3.smem_bytes(d, cfg, itemsize=1) == (fa3.smem_bytes(d, cfg[:4] + (0,), itemsize=1)
+                                                              + cfg[0] * d + fa3.o_buffer_bytes(d, cfg))
