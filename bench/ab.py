@@ -5,13 +5,16 @@ alike for all), and one table of every tree's TFLOP/s per round with its ratio t
     python3 bench/ab.py base=/path/to/old-tree new=. --rounds 2 -- --time short --variants fa3 --no-peers
 
 A tree is a checkout of this repository (`git worktree add --detach ../old HEAD~3`; on the device, carry it).
-The column compared is devcheck's first number on each shape row: the first variant's TFLOP/s (with --fp8-matrix:
-pass --column 2 for the pre-quantized fp8 one). Without --variants the build compiles every variant.
+The column compared is devcheck's first number on each shape row (the first variant's TFLOP/s), or the one
+--column names: a position (1 = the first number) or the start of its header, e.g. --column "fa3_fp8 prequant"
+with --fp8-matrix, whose columns move with --variants and the peers (the pre-quantized and the quantizing fp8
+columns stand side by side: by position, one off is the other). Without --variants the build compiles every variant.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +43,17 @@ def devcheck(tree: Path, cache: Path, args: list[str]) -> str:
     return run.stdout
 
 
-def numbers(out: str, column: int) -> dict[str, float]:
-    """{shape id: the column-th number of its row} from devcheck's tables."""
+def numbers(out: str, column: int | str) -> dict[str, float]:
+    """{shape id: the column-th number of its row} from devcheck's tables; a str column is the position of the
+    first header cell (tabulate's columns: two or more spaces apart) that starts with it, in each table."""
     res = {}
     for line in out.splitlines():
         cells = line.split()
-        if cells and cells[0][:5] in ("bf16-", "fp16-"):
+        if isinstance(column, str) and cells[:1] == ["shape"]:
+            heads = re.split(r"\s{2,}", line.strip())
+            column = next((i for i, h in enumerate(heads) if h.startswith(column)), column)
+            continue
+        if cells and cells[0][:5] in ("bf16-", "fp16-") and isinstance(column, int):
             try:
                 res[cells[0]] = float(cells[column])
             except (IndexError, ValueError):
@@ -59,7 +67,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", help="NAME=PATH, the first one the reference")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--column", type=int, default=1, help="which number of a shape row to compare (default 1)")
+    ap.add_argument("--column", type=lambda c: int(c) if c.isdigit() else c, default=1,
+                    help="which number of a shape row to compare: a position (default 1) or a header's start")
     ap.add_argument("--cache-root", default="/tmp/fav-ab")
     a = ap.parse_args(ours)
     trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in a.trees)]

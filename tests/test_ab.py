@@ -23,6 +23,15 @@ def test_numbers_reads_the_chosen_column_of_each_shape_row():
     assert ab.numbers(TABLE, 5) == {}  # no such column: no number, not a crash
 
 
+def test_numbers_finds_a_column_by_its_header():
+    """--column "fa3_fp8 prequant": the position from the header, whatever variants come before it; a header no
+    table has gives no number."""
+    assert ab.numbers(TABLE, "fa3_fp8 prequant") == {"bf16-d128-N4096-B4-H16-full": 702.2,
+                                                      "fp16-d64-N2048-B8-H32-causal": 336.1}
+    assert ab.numbers(TABLE, "fa3 TF/s")["fp16-d64-N2048-B8-H32-causal"] == 380.6
+    assert ab.numbers(TABLE, "fa3_fp8 +quant") == {}
+
+
 def test_main_alternates_the_trees_and_gives_each_ratio_to_the_first(monkeypatch, capsys, tmp_path):
     calls = []
     speed = {"old": 500.0, "new": 550.0}
