@@ -302,8 +302,8 @@ def test_fa3_fp8_split_tail(request, monkeypatch, poisoned, case):
     float64, bitwise equal across calls with other inputs in between (the merges' counts reset), bitwise equal to
     the unsplit grid outside the split tiles, and inside them within twice the unsplit grid's own error: a piece
     rounds its P to e4m3 relative to its own rows' running max, which the unsplit model does not follow, so the two
-    differ by e4m3 roundings of P, not by the merge (the model's split_blocks shows the same: test_models_fa3.py). The LSE (l sums the unrounded P) stays
-    within the model's bound of the unsplit one."""
+    differ by e4m3 roundings of P, not by the merge (the model's split_blocks shows the same: test_models_fa3.py).
+    The LSE (l sums the unrounded P) stays within the model's bound of the unsplit one."""
     from fa_variants.kernels import fa3, fa3_fp8
     from fa_variants.kernels.common import cdiv, sm_count
     kernel = Fp8Kernel("fa3_fp8", fa3_model.forward_fp8, "wgmma")

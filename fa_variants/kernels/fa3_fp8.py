@@ -102,8 +102,9 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
     if tuple(qz["tiles"]) != cfg:
         raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, fa3_fp8 uses {cfg}; quantize with "
                          "fa_variants.fp8.quantize(..., variant='fa3_fp8')")
-    if cdiv(nq, cfg[0]) * h * b >= 2**31:
-        raise ValueError(f"batch * heads * Q blocks = {cdiv(nq, cfg[0]) * h * b} tiles exceed the grid's 2^31 - 1")
+    tiles = cdiv(nq, cfg[0]) * h * b
+    if tiles >= 2**31:
+        raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
     smem = fa3.smem_bytes(D, cfg, itemsize=1)
     kern = jit.kernel(SOURCE, instance(CTYPE[np.dtype(qz["out_dtype"]).name], D, cfg))
     maps = _maps(qz, cfg)
@@ -111,14 +112,15 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
     if tma_out:  # O (16-bit) through a shared buffer of its own, stored by TMA
         maps += (fa3.out_map(qz["k"].data.ptr, b, nq, h, d),)
     ctas = fa3.grid(nq, h, b, cfg)
-    tail = fa3.tail_split(cdiv(nq, cfg[0]) * h * b, ctas[0], cdiv(nk, cfg[1]), causal, tma_out)
+    tail = fa3.tail_split(tiles, ctas[0], cdiv(nk, cfg[1]), causal, tma_out)
+    fields = dict(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d, batch=b, seqlen_q=nq,
+                  seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
+                  scale_log2=scale_log2(abs(softmax_scale)), causal=int(bool(causal)), heads_kv=hkv)
     # the persistent grid's instances take the split tail's fields too (Fa3Fp8FwdParams), the others fa2_fp8's
     params = FA3_FP8_FWD if fa3.persistent(cfg) else FP8_FWD
-    template = params.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d, batch=b,
-                           seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
-                           scale_log2=scale_log2(abs(softmax_scale)), causal=int(bool(causal)), heads_kv=hkv,
-                           **(dict(tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2], o_ws=0)
-                              if params is FA3_FP8_FWD else {}))
+    if params is FA3_FP8_FWD:
+        fields.update(tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2], o_ws=0)
+    template = params.pack(**fields)
     return fa3.Fa3Plan(func=function_of(kern, smem), grid=ctas, block=fa3.threads(cfg), smem=smem, template=template,
                        workspace=fa3.workspace_bytes(D, cfg, tail), ws_offset=FA3_FP8_FWD.offset("o_ws"),
                        fmt=params.pointers_format, maps=maps,
