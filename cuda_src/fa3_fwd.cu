@@ -104,9 +104,12 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     // format, and one of its threads stores them. 4-byte stores straight to global memory (DirectOut) cost the
     // consumers 4 % at d 128 N 2K (bench/NOTES.md, thirteenth session). 16-bit: over its own 64 rows of the tile's
     // Q buffer (its last S has read them); once the TMA unit has read them, that thread arrives on the buffer's
-    // q_empty beside the warps' "last S issued" arrivals. fp8: 16-bit O rows are twice Q's e4m3 rows, so O has a
-    // buffer of its own (TO, sO) where it fits (d 64 and 128); the thread waits for the TMA unit's read of the
-    // previous tile's rows only when its consumer is about to write the next (store_out), not right after the store.
+    // q_empty beside the warps' "last S issued" arrivals. It waits for that read only after the next tile's masked
+    // blocks (release_o), not right after the store: the producer needs the buffer for the tile after next only,
+    // and a wait there held the whole consumer (a wgmma takes all four warps) ~770 cycles a tile (+0.3-1.1 %,
+    // bench/NOTES.md, nineteenth session). fp8: 16-bit O rows are twice Q's e4m3 rows, so O has a buffer of its
+    // own (TO, sO) where it fits (d 64 and 128); the thread waits for the TMA unit's read of the previous tile's
+    // rows only when its consumer is about to write the next (store_out), not right after the store.
     using TO = SwizzledTile<BM, 2 * D>;
     constexpr int OBUF_BYTES = FP8 ? TO::BYTES : 0;
     constexpr bool TMA_OUT = CROSS && 1024 + 2 * TQ::BYTES + OBUF_BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
@@ -625,6 +628,17 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             m[0][0] = top[0], m[0][1] = top[1];
             return true;
         };
+        // O_IN_Q: the Q buffer whose O rows the storing thread has sent but not yet seen read (-1: none), and its
+        // release to the producer once they are read.
+        int o_pending = -1;
+        auto release_o = [&] {
+            if constexpr (O_IN_Q)
+                if (threadIdx.x % 128 == 0 && o_pending >= 0) {
+                    bulk_wait_read<0>();
+                    mbar_arrive_if(q_empty(o_pending), true);
+                    o_pending = -1;
+                }
+        };
         auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
             const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
             const float* sv = nullptr;  // fp8: V's channel scales of this tile's kv head
@@ -648,10 +662,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                         tma_store_4d(to, tile + slab * TO::SLAB + c * 64 * TO::W, slab * TO::W / 2,
                                      x.w.m0 + 64 * c, x.w.h, x.w.b);
                     bulk_commit();
-                    if constexpr (O_IN_Q) {
-                        bulk_wait_read<0>();  // (which also keeps the CTA's shared memory until then)
-                        mbar_arrive_if(q_empty(x.q), true);
-                    }
+                    if constexpr (O_IN_Q) o_pending = x.q;  // released by release_o
                 }
             } else if constexpr (FP8) {
                 if constexpr (PERSISTENT) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
@@ -680,6 +691,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 if (x.narrow) step(x, u++, flag<false>(), flag<OVERLAP>(), num<BN>(), num<TAIL_BN>(), m, l);
             for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_mask; ++u)
                 step(x, u, flag<true>(), flag<OVERLAP>(), num<BN>(), num<BN>(), m, l);
+            release_o();  // (nothing in flight between steps: a branch is free here)
             for (; u < x.n; ++u) step(x, u, flag<false>(), flag<OVERLAP>(), num<BN>(), num<BN>(), m, l);
         };
         if constexpr (!PERSISTENT) {
@@ -726,8 +738,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 prev = x;
             }
         }
-        // fp8's O buffer: the last tile's rows read out before the CTA's shared memory goes
-        if (TMA_OUT && FP8 && threadIdx.x % 128 == 0) bulk_wait_read<0>();
+        // The last tile's O rows read out by the TMA unit before the CTA's shared memory goes
+        if (TMA_OUT && threadIdx.x % 128 == 0) bulk_wait_read<0>();
         if (PINGPONG && c == 0) named_sync(1, 256);  // the last consumer's last pass: every bar.arrive matched
         if (EXP_TURNS && c == 0) named_sync(8, 256);
     }
