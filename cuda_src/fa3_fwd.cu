@@ -448,6 +448,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // (ptxas then injected a warpgroup.arrive, C7519); the 16-bit kernels lost 1-3 % at d 128 with it
         // (bench/NOTES.md, seventeenth session).
         constexpr bool INT_MAX = FP8 && D <= 128;
+        // EXP_FMA: every EXP_FMA-th exponential of a thread's on the FMA units (math.cuh's exp2f_fma) instead of the
+        // SFU, for fp8 at d 128, where the SFU is one of the two limits (EXP_TURNS): every 16th (6 of a block's 96)
+        // +1.5-4 % on the H200 (N 1K-16K), every 12th or 24th a little less, every 8th +0.5-1.5 %, every 4th -2 %,
+        // every 2nd -15 % (bench/NOTES.md, nineteenth session).
+        constexpr int EXP_FMA = EXP_TURNS ? 16 : 0;
         // The online softmax of block j of tile x into (mx, lx). alpha: what O is multiplied by for this block.
         // Returns whether O needs it (warp-uniform: the rescale below is a branch, not predicated work). (K's
         // scale is addressed afresh every step on purpose: a row pointer held once a tile, 136 instructions
@@ -458,7 +463,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (FP8) {
                 const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
                 const float f = fmaxf(x.q_scale * p.sk[bhk * kv_blocks() + j], min_normal());
-                moved = online_softmax_rescale_folded<INT_MAX && !decltype(masked)::value>(
+                moved = online_softmax_rescale_folded<INT_MAX && !decltype(masked)::value, EXP_FMA>(
                     s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
             } else {
                 moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);

@@ -39,6 +39,19 @@ __forceinline__ __device__ float exp2f_approx(float x) {
     return y;
 }
 
+// Base-2 exponential on the FMA units, for a share of a softmax's exponentials where the special-function unit is
+// what limits (FA4's idea): 2^x = 2^k p(x - k), k = round(x), p a degree-2 fit of 2^f on [-1/2, 1/2] (relative
+// error 1.7e-3: for P that is rounded to e4m3, whose step is 2^-4, only). x is clamped at -127, where 2^k is built
+// as +0, so that 2^-inf = +0 as exp2f_approx's; a NaN stays NaN (max.NaN, then NaN times 2^k).
+__forceinline__ __device__ float exp2f_fma(float x) {
+    float xc;
+    asm("max.NaN.f32 %0, %1, 0fC2FE0000;" : "=f"(xc) : "f"(x));  // max(x, -127)
+    const float y = xc + 12582912.f;         // 1.5 * 2^23: k in the low bits of y's pattern
+    const float fr = xc - (y - 12582912.f);  // x - k, in [-1/2, 1/2]
+    const float p = fmaf(fmaf(0.23842521f, fr, 0.70344067f), fr, 1.00044286f);
+    return p * __int_as_float((__float_as_int(y) << 23) + 0x3f800000);  // p 2^k: the pattern of 2^k is (k + 127) << 23
+}
+
 __forceinline__ __device__ float warp_max(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

@@ -121,7 +121,8 @@ __forceinline__ __device__ float exp2_ref(float m, float scale_log2) {
 
 // s <- exp2(s * scale_log2 - ref) in place (P~), and this thread's partial row sums added to sum[mt][h]
 // (not reduced over the quad: the row sum is only needed at the end, so FA2 reduces it once there).
-template <int MT, int NT>
+// FMA_EVERY > 0: every FMA_EVERY-th value of each thread's by exp2f_fma on the FMA units instead of the MUFU.
+template <int FMA_EVERY = 0, int MT, int NT>
 __forceinline__ __device__ void exponentiate(float (&s)[MT][NT][4], const float (&ref)[MT][2], float scale_log2,
                                              float (&sum)[MT][2]) {
 #pragma unroll
@@ -130,7 +131,9 @@ __forceinline__ __device__ void exponentiate(float (&s)[MT][NT][4], const float 
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2f_approx(fmaf(s[mt][nt][e], scale_log2, -ref[mt][e / 2]));
+                const float x = fmaf(s[mt][nt][e], scale_log2, -ref[mt][e / 2]);
+                const bool fma = FMA_EVERY > 0 && (nt * 4 + e) % (FMA_EVERY > 0 ? FMA_EVERY : 1) == FMA_EVERY - 1;
+                const float p = fma ? exp2f_fma(x) : exp2f_approx(x);
                 s[mt][nt][e] = p;
                 sum[mt][e / 2] += p;
             }
@@ -207,7 +210,7 @@ struct NoTurn {
     template <class L>
     __forceinline__ __device__ void pass(const L&) const {}
 };
-template <bool INT_MAX = false, int MT, int NT, class Turn = NoTurn>
+template <bool INT_MAX = false, int FMA_EVERY = 0, int MT, int NT, class Turn = NoTurn>
 __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT][4], float (&m)[MT][2],
                                                               float (&l)[MT][2], float f, float p_log2,
                                                               float (&alpha)[MT][2], float tau = 0.f,
@@ -232,7 +235,7 @@ __forceinline__ __device__ bool online_softmax_rescale_folded(float (&s)[MT][NT]
             moved |= move;
         }
     turn.wait();
-    exponentiate(s, ref, f, l);
+    exponentiate<FMA_EVERY>(s, ref, f, l);
     turn.pass(l);
     return moved;
 }
