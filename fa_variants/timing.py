@@ -9,6 +9,8 @@ Method (DESIGN.md, "Speed"):
   host records the start event and launches the call while the pad runs, so the GPU goes pad -> start ->
   kernel(s) -> end without an idle gap, and the event pair measures the call's device time alone.
 - **Warm-up** calls first (JIT compilation, cuBLAS handles, memory-pool growth), then the **median** of many.
+  ``FAV_TIMING_REST_S`` (default 0) idles the GPU that many seconds before each case's warm-up, so that a case does
+  not start with the clock the case before it left (``rest_seconds``).
 - **Inputs larger than L2**: the caller passes several input sets and calls rotate among them, sized so that
   the sets together are at least 3x the L2 (60 MB on the H200): no call finds its Q, K, V in L2 left warm by
   the previous call.
@@ -39,6 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import re
 import statistics
 import time
@@ -291,6 +294,20 @@ def event_clock() -> float:
     return _CLOCK.seconds
 
 
+def rest_seconds(text: str | None = None) -> float:
+    """``FAV_TIMING_REST_S``: seconds the GPU idles before each timed case's warm-up (default 0). The H200 lowers its
+    clock under load within ~100 ms (power cap), so a case timed right after a heavy one starts slower than the same
+    case after a pause: a rest starts every case from the same idle state (bench/NOTES.md, nineteenth session)."""
+    text = os.environ.get("FAV_TIMING_REST_S", "") if text is None else text
+    try:
+        rest = float(text) if text.strip() else 0.0
+    except ValueError:
+        rest = -1.0
+    if not 0.0 <= rest <= 60.0:
+        raise ValueError(f"FAV_TIMING_REST_S must be a number of seconds from 0 to 60, got {text!r}")
+    return rest
+
+
 class EventTimer:
     """CUDA-event timing of ``fn(*args)`` on the current CuPy stream, with a pad kernel hiding host overhead."""
 
@@ -303,9 +320,14 @@ class EventTimer:
         self.stream = cupy.cuda.get_current_stream()
         self.pad = pad
         self.pad_ns = self.MIN_PAD_NS
+        self.rest_s = rest_seconds()
 
     def warmup(self, fn, arg_sets, calls: int):
-        """``calls`` untimed calls (at least one per set), then size the pad from the host's enqueue time."""
+        """``calls`` untimed calls (at least one per set), then size the pad from the host's enqueue time; first, a
+        rest of ``FAV_TIMING_REST_S`` seconds with the GPU idle (``rest_seconds``)."""
+        if self.rest_s > 0:
+            self.stream.synchronize()
+            time.sleep(self.rest_s)
         host = []
         for i in range(max(calls, len(arg_sets), 1)):
             args = arg_sets[i % len(arg_sets)]

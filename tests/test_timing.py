@@ -555,3 +555,14 @@ def test_flex_peer_is_bottom_right_causal_with_gqa():
         visible = (np.arange(nq) + nk - nq >= 0) if causal else np.ones(nq, bool)
         err = np.linalg.norm(out[:, visible] - ref[:, visible]) / np.linalg.norm(ref[:, visible])
         assert err < 1e-5, (nq, nk, causal, err)
+
+
+def test_rest_seconds_reads_its_variable_and_refuses_nonsense(monkeypatch):
+    monkeypatch.delenv("FAV_TIMING_REST_S", raising=False)
+    assert timing.rest_seconds() == 0.0
+    monkeypatch.setenv("FAV_TIMING_REST_S", "0.5")
+    assert timing.rest_seconds() == 0.5
+    assert timing.rest_seconds(" ") == 0.0
+    for bad in ("-1", "abc", "nan", "100"):
+        with pytest.raises(ValueError, match="FAV_TIMING_REST_S"):
+            timing.rest_seconds(bad)
