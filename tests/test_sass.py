@@ -82,13 +82,13 @@ def test_fa3_fp8_turns_bracket_the_exponentials(expr):
     """The consumers' turns at the SFU hold their exponentials: ptxas moves a plain bar.arrive above every MUFU (the
     turn then passes at once and the consumers' exponentials interleave again, 8-11 % slower on the H200). Between
     each such BAR.ARV and the BAR.SYNC before it lie at least a narrow tail block's exponentials (64 rows x 128 keys
-    over 128 threads)."""
+    over 128 threads): MUFU.EX2s, and those on the FMA units (EXP_FMA), each marked by its FMNMX.NAN clamp."""
     ins = fa3_instructions(expr)
     since_sync, passes = None, []
     for t in ins:
         if t.startswith("BAR.SYNC"):
             since_sync = 0
-        elif "MUFU.EX2" in t and since_sync is not None:
+        elif ("MUFU.EX2" in t or t.startswith("FMNMX.NAN")) and since_sync is not None:
             since_sync += 1
         elif t.startswith("BAR.ARV") and t.split(",")[-1].strip().startswith("R"):  # thread count in a register
             passes.append(since_sync)
