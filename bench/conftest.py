@@ -13,7 +13,8 @@ Environment: FAV_BENCH_ROUNDS (timed calls per case, default 20), FAV_BENCH_WARM
 FAV_BENCH_DO_BENCH=0 (leave out the do_bench timer), FAV_BENCH_DIRECTIONS=fwd,bwd,fwdbwd (which directions to
 collect, default all; the others are deselected), FAV_BENCH_UNVALIDATED=1 (run the fa2_bwd_kernel cases: fa2's
 GPU backward kernel timed directly, before the API calls it), FAV_BENCH_FLEX=0 (leave out FlexAttention, the
-third torch peer, compiled by torch.compile per shape and direction: about 2 s each on the H200).
+third torch peer, compiled by torch.compile per shape and direction: about 2 s each on the H200),
+FAV_TIMING_REST_S (seconds the GPU idles before each case's warm-up, default 0: ``timing.rest_seconds``).
 """
 from __future__ import annotations
 
