@@ -153,34 +153,69 @@ def memory_check():
         print(f"naive refused: {type(e).__name__}: {e}")
 
 
-def quant_bandwidth(repeats):
-    """fa_variants.fp8.quantize alone: GB/s counting bytes read (fp16/bf16 Q, K, V, twice for V's amax pass)
-    and written (e4m3 Q, K, V^T and the scales), against the ~4.2 TB/s copy ceiling."""
+# The quantizers' shapes: issue 9's (B N = 16K, H d = 2048; causal does not matter to them), bf16
+QUANT_SHAPES = [s for s in FA3_MATRIX if s.dtype == "bfloat16" and not s.causal]
+
+
+def _quant_bytes(q, k, v) -> int:
+    """What quantizing q, k, v must move: bf16 Q, K read once, V twice (its channel amax first), e4m3 written."""
+    return q.nbytes + k.nbytes + 2 * v.nbytes + (q.nbytes + k.nbytes + v.nbytes) // 2
+
+
+def _copy_ms(nbytes: int, repeats: int) -> float:
+    """A device-to-device copy of nbytes / 2 bytes (so nbytes moved): the bandwidth ceiling in the same run."""
+    import cupy
+    src = cupy.empty(nbytes // 2, cupy.uint8)
+    dst = cupy.empty_like(src)
+    return median(time_cuda(lambda: dst.__setitem__(Ellipsis, src), warmup=3, repeats=repeats))
+
+
+def _host_us(fn, args, calls: int = 20) -> float:
+    """Host time of one call: ``calls`` calls without synchronizing (the launch queue absorbs them), per call."""
+    import cupy
+    fn(*args)
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    us = (time.perf_counter() - t0) / calls * 1e6
+    cupy.cuda.Device().synchronize()
+    return us
+
+
+def quant_bandwidth(repeats, variants=("fa3_fp8", "fa2_fp8"), threads=None):
+    """fa_variants.fp8.quantize alone, per fp8 variant (its scale blocks): GPU time by events, GB/s of the bytes it
+    must move (_quant_bytes), the share of a copy of as many bytes timed beside it, and the host time of a call.
+    ``threads``: quantize_qk_amax CTA sizes to sweep (fa2_fp8.quantize_parts' ``threads``) instead."""
     import fa_variants as fav
-    rows = []
-    for shape in [Shape(4, 16, 4096, 128, "bfloat16"), Shape(1, 16, 16384, 128, "bfloat16"),
-                  Shape(4, 8, 4096, 256, "bfloat16")]:
-        sets = gpu_input_sets(shape)
-        ms = median(time_cuda(lambda q, k, v: fav.fp8.quantize(q, k, v), warmup=3, repeats=repeats,
-                              rotate_inputs=sets))
-        q, k, v = sets[0]
-        moved = q.nbytes + k.nbytes + 2 * v.nbytes + (q.nbytes + k.nbytes + v.nbytes) // 2
-        rows.append([shape.id, f"{ms:.3f}", f"{moved / ms / 1e6:.0f}"])
-    print(tabulate(rows, headers=["shape", "quantize ms", "GB/s (read + written)"]))
-
-
-def quant_rows_sweep(repeats):
-    """quantize_rows alone on Q of bf16-d128-N4096-B4-H16 for several CTA sizes (vectors per thread = 4 at the
-    launcher's choice): which keeps the most bytes in flight."""
     from fa_variants.kernels import fa2_fp8
-    sets = gpu_input_sets(Shape(4, 16, 4096, 128, "bfloat16"))
-    moved = 3 * sets[0][0].nbytes // 2  # bf16 read, e4m3 written
+    names = [n for n in variants if registry.get(n).available()[0]]
     rows = []
-    for threads in (128, 256, 512, 1024):
-        ms = median(time_cuda(lambda q, k, v: fa2_fp8.quantize_rows(q, 128, "fav::BFloat16", 128, threads),
-                              warmup=3, repeats=repeats, rotate_inputs=sets))
-        rows.append([threads, 128 * 128 // 8 // threads, f"{ms * 1e3:.1f}", f"{moved / ms / 1e6:.0f}"])
-    print(tabulate(rows, headers=["threads", "16-byte vectors / thread", "us", "GB/s (read + written)"]))
+    for i, shape in enumerate(QUANT_SHAPES):
+        print(f"[{i + 1}/{len(QUANT_SHAPES)}] {shape.id}", file=sys.stderr, flush=True)
+        sets = gpu_input_sets(shape)
+        moved = _quant_bytes(*sets[0])
+        copy = _copy_ms(moved, repeats)
+        row = [shape.id, f"{copy * 1e3:.1f}"]
+        for name in names:
+            if threads:
+                tiles = registry.get(name).launcher.tiles(shape.head_dim)
+                runs = [(f"{name} {t} threads", lambda q, k, v, t=t: fa2_fp8.quantize_parts(q, k, v, tiles, t))
+                        for t in threads]
+            else:
+                runs = [(name, lambda q, k, v, n=name: fav.fp8.quantize(q, k, v, variant=n))]
+            for tag, fn in runs:
+                ms = median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=sets))
+                row += [f"{ms * 1e3:.1f}", f"{moved / ms / 1e6:.0f}", f"{copy / ms:.2f}"]
+                if not threads:
+                    row.append(f"{_host_us(fn, sets[0]):.0f}")
+        rows.append(row)
+        del sets
+    heads = ["shape", "copy us"]
+    for name in names:
+        for tag in ([f"{name} {t} threads" for t in threads] if threads else [name]):
+            heads += [f"{tag} us", "GB/s", "of copy"] + ([] if threads else ["host us"])
+    print(tabulate(rows, headers=heads))
 
 
 PEERS = timing.peer_names(flex=False)  # main() sets it from --flex / --no-peers
@@ -259,8 +294,10 @@ def main():
     ap.add_argument("--variants", default="naive,fa1,fa2")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--memory", action="store_true", help="fa2 / naive at B=1, H=16, N=131072, d=128")
-    ap.add_argument("--quant", action="store_true", help="fp8 quantization bandwidth")
-    ap.add_argument("--quant-rows", action="store_true", help="quantize_rows CTA-size sweep")
+    ap.add_argument("--quant", action="store_true",
+                    help="fp8 quantization alone (the fp8 variants among --variants, else both): time, bandwidth, host")
+    ap.add_argument("--quant-threads", default="", metavar="N,N",
+                    help="fp8 quantization with these quantize_qk_amax CTA sizes (e.g. 256,512,1024)")
     ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
     ap.add_argument("--flex", action="store_true", help="FlexAttention (torch.compile) beside torch SDPA's backends")
     ap.add_argument("--no-peers", action="store_true", help="time this library's variants only (tile sweeps)")
@@ -283,10 +320,11 @@ def main():
     bad = check(names) if a.check else 0
     if a.memory:
         memory_check()
+    fp8_names = [n for n in names if registry.get(n).operand_dtype is not None] or ["fa3_fp8", "fa2_fp8"]
     if a.quant:
-        quant_bandwidth(a.repeats)
-    if a.quant_rows:
-        quant_rows_sweep(a.repeats)
+        quant_bandwidth(a.repeats, fp8_names)
+    if a.quant_threads:
+        quant_bandwidth(a.repeats, fp8_names, threads=[int(t) for t in a.quant_threads.split(",")])
     if a.fp8:
         fp8_sweep(SETS["fp8"], a.repeats)
     if a.fp8_matrix:

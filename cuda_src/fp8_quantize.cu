@@ -1,16 +1,23 @@
-// fp16/bf16 -> e4m3 quantization for fa2_fp8_fwd.cu, with FA3-style scales (scale = amax / 448, 1 where amax = 0,
-// so a block's largest value lands on e4m3's largest and nothing saturates).
+// fp16/bf16 -> e4m3 quantization for the fp8 forwards (fa2_fp8, fa3_fp8), with FA3-style scales (scale =
+// amax / 448, 1 where amax = 0, so a block's largest value lands on e4m3's largest and nothing saturates). Two
+// launches quantize Q, K and V (fa_variants/kernels/fa2_fp8.py, QuantPlan):
 //
-//   quantize_rows   Q and K: one scale per (batch, head, block of BLOCK rows); output (B, H, N, D) e4m3
-//   channel_amax    V, pass 1: per (batch, head, channel) max |v| over the sequence (atomicMax on the bits)
-//   quantize_vt     V, pass 2: output V^T (B, H, D, N_pad) e4m3, keys permuted in 32-key groups (vt_key)
+//   quantize_qk_amax  one CTA per work item, three kinds in one grid:
+//                       Q and K row blocks: one scale per (batch, head, block of BM or BN rows); out (B, H, N, D)
+//                       V row chunks: per (batch, head, channel) max |v| over the sequence (atomicMax on the bits)
+//   quantize_vt       V^T (B, H, D, N_pad) e4m3 with the channel scales, keys permuted in 32-key groups (vt_key)
+//
+// V's channel scales need all of V read before any of it can be quantized, so V is read twice; everything else
+// once. One grid for the first pass (it was three launches) leaves no tail and no launch gap between the parts,
+// and puts V's reads last, where the second pass finds the last of them still in L2 (it runs in reverse order).
 //
 // amax ignores NaN and Inf, so scales stay finite; a NaN or Inf value itself becomes e4m3 NaN (0x7f) and so
 // poisons exactly the outputs it touches (satfinite alone would turn Inf into a finite 448).
 //
 // These kernels are bound by memory bandwidth: every global access is a 16-byte vector (8 fp16/bf16 values, or 16
-// e4m3 bytes; quantize_rows stores 8), consecutive lanes on consecutive addresses. That needs 16-byte aligned rows:
-// the launcher checks the base pointer and strides and passes an aligned copy otherwise.
+// e4m3 bytes; the row blocks store 8), consecutive lanes on consecutive addresses. That needs 16-byte aligned
+// rows: the launcher checks the base pointer and strides and passes an aligned copy otherwise.
+#include "common/params.cuh"
 #include "common/ptx.cuh"
 
 namespace fav {
@@ -85,42 +92,30 @@ __forceinline__ __device__ float block_max(float x, float* red) {
     return r;
 }
 
-}  // namespace fav
 
-// grid (ceil(N / BLOCK), H, B). x: (B, N, H, D) with element strides (x_b, x_n, x_h), last dim contiguous.
-// The block is read once, VEC 16-byte vectors a thread all in flight together, kept in registers for the amax and
-// then quantized from there: the input is read from memory exactly once. Vector e of the block (row e / (D / 8))
-// belongs to thread e % THREADS: a warp loads 512 bytes of whole row segments and stores 256 contiguous bytes.
+// One scale block of Q or K: `rows` (<= BLOCK) rows of D values from xb (row stride x_n) into the contiguous e4m3
+// rows at out, and its scale. The block is read once, all of a thread's 16-byte vectors in flight together, kept in
+// registers for the amax and then quantized from there. Vector e of the block (row e / (D / 8)) belongs to thread
+// e % THREADS: a warp loads 512 bytes of whole row segments and stores 256 contiguous bytes.
 template <class T, int D, int BLOCK, int THREADS>
-__global__ void __launch_bounds__(THREADS)
-quantize_rows(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, unsigned char* __restrict__ xq,
-              float* __restrict__ scale) {
-    using namespace fav;
-    constexpr int ROW_VECS = D / 8, VEC = BLOCK * ROW_VECS / THREADS;
-    static_assert(THREADS % 32 == 0 && VEC >= 1 && VEC * THREADS == BLOCK * ROW_VECS,
-                  "THREADS must divide the block's BLOCK * D / 8 vectors");
-    __shared__ float red[THREADS / 32];
-    const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, heads = gridDim.y;
-    const int r0 = blk * BLOCK, rows = min(BLOCK, seqlen - r0);
-    const u16* xb = x + b * x_b + h * x_h + (i64)r0 * x_n;
+__forceinline__ __device__ void quantize_block(const u16* xb, i64 x_n, int rows, unsigned char* out, float* scale,
+                                               float* red) {
+    constexpr int ROW_VECS = D / 8, VECS = BLOCK * ROW_VECS, VEC = (VECS + THREADS - 1) / THREADS;
     uint4 v[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {  // rows past seqlen read as zero: they leave the amax alone
+    for (int j = 0; j < VEC; ++j) {  // rows past `rows` read as zero: they leave the amax alone
         const int e = threadIdx.x + j * THREADS, r = e / ROW_VECS;
-        v[j] = r < rows ? load16(xb + r * x_n + (e % ROW_VECS) * 8) : make_uint4(0u, 0u, 0u, 0u);
+        v[j] = e < VECS && r < rows ? load16(xb + r * x_n + (e % ROW_VECS) * 8) : make_uint4(0u, 0u, 0u, 0u);
     }
     u32 bits = 0;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) bits = finite_max_bits<T>(bits, v[j]);
-    const float amax = block_max<THREADS>(T::to_float((u16)bits), red);
-    const float s = scale_of(amax), inv = 1.f / s;
-    const i64 bh = (i64)b * heads + h;
-    if (threadIdx.x == 0) scale[bh * gridDim.x + blk] = s;
-    unsigned char* out = xq + (bh * seqlen + r0) * D;  // the block's rows are contiguous in the output
+    const float s = scale_of(block_max<THREADS>(T::to_float((u16)bits), red)), inv = 1.f / s;
+    if (threadIdx.x == 0) *scale = s;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         const int e = threadIdx.x + j * THREADS;
-        if (e / ROW_VECS >= rows) continue;
+        if (e >= VECS || e / ROW_VECS >= rows) continue;
         float f[8];
         unpack8<T>(v[j], f);
         *reinterpret_cast<uint2*>(out + (i64)e * 8) =
@@ -128,18 +123,29 @@ quantize_rows(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, 
     }
 }
 
-// grid (ceil(N / ROWS), H, B); amax (B, H, D) zero-initialized. Non-negative floats order like their bits.
-// Thread t owns channels 8 (t % CG) .. 8 (t % CG) + 7 (one 16-byte vector a row) of rows t / CG, + RG, ...: a warp
-// reads 32 / CG whole rows at a time. The row groups are reduced by shuffles within a warp, then through shared
-// memory across warps, and one atomicMax a channel per CTA goes to global memory.
+// Work item `item` of a row-block part (Q or K): block item % blocks of head (item / blocks) % heads of batch
+// item / (blocks * heads).
+template <class T, int D, int BLOCK, int THREADS>
+__forceinline__ __device__ void quantize_rows_item(int item, const u16* x, i64 x_b, i64 x_n, i64 x_h, int seqlen,
+                                                   int heads, unsigned char* xq, float* scale, float* red) {
+    const int blocks = (seqlen + BLOCK - 1) / BLOCK, blk = item % blocks, bh = item / blocks;
+    const int h = bh % heads, b = bh / heads, r0 = blk * BLOCK;
+    quantize_block<T, D, BLOCK, THREADS>(x + b * x_b + h * x_h + (i64)r0 * x_n, x_n, min(BLOCK, seqlen - r0),
+                                         xq + ((i64)bh * seqlen + r0) * D, scale + (i64)bh * blocks + blk, red);
+}
+
+// Work item `item` of V's amax part: ROWS rows of head (item / chunks) % heads, batch item / (chunks * heads); amax
+// (B, H, D) zero-initialized (non-negative floats order like their bits). Thread t owns channels 8 (t % CG) ..
+// 8 (t % CG) + 7 (one 16-byte vector a row) of rows t / CG, + RG, ...: a warp reads 32 / CG whole rows at a time.
+// The row groups are reduced by shuffles within a warp, then through shared memory across warps, and one
+// atomicMax a channel per CTA goes to global memory.
 template <class T, int D, int ROWS, int THREADS>
-__global__ void __launch_bounds__(THREADS)
-channel_amax(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, float* __restrict__ amax) {
-    using namespace fav;
+__forceinline__ __device__ void channel_amax_item(int item, const u16* x, i64 x_b, i64 x_n, i64 x_h, int seqlen,
+                                                  int heads, float* amax, float* red /* [THREADS / 32][D] */) {
     constexpr int CG = D / 8, RG = THREADS / CG, WARPS = THREADS / 32, LOADS = ROWS / RG;
     static_assert(32 % CG == 0 && THREADS % 32 == 0 && LOADS * RG == ROWS, "a warp holds whole rows; RG divides ROWS");
-    __shared__ __align__(16) float red[WARPS][D];
-    const int h = blockIdx.y, b = blockIdx.z, r0 = blockIdx.x * ROWS, rows = min(ROWS, seqlen - r0);
+    const int chunks = (seqlen + ROWS - 1) / ROWS, bh = item / chunks, h = bh % heads, b = bh / heads;
+    const int r0 = item % chunks * ROWS, rows = min(ROWS, seqlen - r0);
     const int cg = threadIdx.x % CG, rg = threadIdx.x / CG, lane = threadIdx.x % 32;
     const u16* xb = x + b * x_b + h * x_h + (i64)r0 * x_n + cg * 8;
     uint4 v[LOADS];
@@ -161,7 +167,7 @@ channel_amax(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, f
 #pragma unroll
         for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], o));
     if (lane < CG) {
-        float4* dst = reinterpret_cast<float4*>(&red[threadIdx.x / 32][cg * 8]);
+        float4* dst = reinterpret_cast<float4*>(red + threadIdx.x / 32 * D + cg * 8);
         dst[0] = make_float4(m[0], m[1], m[2], m[3]);
         dst[1] = make_float4(m[4], m[5], m[6], m[7]);
     }
@@ -169,15 +175,40 @@ channel_amax(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, f
     for (int c = threadIdx.x; c < D; c += THREADS) {
         float r = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) r = fmaxf(r, red[w][c]);
-        atomicMax(reinterpret_cast<int*>(amax) + ((i64)b * gridDim.y + h) * D + c, __float_as_int(r));
+        for (int w = 0; w < WARPS; ++w) r = fmaxf(r, red[w * D + c]);
+        atomicMax(reinterpret_cast<int*>(amax) + (i64)bh * D + c, __float_as_int(r));
     }
 }
 
-// grid (ceil(N_pad / KEYS) * D / CHANNELS, H, B): a CTA makes KEYS positions of V^T for CHANNELS of the D channels
-// (CHANNELS = 128 at most keeps d = 256's loads in registers without halving the CTAs per SM). Keys past seqlen are
-// zero (the attention kernel loads whole padded blocks of V^T); positions past N_pad (a multiple of 32) are not
-// written.
+}  // namespace fav
+
+// grid (q_items + k_items + V's chunks): Q's row blocks, then K's, then V's amax chunks (a part the launch does not
+// quantize has no items). Every CTA is one item of one part, so the branch is uniform and each part's __syncthreads
+// stay inside it.
+template <class T, int D, int BM, int BN, int AMAX_ROWS, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+quantize_qk_amax(const fav::QuantParams p) {
+    using namespace fav;
+    __shared__ __align__(16) float red[THREADS / 32 * D];  // block_max uses the first THREADS / 32
+    int item = blockIdx.x;
+    if (item < p.q_items) {
+        quantize_rows_item<T, D, BM, THREADS>(item, p.q, p.q_b, p.q_n, p.q_h, p.seqlen_q, p.heads, p.qq, p.sq, red);
+        return;
+    }
+    item -= p.q_items;
+    if (item < p.k_items) {
+        quantize_rows_item<T, D, BN, THREADS>(item, p.k, p.k_b, p.k_n, p.k_h, p.seqlen_k, p.heads_kv, p.kq, p.sk, red);
+        return;
+    }
+    channel_amax_item<T, D, AMAX_ROWS, THREADS>(item - p.k_items, p.v, p.v_b, p.v_n, p.v_h, p.seqlen_k, p.heads_kv,
+                                                p.amax, red);
+}
+
+// grid (ceil(N_pad / KEYS) * D / CHANNELS, H, B), after quantize_qk_amax: a CTA makes KEYS positions of V^T for
+// CHANNELS of the D channels (CHANNELS = 128 at most keeps d = 256's loads in registers without halving the CTAs
+// per SM). Keys past seqlen are zero (the attention kernels load whole padded blocks of V^T); positions past N_pad
+// (a multiple of 32) are not written. The CTAs run in reverse order of their index: the first ones read the end of
+// V, which quantize_qk_amax read last and which is then still in L2.
 //   1. Thread (cg, kq) loads the 4 keys that V^T stores at positions 4 kq .. 4 kq + 3 (vt_key), one 16-byte vector
 //      of channels 8 cg .. 8 cg + 7 each; a warp is 8 channel groups x 4 quads, so it reads 128-byte row segments.
 //      It quantizes them with the channel scales and writes, per channel, the 4 bytes as one word to shared memory.
@@ -186,8 +217,7 @@ channel_amax(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, f
 // 8 channel groups of a warp then write 8 distinct chunks in step 1, and the 8 lanes reading a row in step 2 too.
 template <class T, int D, int KEYS, int CHANNELS, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-quantize_vt(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, int seqlen_pad,
-            const float* __restrict__ amax, unsigned char* __restrict__ vt, float* __restrict__ scale) {
+quantize_vt(const fav::QuantParams p) {
     using namespace fav;
     constexpr int SPLIT = D / CHANNELS, CG = CHANNELS / 8, QUADS = KEYS / 4, CHUNKS = KEYS / 16, CG_WARPS = CG / 8;
     constexpr int QUAD_STEP = 4 * (THREADS / 32 / CG_WARPS), PASSES = QUADS / QUAD_STEP;
@@ -196,41 +226,42 @@ quantize_vt(const u16* __restrict__ x, i64 x_b, i64 x_n, i64 x_h, int seqlen, in
                   PASSES * QUAD_STEP == QUADS, "warps tile the channel groups evenly and the passes the quads");
     __shared__ __align__(16) u32 tile[CHANNELS][QUADS];
     __shared__ __align__(16) float inv_s[CHANNELS];
-    const int h = blockIdx.y, b = blockIdx.z, k0 = blockIdx.x / SPLIT * KEYS, c0 = blockIdx.x % SPLIT * CHANNELS;
+    const int bx = gridDim.x - 1 - blockIdx.x, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+    const int k0 = bx / SPLIT * KEYS, c0 = bx % SPLIT * CHANNELS, seqlen = p.seqlen_k, seqlen_pad = p.seqlen_k_pad;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const i64 bh = (i64)b * gridDim.y + h;
     const int cg = lane % 8 + 8 * (warp % CG_WARPS), kq0 = lane / 8 + 4 * (warp / CG_WARPS);
-    const u16* xb = x + b * x_b + h * x_h + c0 + cg * 8;
+    const u16* xb = p.v + b * p.v_b + h * p.v_h + c0 + cg * 8;
     uint4 v[PASSES][4];
 #pragma unroll
-    for (int p = 0; p < PASSES; ++p)  // every load before the first barrier: they stay in flight across it
+    for (int q = 0; q < PASSES; ++q)  // every load before the first barrier: they stay in flight across it
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int key = k0 + vt_key(4 * (kq0 + p * QUAD_STEP) + i);
-            v[p][i] = key < seqlen ? load16(xb + key * x_n) : make_uint4(0u, 0u, 0u, 0u);
+            const int key = k0 + vt_key(4 * (kq0 + q * QUAD_STEP) + i);
+            v[q][i] = key < seqlen ? load16(xb + key * p.v_n) : make_uint4(0u, 0u, 0u, 0u);
         }
-    const float* am = amax + bh * D + c0;
+    const float* am = p.amax + bh * D + c0;
     for (int c = threadIdx.x; c < CHANNELS; c += THREADS) {  // the scales once per CTA, not 8 per thread
         const float s = scale_of(am[c]);
         inv_s[c] = 1.f / s;
-        if (k0 == 0) scale[bh * D + c0 + c] = s;
+        if (k0 == 0) p.sv[bh * D + c0 + c] = s;
     }
     __syncthreads();
     float inv[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) inv[i] = inv_s[cg * 8 + i];
 #pragma unroll
-    for (int p = 0; p < PASSES; ++p) {
-        const int kq = kq0 + p * QUAD_STEP;
+    for (int q = 0; q < PASSES; ++q) {
+        const int kq = kq0 + q * QUAD_STEP;
         float f[4][8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) unpack8<T>(v[p][i], f[i]);
+        for (int i = 0; i < 4; ++i) unpack8<T>(v[q][i], f[i]);
 #pragma unroll
         for (int c = 0; c < 8; ++c)
             tile[cg * 8 + c][((kq / 4) ^ (cg % 8)) * 4 + kq % 4] = e4m3x4(f[0][c], f[1][c], f[2][c], f[3][c], inv[c]);
     }
     __syncthreads();
-    unsigned char* out = vt + (bh * D + c0) * seqlen_pad + k0;
+    unsigned char* out = p.vt + (bh * D + c0) * seqlen_pad + k0;
 #pragma unroll
     for (int u = threadIdx.x; u < CHANNELS * CHUNKS; u += THREADS) {
         const int c = u / CHUNKS, k = u % CHUNKS;

@@ -88,6 +88,27 @@ struct BwdParams {
     int causal;
 };
 
+// The fp8 quantizers (fp8_quantize.cu): fp16/bf16 Q, K, V (strides in elements, as FwdParams) into the layouts
+// Fp8FwdParams reads. A launch that quantizes Q only (a KV cache's new query) or K and V only has no items of the
+// other parts.
+struct QuantParams {
+    const u16* q;             // (batch, seqlen_q, heads, D)
+    const u16* k;             // (batch, seqlen_k, heads_kv, D)
+    const u16* v;
+    unsigned char* qq;        // (batch, heads, seqlen_q, D) e4m3
+    unsigned char* kq;        // (batch, heads_kv, seqlen_k, D)
+    unsigned char* vt;        // (batch, heads_kv, D, seqlen_k_pad), keys in vt_key order
+    float* sq;                // (batch, heads, ceil(seqlen_q / BM))
+    float* sk;                // (batch, heads_kv, ceil(seqlen_k / BN))
+    float* sv;                // (batch, heads_kv, D)
+    float* amax;              // (batch, heads_kv, D), zeroed before the first pass: V's channel amax
+    i64 q_b, q_n, q_h;
+    i64 k_b, k_n, k_h;
+    i64 v_b, v_n, v_h;
+    int heads, heads_kv, seqlen_q, seqlen_k, seqlen_k_pad;
+    int q_items, k_items;     // quantize_qk_amax's CTAs of Q's row blocks and of K's; V's amax chunks follow
+};
+
 // The head-dim padding copy (pad_head_dim.cu): a (batch, seqlen, heads, head_dim) tensor with any strides into a
 // contiguous one whose rows are `width` elements, zeros past head_dim.
 struct PadParams {

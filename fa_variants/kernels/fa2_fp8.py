@@ -6,6 +6,7 @@ e4m3 mma.sync with f16 HMMA there), so Hopper runs fa2_fp8_fwd_sm90.cu and sm_89
 FA_VARIANTS_FP8_KERNEL=mma_sync runs the mma.sync kernel on Hopper too (to measure what wgmma buys)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -15,14 +16,15 @@ from . import KernelLauncher
 from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, ensure_vector_aligned,
                      pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim)
 from .launch import FwdPlan, function_of, launch
-from .params import FP8_FWD
+from .params import FP8_FWD, QUANT
 
 SOURCE = "fa2_fp8_fwd.cu"
 SM90_SOURCE = "fa2_fp8_fwd_sm90.cu"
 QUANT_SOURCE = "fp8_quantize.cu"
 SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",)}  # wgmma exists only there
-QUANT_THREADS = 256  # channel_amax and quantize_vt
-AMAX_ROWS = 128      # rows of V per channel_amax CTA (one atomicMax per channel each)
+QUANT_THREADS = 256  # quantize_qk_amax's CTA: 256 ran 1-14 % faster than 512 and 1024 (bench/devcheck.py --quant-threads)
+AMAX_ROWS = 128      # rows of V per amax chunk (one atomicMax per channel each)
+VT_THREADS = 256     # quantize_vt's CTA
 VT_KEYS = 128        # positions of V^T per quantize_vt CTA (its shared-memory swizzle needs 128) ...
 VT_CHANNELS = 128    # ... for at most this many channels (d = 256: two CTAs, registers as for d = 128)
 
@@ -88,17 +90,11 @@ def sm90_instance(ctype: str, d: int, cfg) -> str:
     return f"fa2_fp8_fwd_sm90<{ctype}, {d}, {bn}, {w // 4}, {rest[0] if rest else 1}>"
 
 
-def rows_threads(block: int, d: int) -> int:
-    """quantize_rows' CTA size: four 16-byte vectors (32 values) a thread for one scale block of block rows."""
-    return min(1024, block * d // 32)
-
-
-def quant_instances(ctype: str, d: int, cfg):
+def quant_instances(ctype: str, d: int, cfg, threads: int = QUANT_THREADS):
+    """The two quantizer kernels for a kernel of tiles ``cfg`` (its BM and BN are Q's and K's scale blocks)."""
     bm, bn = cfg[:2]
-    return (f"quantize_rows<{ctype}, {d}, {bm}, {rows_threads(bm, d)}>",
-            f"quantize_rows<{ctype}, {d}, {bn}, {rows_threads(bn, d)}>",
-            f"channel_amax<{ctype}, {d}, {AMAX_ROWS}, {QUANT_THREADS}>",
-            f"quantize_vt<{ctype}, {d}, {VT_KEYS}, {min(d, VT_CHANNELS)}, {QUANT_THREADS}>")
+    return (f"quantize_qk_amax<{ctype}, {d}, {bm}, {bn}, {AMAX_ROWS}, {threads}>",
+            f"quantize_vt<{ctype}, {d}, {VT_KEYS}, {min(d, VT_CHANNELS)}, {VT_THREADS}>")
 
 
 def specializations():
@@ -124,73 +120,112 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
             + 4 * batch * (heads * cdiv(seqlen_q, bm) + heads_kv * (cdiv(seqlen_k, bn) + 2 * D)))
 
 
-def _strides(a):
-    return [np.int64(s // a.dtype.itemsize) for s in a.strides[:3]]
-
-
-def quantize_rows(x, block: int, ctype: str, d: int, threads: int | None = None):
-    """(B, N, H, d) fp16/bf16 -> ((B, H, N, d) e4m3 bytes, (B, H, ceil(N/block)) float32 scales). ``threads``:
-    the CTA size (default rows_threads; bench/devcheck.py --quant-rows sweeps it)."""
-    import cupy
-    x = ensure_vector_aligned(x)  # the kernel reads 16-byte vectors
-    b, n, h, _ = x.shape
-    xq = cupy.empty((b, h, n, d), dtype=cupy.uint8)
-    sc = cupy.empty((b, h, cdiv(n, block)), dtype=cupy.float32)
-    threads = threads or rows_threads(block, d)
-    jit.kernel(QUANT_SOURCE, f"quantize_rows<{ctype}, {d}, {block}, {threads}>")(
-        (cdiv(n, block), h, b), (threads,), (x, *_strides(x), np.int32(n), xq, sc))
-    return xq, sc
-
-
-def quantize_v(v, block_k: int, ctype: str, d: int):
-    """(B, N, H, d) -> (V^T (B, H, d, N_pad) e4m3 bytes in vt_key order, (B, H, d) float32 per-channel scales)."""
-    import cupy
-    v = ensure_vector_aligned(v)  # both kernels read 16-byte vectors
-    b, n, h, _ = v.shape
-    n_pad = cdiv(n, block_k) * block_k
-    amax = cupy.zeros((b, h, d), dtype=cupy.float32)
-    jit.kernel(QUANT_SOURCE, f"channel_amax<{ctype}, {d}, {AMAX_ROWS}, {QUANT_THREADS}>")(
-        (cdiv(n, AMAX_ROWS), h, b), (QUANT_THREADS,), (v, *_strides(v), np.int32(n), amax))
-    vt = cupy.empty((b, h, d, n_pad), dtype=cupy.uint8)
-    sv = cupy.empty((b, h, d), dtype=cupy.float32)
-    channels = min(d, VT_CHANNELS)
-    jit.kernel(QUANT_SOURCE, f"quantize_vt<{ctype}, {d}, {VT_KEYS}, {channels}, {QUANT_THREADS}>")(
-        (cdiv(n_pad, VT_KEYS) * (d // channels), h, b), (QUANT_THREADS,),
-        (v, *_strides(v), np.int32(n), np.int32(n_pad), amax, vt, sv))
-    return vt, sv
-
-
 def _padded(x):
-    """x with its head dim widened to the template dim by zeros (a copy), or x itself when it is one."""
+    """x with its head dim widened to the template dim by zeros (a copy), or x itself when it is one; 16-byte
+    aligned rows either way (the quantizers read 16-byte vectors)."""
     D = fp8_template_dim(x.shape[3])
-    return x if x.shape[3] == D else pad_last_dim(x, D)
+    return ensure_vector_aligned(x) if x.shape[3] == D else pad_last_dim(x, D)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPlan:
+    """The quantization of one call signature: quantize_qk_amax over its items, then (with K and V) quantize_vt."""
+    rows_func: int            # quantize_qk_amax
+    items: int
+    threads: int
+    vt_func: int              # quantize_vt (0: Q only)
+    vt_grid: tuple
+    template: bytes           # QuantParams with zero pointers
+    q_shapes: tuple           # e4m3 Q, sq (empty: no Q)
+    kv_shapes: tuple          # e4m3 K, sk, V^T, sv (= amax's) (empty: no K, V)
+
+
+def _quant_plan(q, k, v, cfg, threads: int) -> QuantPlan:
+    x = q if q is not None else k
+    b, _, _, D = x.shape
+    ctype = CTYPE[np.dtype(x.dtype).name]
+    bm, bn = cfg[:2]
+    fields = dict.fromkeys(QUANT.pointers, 0)
+    fields.update(dict.fromkeys(("q_b", "q_n", "q_h", "k_b", "k_n", "k_h", "v_b", "v_n", "v_h", "heads", "heads_kv",
+                                 "seqlen_q", "seqlen_k", "seqlen_k_pad", "q_items", "k_items"), 0))
+    items, q_shapes, kv_shapes, vt_grid = 0, (), (), (0, 0, 0)
+    if q is not None:
+        nq, h = q.shape[1:3]
+        fields.update(zip(("q_b", "q_n", "q_h"), _strides(q)), heads=h, seqlen_q=nq, q_items=cdiv(nq, bm) * h * b)
+        items += fields["q_items"]
+        q_shapes = ((b, h, nq, D), (b, h, cdiv(nq, bm)))
+    if k is not None:
+        nk, hkv = k.shape[1:3]
+        check_grid(hkv, "heads_kv")
+        check_grid(b, "batch")
+        n_pad = cdiv(nk, bn) * bn
+        fields.update(zip(("k_b", "k_n", "k_h"), _strides(k)), **dict(zip(("v_b", "v_n", "v_h"), _strides(v))),
+                      heads_kv=hkv, seqlen_k=nk, seqlen_k_pad=n_pad, k_items=cdiv(nk, bn) * hkv * b)
+        items += fields["k_items"] + cdiv(nk, AMAX_ROWS) * hkv * b
+        kv_shapes = ((b, hkv, nk, D), (b, hkv, cdiv(nk, bn)), (b, hkv, D, n_pad), (b, hkv, D))
+        vt_grid = (cdiv(n_pad, VT_KEYS) * (D // min(D, VT_CHANNELS)), hkv, b)
+    if items >= 2**31:
+        raise ValueError(f"{items} quantizer work items (row blocks and V chunks) exceed the grid's 2^31 - 1")
+    rows, vt = quant_instances(ctype, D, cfg, threads)
+    return QuantPlan(rows_func=function_of(jit.kernel(QUANT_SOURCE, rows), 0), items=items, threads=threads,
+                     vt_func=function_of(jit.kernel(QUANT_SOURCE, vt), 0) if k is not None else 0, vt_grid=vt_grid,
+                     template=QUANT.pack(**fields), q_shapes=q_shapes, kv_shapes=kv_shapes)
+
+
+_QUANT_PLANS = plan_cache()
+
+
+def _strides(a):
+    return [s // a.dtype.itemsize for s in a.strides[:3]]
+
+
+def quantize_parts(q, k, v, cfg=None, threads: int = QUANT_THREADS) -> dict:
+    """Q's part (k = v = None), K's and V's (q = None) or all three of the quantized operands, for the tiles ``cfg``
+    (BM, BN, ...) of the kernel that will read them: this device's fa2_fp8 kernel's by default (fa3_fp8 passes its
+    own). Two launches and a memset whatever the parts; ``threads``: quantize_qk_amax's CTA (a sweep's)."""
+    import cupy
+    from .. import arrays
+    x = q if q is not None else k
+    d = x.shape[3]
+    cfg = tuple(config(d) if cfg is None else cfg)
+    q, k, v = (None if a is None else _padded(a) for a in (q, k, v))
+    key = (*(None if a is None else (a.shape, a.strides) for a in (q, k, v)), x.dtype, cfg, threads,
+           cupy.cuda.runtime.getDevice())
+    plan = cached_plan(_QUANT_PLANS, key, lambda: _quant_plan(q, k, v, cfg, threads))
+    ptrs = dict.fromkeys(QUANT.pointers, 0)
+    parts = {"head_dim": d}
+    if q is not None:
+        qq, sq = cupy.empty(plan.q_shapes[0], cupy.uint8), cupy.empty(plan.q_shapes[1], cupy.float32)
+        parts.update(q=qq, sq=sq, out_dtype=x.dtype)
+        ptrs.update(q=q.data.ptr, qq=qq.data.ptr, sq=sq.data.ptr)
+    if k is not None:
+        kq_shape, sk_shape, vt_shape, sv_shape = plan.kv_shapes
+        kq, sk, vt = cupy.empty(kq_shape, cupy.uint8), cupy.empty(sk_shape, cupy.float32), cupy.empty(vt_shape, cupy.uint8)
+        sv, amax = cupy.empty(sv_shape, cupy.float32), cupy.zeros(sv_shape, cupy.float32)
+        parts.update(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=x.dtype)
+        ptrs.update(k=k.data.ptr, v=v.data.ptr, kq=kq.data.ptr, vt=vt.data.ptr, sk=sk.data.ptr, sv=sv.data.ptr,
+                    amax=amax.data.ptr)
+    stream = cupy.cuda.get_current_stream().ptr
+    ptrs = tuple(ptrs.values())
+    launch(plan.rows_func, (plan.items, 1, 1), plan.threads, 0, stream, plan.template, QUANT.pointers_format, *ptrs)
+    if plan.vt_func:
+        launch(plan.vt_func, plan.vt_grid, VT_THREADS, 0, stream, plan.template, QUANT.pointers_format, *ptrs)
+    return parts
 
 
 def quantize_q(q, cfg=None) -> dict:
-    """Q's part of the quantized operands (``quantize_kv`` makes K's and V's), for the tiles ``cfg`` (BM, BN, ...)
-    of the kernel that will read them: this device's fa2_fp8 kernel's by default (fa3_fp8 passes its own)."""
-    from .. import arrays
-    d = q.shape[3]
-    cfg = config(d) if cfg is None else cfg
-    qq, sq = quantize_rows(_padded(q), cfg[0], CTYPE[arrays.dtype_name(q.dtype)], fp8_template_dim(d))
-    return dict(q=qq, sq=sq, out_dtype=q.dtype, head_dim=d)
+    """Q's part of the quantized operands (``quantize_kv`` makes K's and V's)."""
+    return quantize_parts(q, None, None, cfg)
 
 
 def quantize_kv(k, v, cfg=None) -> dict:
     """K's and V's parts: quantize them once and reuse them with many queries (a KV cache)."""
-    from .. import arrays
-    d = k.shape[3]
-    D = fp8_template_dim(d)
-    cfg = config(d) if cfg is None else cfg
-    ctype = CTYPE[arrays.dtype_name(k.dtype)]
-    kq, sk = quantize_rows(_padded(k), cfg[1], ctype, D)
-    vt, sv = quantize_v(_padded(v), cfg[1], ctype, D)
-    return dict(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=k.dtype, head_dim=d)
+    return quantize_parts(None, k, v, cfg)
 
 
 def quantize(q, k, v, cfg=None) -> dict:
     """All of Q, K, V: the dict fa_variants.fp8.Quantized wraps."""
-    return {**quantize_q(q, cfg), **quantize_kv(k, v, cfg)}
+    return quantize_parts(q, k, v, cfg)
 
 
 _PLANS = plan_cache()  # (shapes, flags, device, kernel) -> FwdPlan: quantizing on the fly makes a qz per call

@@ -70,7 +70,7 @@ def quantize_kv(k, v) -> dict:
 
 
 def quantize(q, k, v) -> dict:
-    return {**quantize_q(q), **quantize_kv(k, v)}
+    return fa2_fp8.quantize(q, k, v, config(q.shape[3]))
 
 
 def _maps(qz: dict, cfg) -> tuple:

@@ -109,7 +109,13 @@ PAD = ParamStruct("PadParams", (
     *_fields("rows seqlen heads head_dim width", "int"),
 ))
 
-STRUCTS = (FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD)
+QUANT = ParamStruct("QuantParams", (
+    *_fields("q k v qq kq vt sq sk sv amax", "ptr"),
+    *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h", "i64"),
+    *_fields("heads heads_kv seqlen_q seqlen_k seqlen_k_pad q_items k_items", "int"),
+))
+
+STRUCTS = (FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 
