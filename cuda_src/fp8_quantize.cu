@@ -8,15 +8,17 @@
 //   quantize_vt       V^T (B, H, D, N_pad) e4m3 with the channel scales, keys permuted in 32-key groups (vt_key)
 //
 // V's channel scales need all of V read before any of it can be quantized, so V is read twice; everything else
-// once. One grid for the first pass (it was three launches) leaves no tail and no launch gap between the parts,
-// and puts V's reads last, where the second pass finds the last of them still in L2 (it runs in reverse order).
+// once. One grid for the first pass (it was three launches) leaves one launch gap and one tail instead of three.
+// V's chunks come last in it (first ran 1-4 % slower). The second pass still reads all of V from DRAM (ncu, d 128
+// N 4K: 67 MB for V's 64 MB), and an evict_last L2 policy on the first read changed nothing there (perhaps for
+// want of an L2 set-aside, a device setting: not checked); bench/NOTES.md, twentieth session.
 //
 // amax ignores NaN and Inf, so scales stay finite; a NaN or Inf value itself becomes e4m3 NaN (0x7f) and so
 // poisons exactly the outputs it touches (satfinite alone would turn Inf into a finite 448).
 //
 // These kernels are bound by memory bandwidth: every global access is a 16-byte vector (8 fp16/bf16 values, or 16
-// e4m3 bytes; the row blocks store 8), consecutive lanes on consecutive addresses. That needs 16-byte aligned
-// rows: the launcher checks the base pointer and strides and passes an aligned copy otherwise.
+// e4m3 bytes), consecutive lanes on consecutive addresses. That needs 16-byte aligned rows: the launcher checks
+// the base pointer and strides and passes an aligned copy otherwise.
 #include "common/params.cuh"
 #include "common/ptx.cuh"
 
@@ -94,32 +96,38 @@ __forceinline__ __device__ float block_max(float x, float* red) {
 
 
 // One scale block of Q or K: `rows` (<= BLOCK) rows of D values from xb (row stride x_n) into the contiguous e4m3
-// rows at out, and its scale. The block is read once, all of a thread's 16-byte vectors in flight together, kept in
-// registers for the amax and then quantized from there. Vector e of the block (row e / (D / 8)) belongs to thread
-// e % THREADS: a warp loads 512 bytes of whole row segments and stores 256 contiguous bytes.
+// rows at out, and its scale. The block is read once, all of a thread's loads in flight together, kept in registers
+// for the amax and then quantized from there. Pair e of the block's 16-value pairs (row e / (D / 16)) belongs to
+// thread e % THREADS: a thread loads 32 bytes and stores 16 (8-byte stores ran 6 % slower at d 128), a warp loads
+// 1 KB of whole row segments and stores 512 contiguous bytes.
 template <class T, int D, int BLOCK, int THREADS>
 __forceinline__ __device__ void quantize_block(const u16* xb, i64 x_n, int rows, unsigned char* out, float* scale,
                                                float* red) {
-    constexpr int ROW_VECS = D / 8, VECS = BLOCK * ROW_VECS, VEC = (VECS + THREADS - 1) / THREADS;
-    uint4 v[VEC];
+    constexpr int ROW_PAIRS = D / 16, PAIRS = BLOCK * ROW_PAIRS, VEC = (PAIRS + THREADS - 1) / THREADS;
+    uint4 v[VEC][2];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {  // rows past `rows` read as zero: they leave the amax alone
-        const int e = threadIdx.x + j * THREADS, r = e / ROW_VECS;
-        v[j] = e < VECS && r < rows ? load16(xb + r * x_n + (e % ROW_VECS) * 8) : make_uint4(0u, 0u, 0u, 0u);
+        const int e = threadIdx.x + j * THREADS, r = e / ROW_PAIRS;
+        const bool ok = e < PAIRS && r < rows;
+        const u16* src = xb + r * x_n + (e % ROW_PAIRS) * 16;
+        v[j][0] = ok ? load16(src) : make_uint4(0u, 0u, 0u, 0u);
+        v[j][1] = ok ? load16(src + 8) : make_uint4(0u, 0u, 0u, 0u);
     }
     u32 bits = 0;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) bits = finite_max_bits<T>(bits, v[j]);
+    for (int j = 0; j < VEC; ++j) bits = finite_max_bits<T>(finite_max_bits<T>(bits, v[j][0]), v[j][1]);
     const float s = scale_of(block_max<THREADS>(T::to_float((u16)bits), red)), inv = 1.f / s;
     if (threadIdx.x == 0) *scale = s;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         const int e = threadIdx.x + j * THREADS;
-        if (e >= VECS || e / ROW_VECS >= rows) continue;
-        float f[8];
-        unpack8<T>(v[j], f);
-        *reinterpret_cast<uint2*>(out + (i64)e * 8) =
-            make_uint2(e4m3x4(f[0], f[1], f[2], f[3], inv), e4m3x4(f[4], f[5], f[6], f[7], inv));
+        if (e >= PAIRS || e / ROW_PAIRS >= rows) continue;
+        float f[8], g[8];
+        unpack8<T>(v[j][0], f);
+        unpack8<T>(v[j][1], g);
+        *reinterpret_cast<uint4*>(out + (i64)e * 16) =
+            make_uint4(e4m3x4(f[0], f[1], f[2], f[3], inv), e4m3x4(f[4], f[5], f[6], f[7], inv),
+                       e4m3x4(g[0], g[1], g[2], g[3], inv), e4m3x4(g[4], g[5], g[6], g[7], inv));
     }
 }
 
@@ -207,8 +215,8 @@ quantize_qk_amax(const fav::QuantParams p) {
 // grid (ceil(N_pad / KEYS) * D / CHANNELS, H, B), after quantize_qk_amax: a CTA makes KEYS positions of V^T for
 // CHANNELS of the D channels (CHANNELS = 128 at most keeps d = 256's loads in registers without halving the CTAs
 // per SM). Keys past seqlen are zero (the attention kernels load whole padded blocks of V^T); positions past N_pad
-// (a multiple of 32) are not written. The CTAs run in reverse order of their index: the first ones read the end of
-// V, which quantize_qk_amax read last and which is then still in L2.
+// (a multiple of 32) are not written. The CTAs run in reverse order of their index, so that the first ones read the
+// end of V, which quantize_qk_amax read last (+0.5-1.5 % measured, though ncu finds all of V read from DRAM).
 //   1. Thread (cg, kq) loads the 4 keys that V^T stores at positions 4 kq .. 4 kq + 3 (vt_key), one 16-byte vector
 //      of channels 8 cg .. 8 cg + 7 each; a warp is 8 channel groups x 4 quads, so it reads 128-byte row segments.
 //      It quantizes them with the channel scales and writes, per channel, the 4 bytes as one word to shared memory.
