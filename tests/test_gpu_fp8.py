@@ -156,6 +156,53 @@ def test_prequantized_kv_cache_and_on_the_fly_agree_bitwise(request, fp8_kernel)
     assert np.array_equal(bits(a), bits(d)), "quantize_kv + attention(q=...) differs"
 
 
+def test_fa3_fp8_on_the_fly_plan_gives_the_prequantized_bits(request):
+    """fa3_fp8 quantizing on the fly runs from a cached plan (kernels/fa2_fp8.py's QuantizeAndAttend: the quantized
+    operands in one workspace, pointers into it). Its cold and warm calls, calls from eight threads on streams of
+    their own and calls on torch tensors all give quantize() then fp8.attention()'s bits, O and LSE."""
+    import concurrent.futures
+    import cupy
+    from fa_variants import api
+    from fa_variants.kernels.fa2_fp8 import QuantizeAndAttend
+    ok, why = registry.get("fa3_fp8").available()
+    if not ok:
+        pytest.skip(f"fa3_fp8 cannot run here: {why}")
+    cases = [Case(2, 300, 700, 8, 2, 128, True), Case(1, 513, 513, 4, 4, 64, False), Case(2, 200, 211, 4, 2, 256, True)]
+    inputs = [to_device(_data(request, c, "bfloat16")) for c in cases]
+    bits = lambda x: to_host(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)  # noqa: E731
+    pre = [fav.fp8.attention(fav.fp8.quantize(*x, variant="fa3_fp8"), causal=c.causal, return_lse=True)
+           for x, c in zip(inputs, cases)]
+    api.clear_plans()
+    for x, c, (o, lse) in zip(inputs, cases, pre):
+        for call in ("cold", "warm"):
+            out, lse2 = fav.attention(*x, variant="fa3_fp8", causal=c.causal, return_lse=True)
+            assert np.array_equal(bits(out), bits(o)) and np.array_equal(bits(lse2), bits(lse)), f"{c.id} {call}"
+    plans = [plan for plan, _ in api._PLANS.values()]
+    assert len(plans) == len(cases) and all(isinstance(p, QuantizeAndAttend) for p in plans)
+    cupy.cuda.Device().synchronize()
+
+    def work(t):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            outs = [((t + i) % 3, fav.attention(*inputs[(t + i) % 3], variant="fa3_fp8", causal=cases[(t + i) % 3].causal))
+                    for i in range(6)]
+        stream.synchronize()
+        return outs
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for outs in pool.map(work, range(8)):
+            for i, out in outs:
+                assert np.array_equal(bits(out), bits(pre[i][0])), f"a thread's result differs on {cases[i].id}"
+    torch = pytest.importorskip("torch")
+    for x, c, (o, _) in zip(inputs, cases, pre):
+        tq, tk, tv = (torch.from_dlpack(a) for a in x)
+        for _ in range(2):
+            out = fav.attention(tq, tk, tv, variant="fa3_fp8", causal=c.causal)
+        assert isinstance(out, torch.Tensor)
+        torch.cuda.synchronize()
+        assert np.array_equal(out.view(torch.int16).cpu().numpy().view(np.uint16), bits(o)), f"torch {c.id}"
+
+
 @pytest.mark.parametrize("softmax_scale", [-1 / math.sqrt(128), 0.0], ids=["negative", "zero"])
 def test_negative_and_zero_softmax_scale(request, poisoned, fp8_kernel, softmax_scale):
     """Pre-quantized (the kernel's own handling: fa3_fp8 folds a positive scale into its exponent and runs a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from .. import gpu, jit
 from . import KernelLauncher
 from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, ensure_vector_aligned,
                      pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim)
-from .launch import FwdPlan, function_of, launch
+from .launch import FwdPlan, _cupy, _torch, function_of, launch
 from .params import FP8_FWD, QUANT
 
 SOURCE = "fa2_fp8_fwd.cu"
@@ -205,12 +206,15 @@ def quantize_parts(q, k, v, cfg=None, threads: int = QUANT_THREADS) -> dict:
         parts.update(k=kq, vt=vt, sk=sk, sv=sv, seqlen_k=k.shape[1], tiles=cfg, kv_dtype=x.dtype)
         ptrs.update(k=k.data.ptr, v=v.data.ptr, kq=kq.data.ptr, vt=vt.data.ptr, sk=sk.data.ptr, sv=sv.data.ptr,
                     amax=amax.data.ptr)
-    stream = cupy.cuda.get_current_stream().ptr
-    ptrs = tuple(ptrs.values())
+    _quantize_launches(plan, cupy.cuda.get_current_stream().ptr, tuple(ptrs.values()))
+    return parts
+
+
+def _quantize_launches(plan: QuantPlan, stream: int, ptrs: tuple):
+    """The quantizer's two launches; ``ptrs``: QuantParams' pointers in order."""
     launch(plan.rows_func, (plan.items, 1, 1), plan.threads, 0, stream, plan.template, QUANT.pointers_format, *ptrs)
     if plan.vt_func:
         launch(plan.vt_func, plan.vt_grid, VT_THREADS, 0, stream, plan.template, QUANT.pointers_format, *ptrs)
-    return parts
 
 
 def quantize_q(q, cfg=None) -> dict:
@@ -226,6 +230,85 @@ def quantize_kv(k, v, cfg=None) -> dict:
 def quantize(q, k, v, cfg=None) -> dict:
     """All of Q, K, V: the dict fa_variants.fp8.Quantized wraps."""
     return quantize_parts(q, k, v, cfg)
+
+
+#: The quantized operands in one workspace (QuantizeAndAttend): name, QuantPlan shape (q_shapes, kv_shapes), dtype.
+_WORKSPACE = (("q", 0, 0, np.uint8), ("k", 1, 0, np.uint8), ("vt", 1, 2, np.uint8), ("sq", 0, 1, np.float32),
+              ("sk", 1, 1, np.float32), ("sv", 1, 3, np.float32), ("amax", 1, 3, np.float32))
+_ALIGN = 256  # each operand's offset in the workspace (TMA takes 16-byte aligned addresses)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeAndAttend:
+    """An fp8 forward that quantizes on the fly, for one call signature (api.py caches it like any plan): the
+    quantizer's plan, the attention's, and where each e4m3 operand and scale lies in one workspace. A call makes
+    one allocation (quantize() makes seven arrays), clears V's amax there and launches the quantizer's two kernels
+    and the attention's with pointers into it: the kernels and layouts of quantize() then attention()."""
+    quant: QuantPlan
+    attend: object              # the fp8 launcher's attention plan
+    launch_attention: Callable  # (attend, stream, {operand: address}, out, lse) -> None
+    offsets: tuple              # ((operand, byte offset), ...) in _WORKSPACE's order
+    nbytes: int
+    amax_bytes: int
+    out_shape: tuple
+    dtype: np.dtype
+    lse_shape: tuple | None
+    device: int
+
+    def _launch(self, stream: int, base: int, q: int, k: int, v: int, out: int, lse: int):
+        import cupy
+        at = {name: base + off for name, off in self.offsets}
+        cupy.cuda.runtime.memsetAsync(at["amax"], 0, self.amax_bytes, stream)
+        _quantize_launches(self.quant, stream, (q, k, v, at["q"], at["k"], at["vt"], at["sq"], at["sk"], at["sv"],
+                                                at["amax"]))
+        self.launch_attention(self.attend, stream, at, out, lse)
+
+    def run_cupy(self, q, k, v):
+        empty, stream = _cupy()
+        ws, out = empty(self.nbytes, np.uint8), empty(self.out_shape, self.dtype)
+        lse = None if self.lse_shape is None else empty(self.lse_shape, np.float32)
+        self._launch(stream().ptr, ws.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+                     0 if lse is None else lse.data.ptr)
+        return out, lse
+
+    def run_torch(self, q, k, v):
+        torch, stream_of = _torch()
+        dev = q.device
+        ws = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        self._launch(stream_of(self.device), ws.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                     0 if lse is None else lse.data_ptr())
+        return out, lse
+
+
+def quantize_and_attend(q, k, v, cfg, make_attention_plan, launch_attention, *, causal, softmax_scale, return_lse):
+    """The QuantizeAndAttend of validated, aligned CuPy q, k, v for an fp8 kernel of tiles ``cfg``, whose attention
+    plan ``make_attention_plan(qz, causal=, softmax_scale=, return_lse=)`` makes from quantized operands; None where
+    the head dim is not a template dim (the operands are then padded copies: the launcher's forward does that)."""
+    import cupy
+    d = q.shape[3]
+    if d != fp8_template_dim(d):
+        return None
+    cfg = tuple(cfg)
+    quant = _quant_plan(q, k, v, cfg, QUANT_THREADS)
+    shapes = (quant.q_shapes, quant.kv_shapes)
+    size = lambda part, i: int(np.prod(shapes[part][i]))  # noqa: E731
+    offsets, nbytes = [], 0
+    for name, part, i, dtype in _WORKSPACE:
+        offsets.append((name, nbytes))
+        nbytes += cdiv(size(part, i) * np.dtype(dtype).itemsize, _ALIGN) * _ALIGN
+    # the attention plan, made from views of one such workspace (its tensor maps take their addresses per call)
+    ws = cupy.empty(nbytes, cupy.uint8)
+    qz = {name: ws[off:].view(dtype)[:size(part, i)].reshape(shapes[part][i])
+          for (name, part, i, dtype), (_, off) in zip(_WORKSPACE, offsets)}
+    qz.update(seqlen_k=k.shape[1], head_dim=d, tiles=cfg, out_dtype=q.dtype, kv_dtype=k.dtype)
+    attend = make_attention_plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    b, nq, h, _ = q.shape
+    return QuantizeAndAttend(quant=quant, attend=attend, launch_attention=launch_attention, offsets=tuple(offsets),
+                             nbytes=nbytes, amax_bytes=size(1, 3) * 4, out_shape=(b, nq, h, d),
+                             dtype=np.dtype(q.dtype), lse_shape=(b, h, nq) if return_lse else None,
+                             device=cupy.cuda.Device().id)
 
 
 _PLANS = plan_cache()  # (shapes, flags, device, kernel) -> FwdPlan: quantizing on the fly makes a qz per call

@@ -129,6 +129,12 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
                        persistent=fa3.persistent(cfg), negate_q=softmax_scale < 0)
 
 
+def launch_on(p: fa3.Fa3Plan, stream: int, at: dict, out: int, lse: int):
+    """Plan ``p`` on the operands at addresses ``at`` (q, k, vt, sq, sk, sv), into out (and lse, 0: none)."""
+    maps = (at["q"], at["k"], at["vt"])
+    p.launch(stream, maps + (out,), maps + (at["sq"], at["sk"], at["sv"], out, lse))  # (out: where O leaves by TMA)
+
+
 def run_quantized(p: fa3.Fa3Plan, qz: dict):
     """(out, lse or None) of plan ``p`` on the operands of ``qz``, on the current stream."""
     import cupy
@@ -137,10 +143,9 @@ def run_quantized(p: fa3.Fa3Plan, qz: dict):
     # The kernel folds a positive score scale into its exponent (its row max is of the raw scores): a negative
     # one runs as softmax(|scale| (-Q) K^T), on a copy of Q with every sign bit flipped (exact; NaN stays NaN).
     q = qz["q"] ^ 0x80 if p.negate_q else qz["q"]
-    maps = (q.data.ptr, qz["k"].data.ptr, qz["vt"].data.ptr)
-    scales = tuple(qz[n].data.ptr for n in ("sq", "sk", "sv"))
-    p.launch(cupy.cuda.get_current_stream().ptr, maps + (out.data.ptr,),  # (out: where O leaves by TMA)
-             maps + scales + (out.data.ptr, 0 if lse is None else lse.data.ptr))
+    at = {n: qz[n].data.ptr for n in ("k", "vt", "sq", "sk", "sv")}
+    launch_on(p, cupy.cuda.get_current_stream().ptr, {**at, "q": q.data.ptr}, out.data.ptr,
+              0 if lse is None else lse.data.ptr)
     return out, lse
 
 
@@ -152,7 +157,14 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     return attention_quantized(quantize(q, k, v), causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
+def plan_on_the_fly(q, k, v, *, causal, softmax_scale, return_lse):
+    """The quantize-then-attend plan of aligned q, k, v (api.py caches it per call signature); None at a head dim
+    that is padded first. (api.py hands a negative scale over as a positive one on a negated q.)"""
+    return fa2_fp8.quantize_and_attend(q, k, v, config(q.shape[3]), plan, launch_on, causal=causal,
+                                       softmax_scale=softmax_scale, return_lse=return_lse)
+
+
 LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), fa2_fp8.QUANT_SOURCE: quant_specializations(),
                                            PAD_SOURCE: PAD_INSTANCES},
                           forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
-                          source_archs={SOURCE: ARCHS}, plan_fn=None)
+                          source_archs={SOURCE: ARCHS}, plan_fn=plan_on_the_fly)
