@@ -94,6 +94,9 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     constexpr float RESCALE_TAU = FP8 ? 0.75f : 8.f;
     static_assert(BN % KK == 0 && (D == 64 || D == 128 || D == 256), "whole k-steps of P V; 64-column slabs");
     static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
+    // fp8 quantizing on the fly is launched behind its quantizer, which may still run (kernels/fa2_fp8.py's
+    // QuantizeAndAttend): nothing here reads memory before that has ended. (A no-op in any other launch.)
+    if constexpr (FP8) griddep_wait();
 
     // The persistent grid pipelines across tiles (CROSS: the next tile's first S is issued with this tile's last
     // P V) where a second Q buffer fits beside the ring: the next tile's Q must land while this one's is still read.

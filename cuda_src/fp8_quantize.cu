@@ -198,6 +198,7 @@ __global__ void __launch_bounds__(THREADS)
 quantize_qk_amax(const fav::QuantParams p) {
     using namespace fav;
     __shared__ __align__(16) float red[THREADS / 32 * D];  // block_max uses the first THREADS / 32
+    griddep_launch_dependents();  // quantize_vt's CTAs may take the SMs the last wave frees (they wait for it)
     int item = blockIdx.x;
     if (item < p.q_items) {
         quantize_rows_item<T, D, BM, THREADS>(item, p.q, p.q_b, p.q_n, p.q_h, p.seqlen_q, p.heads, p.qq, p.sq, red);
@@ -234,6 +235,8 @@ quantize_vt(const fav::QuantParams p) {
                   PASSES * QUAD_STEP == QUADS, "warps tile the channel groups evenly and the passes the quads");
     __shared__ __align__(16) u32 tile[CHANNELS][QUADS];
     __shared__ __align__(16) float inv_s[CHANNELS];
+    griddep_wait();               // launched behind quantize_qk_amax: its amax, complete
+    griddep_launch_dependents();  // fa3_fp8 quantizing on the fly comes next (it waits for this grid too)
     const int bx = gridDim.x - 1 - blockIdx.x, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
     const int k0 = bx / SPLIT * KEYS, c0 = bx % SPLIT * CHANNELS, seqlen = p.seqlen_k, seqlen_pad = p.seqlen_k_pad;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

@@ -49,6 +49,22 @@ __forceinline__ __device__ void release_count(int* counter) {
 __forceinline__ __device__ void release_own_count(int* counter) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization
+// (kernels/launch.py, after=True) may start before the kernel ahead of it on the stream has ended. Each of its
+// threads calls griddep_wait() before it touches memory: it returns once that kernel has finished and its writes
+// are visible. griddep_launch_dependents() lets such a kernel behind this one start (its CTAs take the SMs this
+// kernel's last CTAs free). Both do nothing in a kernel launched the usual way, and before sm_90.
+__forceinline__ __device__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__forceinline__ __device__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Two consecutive floats (8-byte aligned): stored (the first share) or added at L2 (the others).
 __forceinline__ __device__ void st_global_f32x2(float* p, float x, float y) {
     asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");

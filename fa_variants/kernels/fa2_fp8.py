@@ -213,8 +213,9 @@ def quantize_parts(q, k, v, cfg=None, threads: int = QUANT_THREADS) -> dict:
 def _quantize_launches(plan: QuantPlan, stream: int, ptrs: tuple):
     """The quantizer's two launches; ``ptrs``: QuantParams' pointers in order."""
     launch(plan.rows_func, (plan.items, 1, 1), plan.threads, 0, stream, plan.template, QUANT.pointers_format, *ptrs)
-    if plan.vt_func:
-        launch(plan.vt_func, plan.vt_grid, VT_THREADS, 0, stream, plan.template, QUANT.pointers_format, *ptrs)
+    if plan.vt_func:  # (it waits for the first: griddep_wait)
+        launch(plan.vt_func, plan.vt_grid, VT_THREADS, 0, stream, plan.template, QUANT.pointers_format, *ptrs,
+               after=True)
 
 
 def quantize_q(q, cfg=None) -> dict:

@@ -19,7 +19,7 @@ from .. import jit
 from . import KernelLauncher
 from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, sm_count,
                      template_dim)
-from .launch import _cupy, _driver_launch, _torch, function_of
+from .launch import _cupy, _driver_launch, _torch, function_of, launch_after
 from .params import FWD
 from .tma import MapTemplate
 
@@ -279,8 +279,9 @@ class Fa3Plan:
     ws_offset: int = FWD.offset("o_ws")  # where the struct holds their address (fa3_fp8: Fa3Fp8FwdParams')
     negate_q: bool = False    # fa3_fp8 with softmax_scale < 0: run on -Q with |scale| (fa3_fp8.run_quantized)
 
-    def launch(self, stream, map_ptrs, ptrs):
-        """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers."""
+    def launch(self, stream, map_ptrs, ptrs, after: bool = False):
+        """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers. ``after``:
+        a programmatic launch behind the kernel ahead on the stream (launch.launch_after; fp8 instances only)."""
         params = ctypes.create_string_buffer(self.template, len(self.template))
         struct.pack_into(self.fmt, params, 0, *ptrs)
         if self.workspace:
@@ -289,6 +290,9 @@ class Fa3Plan:
         maps = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)]
         maps += maps[:1] * (4 - len(maps))  # the kernel's O map where it stores O itself: never read
         argv = (ctypes.c_void_p * 6)(*(ctypes.addressof(b) for b in maps + [params]), ctypes.addressof(counter))
+        if after:
+            launch_after(self.func, self.grid, self.block, self.smem, stream, argv)
+            return
         _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
                          ctypes.addressof(argv), 0)
 

@@ -129,10 +129,16 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> 
                        persistent=fa3.persistent(cfg), negate_q=softmax_scale < 0)
 
 
-def launch_on(p: fa3.Fa3Plan, stream: int, at: dict, out: int, lse: int):
-    """Plan ``p`` on the operands at addresses ``at`` (q, k, vt, sq, sk, sv), into out (and lse, 0: none)."""
+def launch_on(p: fa3.Fa3Plan, stream: int, at: dict, out: int, lse: int, after: bool = False):
+    """Plan ``p`` on the operands at addresses ``at`` (q, k, vt, sq, sk, sv), into out (and lse, 0: none).
+    ``after``: started behind the quantizer still running (the kernel's griddep_wait holds it until that ends)."""
     maps = (at["q"], at["k"], at["vt"])
-    p.launch(stream, maps + (out,), maps + (at["sq"], at["sk"], at["sv"], out, lse))  # (out: where O leaves by TMA)
+    p.launch(stream, maps + (out,), maps + (at["sq"], at["sk"], at["sv"], out, lse),  # (out: where O leaves by TMA)
+             after=after)
+
+
+def launch_behind_quantizer(p: fa3.Fa3Plan, stream: int, at: dict, out: int, lse: int):
+    launch_on(p, stream, at, out, lse, after=True)
 
 
 def run_quantized(p: fa3.Fa3Plan, qz: dict):
@@ -160,7 +166,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
 def plan_on_the_fly(q, k, v, *, causal, softmax_scale, return_lse):
     """The quantize-then-attend plan of aligned q, k, v (api.py caches it per call signature); None at a head dim
     that is padded first. (api.py hands a negative scale over as a positive one on a negated q.)"""
-    return fa2_fp8.quantize_and_attend(q, k, v, config(q.shape[3]), plan, launch_on, causal=causal,
+    return fa2_fp8.quantize_and_attend(q, k, v, config(q.shape[3]), plan, launch_behind_quantizer, causal=causal,
                                        softmax_scale=softmax_scale, return_lse=return_lse)
 
 

@@ -59,15 +59,46 @@ def max_active_clusters(func: int, cluster: int, block: int, smem: int) -> int:
     return n.value if rc == 0 else 0
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union at offset 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_LAUNCH_EX = []  # [cuLaunchKernelEx, or None where the driver has none]
+
+
+def launch_after(func: int, grid: tuple, block: int, smem: int, stream: int, argv) -> None:
+    """cuLaunchKernel with programmatic stream serialization: the kernel may start before the one ahead of it on
+    the stream ends, so it must call griddep_wait (ptx.cuh) before touching memory. A plain launch where the
+    driver lacks cuLaunchKernelEx (the kernel's wait is then a no-op)."""
+    if not _LAUNCH_EX:
+        try:
+            _LAUNCH_EX.append(ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx)
+        except (OSError, AttributeError):
+            _LAUNCH_EX.append(None)
+    if _LAUNCH_EX[0] is None:
+        _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
+        return
+    attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = _LaunchConfig(tuple(grid), (block, 1, 1), smem, stream, ctypes.addressof(attr), 1)
+    rc = _LAUNCH_EX[0](ctypes.byref(cfg), ctypes.c_void_p(func), ctypes.c_void_p(ctypes.addressof(argv)), None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
+
+
 def launch(func: int, grid: tuple, block: int, smem: int, stream: int, template: bytes, fmt: str, *ptrs: int,
-           extra: tuple = ()):
+           extra: tuple = (), after: bool = False):
     """One cuLaunchKernel with a by-value struct argument: ``template`` with its leading pointers set to ``ptrs``,
     then the kernel's further arguments ``extra`` (ctypes values). The driver copies the arguments during the
-    call, so the buffers may die right after."""
+    call, so the buffers may die right after. ``after``: launch_after's programmatic launch."""
     buf = ctypes.create_string_buffer(template, len(template))
     struct.pack_into(fmt, buf, 0, *ptrs)
     argv = (ctypes.c_void_p * (1 + len(extra)))(ctypes.addressof(buf), *(ctypes.addressof(x) for x in extra))
-    _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
+    if after:
+        launch_after(func, grid, block, smem, stream, argv)
+    else:
+        _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
 
 
 @dataclasses.dataclass(frozen=True)
