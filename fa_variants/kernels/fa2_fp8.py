@@ -146,9 +146,7 @@ def _quant_plan(q, k, v, cfg, threads: int) -> QuantPlan:
     b, _, _, D = x.shape
     ctype = CTYPE[np.dtype(x.dtype).name]
     bm, bn = cfg[:2]
-    fields = dict.fromkeys(QUANT.pointers, 0)
-    fields.update(dict.fromkeys(("q_b", "q_n", "q_h", "k_b", "k_n", "k_h", "v_b", "v_n", "v_h", "heads", "heads_kv",
-                                 "seqlen_q", "seqlen_k", "seqlen_k_pad", "q_items", "k_items"), 0))
+    fields = {f: 0 for f, _ in QUANT.fields}  # a part not quantized keeps zeros (and no items)
     items, q_shapes, kv_shapes, vt_grid = 0, (), (), (0, 0, 0)
     if q is not None:
         nq, h = q.shape[1:3]
@@ -183,9 +181,9 @@ def _strides(a):
 def quantize_parts(q, k, v, cfg=None, threads: int = QUANT_THREADS) -> dict:
     """Q's part (k = v = None), K's and V's (q = None) or all three of the quantized operands, for the tiles ``cfg``
     (BM, BN, ...) of the kernel that will read them: this device's fa2_fp8 kernel's by default (fa3_fp8 passes its
-    own). Two launches and a memset whatever the parts; ``threads``: quantize_qk_amax's CTA (a sweep's)."""
+    own). One launch for Q alone; with K and V a memset of V's amax and two; ``threads``: quantize_qk_amax's CTA (a
+    sweep's)."""
     import cupy
-    from .. import arrays
     x = q if q is not None else k
     d = x.shape[3]
     cfg = tuple(config(d) if cfg is None else cfg)
