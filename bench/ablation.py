@@ -1,7 +1,8 @@
 """The FA3 paper's ablation (Shah et al. 2024, Table 2: H100, d = 128, 661 TFLOP/s with warp specialization and
 the two-stage pipeline, 582 without warp specialization, 570 without the pipeline), measured on this card:
 
-    PYTHONPATH=. python3 bench/ablation.py [--seqlen 8192] [--causal] [--dtype bfloat16] [--repeats 20] [--json f]
+    PYTHONPATH=. python3 bench/ablation.py [--seqlen 8192] [--causal] [--dtype bfloat16] [--repeats 20] [--rest 0.2]
+                                     [--json f]
     fa-variants explain fa3 --measured f     (the rows and what each lever buys; without --measured: the shipped run)
 
 Rows, each the same attention on the same inputs (d = 128, B * N = 16K tokens, 16 heads):
@@ -10,11 +11,15 @@ Rows, each the same attention on the same inputs (d = 128, B * N = 16K tokens, 1
   fa3 -pingpong -overlap          TMA producer warpgroup and mbarrier ring only
   fa3 -overlap                    + ping-pong between the two consumer warpgroups
   fa3 -pingpong                   + intra-warpgroup overlap (softmax of block j under P V of block j-1)
-  fa3                             both (the default)
+  fa3                             both (the shipped levers, on the plain grid with the base tiles)
+  fa3 as shipped                  what the registry runs: its grid (persistent where tiles are short) and tiles by length
 TFLOP/s = 4 B H N^2 d / time (x 0.5 causal); CUDA-event medians with L2-busting input rotation (fa_variants.timing),
-the rows interleaved over --rounds rounds after a warm-up of the card, each row's time the median of its rounds'
-medians, so that no row is read in a state of the card of its own. (That did not explain why the full fa3 row at
-N 8K reads 620-674 here and 716-722 in bench/devcheck.py: still open, bench/NOTES.md, ninth session.)
+the rows interleaved over --rounds rounds, each row's time the median of its rounds' medians, so that no row is read
+in a state of the card of its own. The GPU idles --rest seconds before each row's burst of calls, as devcheck's and
+`pytest bench`'s cases start (FAV_TIMING_REST_S): the card's boost clock. Run back to back (--rest 0), the rows reach
+the H200's power cap within ~80 ms and are read at its lowered clock, the fastest rows the most: that is why this
+table's full fa3 row read 620-674 where devcheck read 716-755 from the ninth session to the twentieth (bench/NOTES.md,
+twenty-first session; bench/sustained.py shows the same drop, 734 -> 635 at N 4K).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ PAPER = ("H100 SXM5, d 128 (FA3 Table 2): 661 TFLOP/s with both, 582 without war
          "intra-warpgroup pipelining")
 
 
-def rows_for(shape: Shape, repeats: int, rounds: int):
+def rows_for(shape: Shape, repeats: int, rounds: int, rest: float):
     import cupy
     from fa_variants.kernels import fa2, fa3
     sets = gpu_input_sets(shape)
@@ -46,14 +51,19 @@ def rows_for(shape: Shape, repeats: int, rounds: int):
         name = "fa3" + ("" if pp else " -pingpong") + ("" if ov else " -overlap")
         impls.append((name, "yes", "yes" if pp else "no", "yes" if ov else "no", fa3.plan(*sets[0], pingpong=pp,
                                                                                        overlap=ov, **kw)))
+    # The ablation's instances run one CTA per tile with the base tiles at every length (fa3.plan); the shipped
+    # fa3 picks its grid and tiles by length (at N 4K: the persistent grid), which devcheck and `pytest bench` time.
+    impls.append(("fa3 as shipped", "yes", "table", "yes", fa3.plan(*sets[0], **kw)))
     calls = [lambda q, k, v, plan=plan: plan.run_cupy(q, k, v) for *_, plan in impls]
-    warm_until = time.perf_counter() + 1.0  # the clocks up from idle before the first row is timed
-    while time.perf_counter() < warm_until:
-        for call in calls:
-            call(*sets[0])
-        cupy.cuda.runtime.deviceSynchronize()
-    per_round = [[median(time_cuda(call, warmup=2, repeats=repeats, rotate_inputs=sets)) for call in calls]
-                 for _ in range(rounds)]
+    for call in calls:  # first calls (and compiles) out of the way
+        call(*sets[0])
+    cupy.cuda.runtime.deviceSynchronize()
+
+    def timed(call):
+        time.sleep(rest)
+        return median(time_cuda(call, warmup=2, repeats=repeats, rotate_inputs=sets))
+
+    per_round = [[timed(call) for call in calls] for _ in range(rounds)]
     out = []
     for i, (name, ws, pp, ov, _) in enumerate(impls):
         ms = median([r[i] for r in per_round])
@@ -71,13 +81,15 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=20, help="timed calls of a row per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds over all rows, interleaved")
+    ap.add_argument("--rest", type=float, default=0.2, help="seconds the GPU idles before each row's burst "
+                    "(0: back to back, at the power cap's clock)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     table, records = [], []
     for n in a.seqlen:
         shape = Shape(16384 // n, 2048 // D, n, D, a.dtype, a.causal)
-        rows = rows_for(shape, a.repeats, a.rounds)
-        best = rows[-1]["tflops"]
+        rows = rows_for(shape, a.repeats, a.rounds, a.rest)
+        best = next(r["tflops"] for r in rows if r["impl"] == "fa3")
         for r in rows:
             table.append([shape.id, r["impl"], r["warp_specialized"], r["pingpong"], r["overlap"], f"{r['ms']:.3f}",
                           f"{r['tflops']:.1f}", f"{r['tflops'] / best:.2f}"])

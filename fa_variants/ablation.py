@@ -18,6 +18,7 @@ LEVERS = (
     ("intra-warpgroup overlap alone", "fa3 -pingpong", "fa3 -pingpong -overlap"),
     ("ping-pong, with the overlap", "fa3", "fa3 -pingpong"),
     ("all of FA3 over fa2", "fa3", "fa2 (wgmma)"),
+    ("the shipped grid and tiles (by length)", "fa3 as shipped", "fa3"),
 )
 
 

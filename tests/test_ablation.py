@@ -9,7 +9,7 @@ import pytest
 from fa_variants import ablation, cli
 
 ROWS = [("fa2 (wgmma)", 400.0), ("fa3 -pingpong -overlap", 500.0), ("fa3 -overlap", 450.0),
-        ("fa3 -pingpong", 600.0), ("fa3", 640.0)]
+        ("fa3 -pingpong", 600.0), ("fa3", 640.0), ("fa3 as shipped", 672.0)]
 
 
 def _run(tmp_path, rows=ROWS, meta=None):
@@ -30,6 +30,7 @@ def test_each_lever_is_the_ratio_of_its_two_rows(tmp_path):
     assert lever["intra-warpgroup overlap alone"] == f"{600 / 500:.3f}x"
     assert lever["ping-pong, with the overlap"] == f"{640 / 600:.3f}x"
     assert lever["all of FA3 over fa2"] == f"{640 / 400:.3f}x"
+    assert lever["the shipped grid and tiles (by length)"] == f"{672 / 640:.3f}x"
 
 
 def test_the_shipped_run_loads_and_names_its_card_and_commit():
