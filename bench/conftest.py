@@ -14,7 +14,11 @@ FAV_BENCH_DO_BENCH=0 (leave out the do_bench timer), FAV_BENCH_DIRECTIONS=fwd,bw
 collect, default all; the others are deselected), FAV_BENCH_UNVALIDATED=1 (run the fa2_bwd_kernel cases: fa2's
 GPU backward kernel timed directly, before the API calls it), FAV_BENCH_FLEX=0 (leave out FlexAttention, the
 third torch peer, compiled by torch.compile per shape and direction: about 2 s each on the H200),
-FAV_TIMING_REST_S (seconds the GPU idles before each case's warm-up, default 0: ``timing.rest_seconds``).
+FAV_TIMING_REST_S (seconds the GPU idles before each case's warm-up, ``timing.rest_seconds``): 0.2 here unless set
+(the library's timers default to 0). On the H200 a case timed right after a heavy one started at the clock the power
+cap had left, and the fp8 variants' quantizing rows read 10-18 % low; with the rest every case starts from the same
+idle card and the suite reads as devcheck's matrices do, for ~80 s more over its 414 forward cases (bench/NOTES.md,
+nineteenth and twenty-first sessions). FAV_TIMING_REST_S=0 runs the cases back to back.
 """
 from __future__ import annotations
 
@@ -40,7 +44,11 @@ def gpu_missing() -> str:
     return gpu.reason()
 
 
+BENCH_REST_S = "0.2"  # FAV_TIMING_REST_S where the environment does not set it (see above)
+
+
 def pytest_configure(config):
+    os.environ.setdefault("FAV_TIMING_REST_S", BENCH_REST_S)
     config.stash[_RESULTS] = []
     config.stash[_SKIPPED] = []
     try:
