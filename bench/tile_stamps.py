@@ -5,7 +5,11 @@
 A diagnostic build, never the shipped one: this tree is copied to a temporary directory and its fa3_fwd.cu gets
 four stamps in the persistent grid's tile loop (``patched``), written to a ``__device__`` array by each consumer's
 first thread: t0 when it has read tile k's slot, t1 after tile k's first block (with CROSS, issued beside the
-previous tile's last P V), t2 after the previous tile's epilogue, t3 after tile k's other blocks. The copy then
+previous tile's last P V), t2 after the previous tile's epilogue, t3 after tile k's other blocks. Three more split
+the epilogue where O leaves by TMA (TMA_OUT): e1 once the O buffer is free (fp8: the TMA unit has read the previous
+tile's rows out of it; 16-bit: no wait), e2 once this thread's O rows are in shared memory (SwizzledOut: the
+normalization, fp8's dequantization with V's channel scales, the stores), e3 after the fence and the consumer's
+barrier; t2 follows the TMA store's issue. The copy then
 runs this script's ``--measure`` half (its own kernel cache, its own fa_variants), one call per argument after
 three warm-up calls. Per shape, medians over every consumer and tile, in SM cycles and in block times (one block
 of the main loop: (t3 - t2) / (n - 1)): the tile boundary t2[k] - t3[k-1] and its parts. bench/NOTES.md,
@@ -24,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP_K = 40     # tiles stamped per CTA (later tiles are not)
-SLOTS = 8        # per (CTA, consumer, tile): t0, t1, t2, t3, n, tile, cross, unused
+SLOTS = 12       # per (CTA, consumer, tile): t0, t1, t2, t3, n, tile, cross, unused, e1, e2, e3, unused
 CTAS, CONSUMERS = 264, 3
 
 # (anchor in fa3_fwd.cu, what replaces it): each anchor must occur exactly once
@@ -34,16 +38,31 @@ _STAMP = ("            auto stamp = [&](int k, int e, long long v) {  // (diagno
           "                if (threadIdx.x % 128 == 0 && k < fav::STAMP_K)\n"
           "                    fav::fav_stamps[((blockIdx.x * NC + c) * fav::STAMP_K + k) * fav::STAMP_SLOTS + e] = v;\n"
           "            };\n")
+_SUBSTAMP = ("        int stamp_k = 0;  // (diagnostic: the tile whose loop turn stores O, set before store_out)\n"
+             "        auto substamp = [&](int e) {\n"
+             "            if (threadIdx.x % 128 == 0 && stamp_k < fav::STAMP_K)\n"
+             "                fav::fav_stamps[((blockIdx.x * NC + c) * fav::STAMP_K + stamp_k) * fav::STAMP_SLOTS + e] =\n"
+             "                    clock64();\n"
+             "        };\n")
 EDITS = (
     ("}  // namespace fav\n\ntemplate <class T, int D", _DECL + "}  // namespace fav\n\ntemplate <class T, int D"),
     ("            TileWork prev{};\n", "            TileWork prev{};\n" + _STAMP),
+    ("        auto store_out = [&](const TileWork& x) {", _SUBSTAMP + "        auto store_out = [&](const TileWork& x) {"),
+    ("                const u32 tile = O_IN_Q ? sQ(x.q) : sO;\n",
+     "                substamp(8);\n                const u32 tile = O_IN_Q ? sQ(x.q) : sO;\n"),
+    ("                SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, FP8 ? P_SCALE_LOG2 : 0);\n",
+     "                SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, FP8 ? P_SCALE_LOG2 : 0);\n"
+     "                substamp(9);\n"),
+    ("                named_sync(5 + c, 128);  // all of this consumer's rows\n",
+     "                named_sync(5 + c, 128);  // all of this consumer's rows\n                substamp(10);\n"),
     ("                mbar_arrive_if(tile_empty(k), leader);\n",
      "                mbar_arrive_if(tile_empty(k), leader);\n                stamp(k, 0, clock64());\n"),
     ("                if (!done) x = tile_of(t);\n",
      "                if (!done) x = tile_of(t);\n                stamp(k, 4, done ? -1 : x.n);\n"
      "                stamp(k, 5, t);\n"),
     ("                if (k > 0 && !parked) store_out(prev);\n",
-     "                stamp(k, 1, clock64());\n                if (k > 0 && !parked) store_out(prev);\n"
+     "                stamp(k, 1, clock64());\n                stamp_k = k;\n"
+     "                if (k > 0 && !parked) store_out(prev);\n"
      "                stamp(k, 2, clock64());\n                stamp(k, 6, cross);\n"),
     ("                blocks_after_first(x);\n                prev = x;\n",
      "                blocks_after_first(x);\n                stamp(k, 3, clock64());\n                prev = x;\n"),
@@ -74,6 +93,7 @@ def summary(stamps, head_dim: int) -> dict:
     import numpy as np
     nc = 3 if head_dim == 64 else 2
     per_block, parts = [], {"boundary": [], "slot wait": [], "first block": [], "previous epilogue": []}
+    epi = {"O buffer wait": [], "O to shared": [], "fence + barrier": [], "TMA issue": []}
     for s in stamps[:, :nc].reshape(-1, STAMP_K, SLOTS):
         for k in range(1, STAMP_K):
             if s[k, 4] <= 0 or 0 in (s[k, 0], s[k, 3], s[k - 1, 3]):
@@ -83,11 +103,21 @@ def summary(stamps, head_dim: int) -> dict:
             parts["slot wait"].append(s[k, 0] - s[k - 1, 3])
             parts["first block"].append(s[k, 1] - s[k, 0])
             parts["previous epilogue"].append(s[k, 2] - s[k, 1])
+            if 0 not in (s[k, 8], s[k, 9], s[k, 10]):  # O left by TMA (e1-e3 stamped)
+                epi["O buffer wait"].append(s[k, 8] - s[k, 1])
+                epi["O to shared"].append(s[k, 9] - s[k, 8])
+                epi["fence + barrier"].append(s[k, 10] - s[k, 9])
+                epi["TMA issue"].append(s[k, 2] - s[k, 10])
     if not per_block:
         raise RuntimeError("tile_stamps: no tile with a previous one was stamped (a grid of one tile per CTA?)")
     block = float(np.median(per_block))
+    parts.update({name: v for name, v in epi.items() if v})
     return {"tiles": len(per_block), "block cycles": block,
             **{name: (float(np.median(v)), float(np.median(v)) / block) for name, v in parts.items()}}
+
+
+PARTS = ("boundary", "slot wait", "first block", "previous epilogue", "O buffer wait", "O to shared",
+         "fence + barrier", "TMA issue")
 
 
 def measure(args) -> None:
@@ -134,10 +164,9 @@ def measure(args) -> None:
             np.save(Path(args.save) / f"stamps-{variant}-{shp.id}.npy", st)
         s = summary(st, shp.head_dim)
         rows.append([variant, shp.id, s["tiles"], round(s["block cycles"])]
-                    + [f"{s[p][0]:.0f} ({s[p][1]:.2f})" for p in ("boundary", "slot wait", "first block",
-                                                                   "previous epilogue")])
+                    + [f"{s[p][0]:.0f} ({s[p][1]:.2f})" if p in s else "-" for p in PARTS])
     print(tabulate(rows, headers=["variant", "shape", "tiles", "block (cycles)", "boundary: cycles (blocks)",
-                                  "slot wait", "first block", "previous epilogue"]))
+                                  *PARTS[1:]]))
 
 
 def _has_global(module, name: str) -> bool:
