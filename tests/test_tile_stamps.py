@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_stamps_patch_into_the_current_kernel():
     src = (ROOT / "cuda_src" / "fa3_fwd.cu").read_text()
     out = ts.patched(src)
-    assert out.count("clock64()") == 4 and "fav_stamps" in out
+    assert out.count("clock64()") == 5 and out.count("substamp(") == 3 and "fav_stamps" in out
     with pytest.raises(ValueError, match="anchor"):
         ts.patched(src.replace("            TileWork prev{};\n", ""))
 
@@ -44,12 +44,17 @@ def test_summary_of_hand_written_stamps():
     st = np.zeros((ts.CTAS, ts.CONSUMERS, ts.STAMP_K, ts.SLOTS), dtype=np.int64)
     # one consumer, two tiles of 11 blocks: blocks of 100 cycles, a boundary of 250 (slot wait 10, first block 140,
     # the previous tile's epilogue 100)
-    st[0, 0, 0] = [0, 120, 120, 1120, 11, 0, 0, 0]
-    st[0, 0, 1] = [1130, 1270, 1370, 2370, 11, 1, 1, 0]
+    # (its epilogue split 10 + 60 + 20 + 10 by the TMA epilogue's stamps e1-e3 in slots 8-10)
+    st[0, 0, 0] = [0, 120, 120, 1120, 11, 0, 0, 0, 0, 0, 0, 0]
+    st[0, 0, 1] = [1130, 1270, 1370, 2370, 11, 1, 1, 0, 1280, 1340, 1360, 0]
     s = ts.summary(st, 128)
     assert s["tiles"] == 1 and s["block cycles"] == 100
     assert s["boundary"] == (250, 2.5) and s["slot wait"] == (10, 0.1)
     assert s["first block"] == (140, 1.4) and s["previous epilogue"] == (100, 1.0)
+    assert s["O buffer wait"] == (10, 0.1) and s["O to shared"] == (60, 0.6)
+    assert s["fence + barrier"] == (20, 0.2) and s["TMA issue"] == (10, 0.1)
+    st[0, 0, 1, 8:11] = 0  # no epilogue stamps (O not stored by TMA): no such parts
+    assert "O to shared" not in ts.summary(st, 128)
 
 
 def test_cases_are_checked():
