@@ -19,7 +19,7 @@ from .. import jit
 from . import KernelLauncher
 from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, sm_count,
                      template_dim)
-from .launch import _cupy, _driver_launch, _torch, function_of, launch_after
+from .launch import _cupy, _torch, function_of, launch_argv
 from .params import FWD
 from .tma import MapTemplate
 
@@ -281,7 +281,7 @@ class Fa3Plan:
 
     def launch(self, stream, map_ptrs, ptrs, after: bool = False):
         """One launch: ``map_ptrs`` the addresses of the mapped tensors, ``ptrs`` the struct's pointers. ``after``:
-        a programmatic launch behind the kernel ahead on the stream (launch.launch_after; fp8 instances only)."""
+        a programmatic launch behind the kernel ahead on the stream (launch.launch_argv; fp8 instances only)."""
         params = ctypes.create_string_buffer(self.template, len(self.template))
         struct.pack_into(self.fmt, params, 0, *ptrs)
         if self.workspace:
@@ -290,11 +290,7 @@ class Fa3Plan:
         maps = [ctypes.create_string_buffer(m.at(ptr), 128) for m, ptr in zip(self.maps, map_ptrs)]
         maps += maps[:1] * (4 - len(maps))  # the kernel's O map where it stores O itself: never read
         argv = (ctypes.c_void_p * 6)(*(ctypes.addressof(b) for b in maps + [params]), ctypes.addressof(counter))
-        if after:
-            launch_after(self.func, self.grid, self.block, self.smem, stream, argv)
-            return
-        _driver_launch()(self.func, self.grid[0], self.grid[1], self.grid[2], self.block, 1, 1, self.smem, stream,
-                         ctypes.addressof(argv), 0)
+        launch_argv(self.func, self.grid, self.block, self.smem, stream, argv, after)
 
     def run_cupy(self, q, k, v):
         empty, stream = _cupy()

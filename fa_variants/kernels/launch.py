@@ -67,16 +67,17 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 _LAUNCH_EX = []  # [cuLaunchKernelEx, or None where the driver has none]
 
 
-def launch_after(func: int, grid: tuple, block: int, smem: int, stream: int, argv) -> None:
-    """cuLaunchKernel with programmatic stream serialization: the kernel may start before the one ahead of it on
-    the stream ends, so it must call griddep_wait (ptx.cuh) before touching memory. A plain launch where the
-    driver lacks cuLaunchKernelEx (the kernel's wait is then a no-op)."""
-    if not _LAUNCH_EX:
+def launch_argv(func: int, grid: tuple, block: int, smem: int, stream: int, argv, after: bool = False) -> None:
+    """cuLaunchKernel of ``func`` with the argument pointer array ``argv``. ``after``: with programmatic stream
+    serialization (cuLaunchKernelEx), so the kernel may start before the one ahead of it on the stream ends and must
+    call griddep_wait (ptx.cuh) before touching memory; a plain launch where the driver lacks cuLaunchKernelEx (the
+    kernel's wait is then a no-op)."""
+    if after and not _LAUNCH_EX:
         try:
             _LAUNCH_EX.append(ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx)
         except (OSError, AttributeError):
             _LAUNCH_EX.append(None)
-    if _LAUNCH_EX[0] is None:
+    if not after or _LAUNCH_EX[0] is None:
         _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
         return
     attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
@@ -91,14 +92,11 @@ def launch(func: int, grid: tuple, block: int, smem: int, stream: int, template:
            extra: tuple = (), after: bool = False):
     """One cuLaunchKernel with a by-value struct argument: ``template`` with its leading pointers set to ``ptrs``,
     then the kernel's further arguments ``extra`` (ctypes values). The driver copies the arguments during the
-    call, so the buffers may die right after. ``after``: launch_after's programmatic launch."""
+    call, so the buffers may die right after. ``after``: launch_argv's programmatic launch."""
     buf = ctypes.create_string_buffer(template, len(template))
     struct.pack_into(fmt, buf, 0, *ptrs)
     argv = (ctypes.c_void_p * (1 + len(extra)))(ctypes.addressof(buf), *(ctypes.addressof(x) for x in extra))
-    if after:
-        launch_after(func, grid, block, smem, stream, argv)
-    else:
-        _driver_launch()(func, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(argv), 0)
+    launch_argv(func, grid, block, smem, stream, argv, after)
 
 
 @dataclasses.dataclass(frozen=True)
