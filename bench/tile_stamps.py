@@ -34,20 +34,15 @@ CTAS, CONSUMERS = 264, 3
 # (anchor in fa3_fwd.cu, what replaces it): each anchor must occur exactly once
 _DECL = (f"constexpr int STAMP_K = {STAMP_K}, STAMP_SLOTS = {SLOTS};  // (diagnostic: bench/tile_stamps.py)\n"
          f"__device__ long long fav_stamps[{CTAS * CONSUMERS * STAMP_K * SLOTS}];\n")
-_STAMP = ("            auto stamp = [&](int k, int e, long long v) {  // (diagnostic)\n"
-          "                if (threadIdx.x % 128 == 0 && k < fav::STAMP_K)\n"
-          "                    fav::fav_stamps[((blockIdx.x * NC + c) * fav::STAMP_K + k) * fav::STAMP_SLOTS + e] = v;\n"
-          "            };\n")
-_SUBSTAMP = ("        int stamp_k = 0;  // (diagnostic: the tile whose loop turn stores O, set before store_out)\n"
-             "        auto substamp = [&](int e) {\n"
-             "            if (threadIdx.x % 128 == 0 && stamp_k < fav::STAMP_K)\n"
-             "                fav::fav_stamps[((blockIdx.x * NC + c) * fav::STAMP_K + stamp_k) * fav::STAMP_SLOTS + e] =\n"
-             "                    clock64();\n"
-             "        };\n")
+_STAMP = ("        int stamp_k = 0;  // (diagnostic: the tile whose loop turn stores O, set before store_out)\n"
+          "        auto stamp = [&](int k, int e, long long v) {\n"
+          "            if (threadIdx.x % 128 == 0 && k < fav::STAMP_K)\n"
+          "                fav::fav_stamps[((blockIdx.x * NC + c) * fav::STAMP_K + k) * fav::STAMP_SLOTS + e] = v;\n"
+          "        };\n"
+          "        auto substamp = [&](int e) { stamp(stamp_k, e, clock64()); };\n")
 EDITS = (
     ("}  // namespace fav\n\ntemplate <class T, int D", _DECL + "}  // namespace fav\n\ntemplate <class T, int D"),
-    ("            TileWork prev{};\n", "            TileWork prev{};\n" + _STAMP),
-    ("        auto store_out = [&](const TileWork& x) {", _SUBSTAMP + "        auto store_out = [&](const TileWork& x) {"),
+    ("        auto store_out = [&](const TileWork& x) {", _STAMP + "        auto store_out = [&](const TileWork& x) {"),
     ("                const u32 tile = O_IN_Q ? sQ(x.q) : sO;\n",
      "                substamp(8);\n                const u32 tile = O_IN_Q ? sQ(x.q) : sO;\n"),
     ("                SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, FP8 ? P_SCALE_LOG2 : 0);\n",

@@ -23,7 +23,7 @@ def test_the_stamps_patch_into_the_current_kernel():
     out = ts.patched(src)
     assert out.count("clock64()") == 5 and out.count("substamp(") == 3 and "fav_stamps" in out
     with pytest.raises(ValueError, match="anchor"):
-        ts.patched(src.replace("            TileWork prev{};\n", ""))
+        ts.patched(src.replace("        auto store_out = [&](const TileWork& x) {", ""))
 
 
 @pytest.mark.skipif(not jit.nvrtc_available(), reason="NVRTC not available")
