@@ -71,6 +71,11 @@ SETS = {
     "narrow": [Shape(16384 // n, 2048 // d, n, d, dt, False) for dt in ("bfloat16", "float16") for d in (128, 256)
                for n in (1024, 2048, 4096)],
     "narrow_fp8": [Shape(16384 // n, 16, n, 128, "bfloat16", False) for n in (1024, 2048, 4096, 8192, 16384)],
+    # fa3_fp8 where quantization in the call costs the most (short rows), one causal shape beside them
+    "fp8_short": [Shape(16384 // n, 2048 // d, n, d, "bfloat16", False) for d in (64, 128, 256) for n in (1024, 2048, 4096)]
+    + [Shape(4, 16, 4096, 128, "bfloat16", True)],
+    # d 64's long causal rows, where the 16-bit fa3 leaves the persistent grid (PERSISTENT_UP_TO: past N 8K)
+    "d64causal": [Shape(16384 // n, 32, n, 64, dt, True) for dt in ("bfloat16", "float16") for n in (4096, 8192, 16384)],
 }
 
 

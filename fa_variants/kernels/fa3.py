@@ -39,9 +39,10 @@ DIMS = tuple(TILES)
 # instead of a new CTA's start; d 64 N 1K +12 %, N 2K +7 %; bench/RESULTS.md, fourth session). Non-causal at every
 # length since its tiles pipeline across tiles (PERSISTENT_TILES, tenth session) and its last wave is split: d 128
 # N 8K +1.5 %, 16K +5 % over the persistent grid unsplit, which was level with one CTA per tile; d 64 N 16K +5 % over
-# one CTA per tile (fourteenth session). Causal d 64 past 8K is not measured since the fourth session (it lost
-# 1-5 % then). A tile table entry's own flag (a sweep's) overrides it.
-PERSISTENT_UP_TO = {64: (8192, 1 << 30), 128: (1 << 30, 1 << 30), 256: (0, 0)}
+# one CTA per tile (fourteenth session). Causal d 64 at every length too: at N 16K it lost 1-5 % in the fourth
+# session, and won +1.1 % (bf16) / +0.7 % (fp16) in three alternating rounds of the twenty-second, with the
+# cross-tile pipeline since. A tile table entry's own flag (a sweep's) overrides it.
+PERSISTENT_UP_TO = {64: (1 << 30, 1 << 30), 128: (1 << 30, 1 << 30), 256: (0, 0)}
 # Where the persistent grid runs at d 128 (non-causal), 160-key blocks: with them a second Q buffer fits beside
 # the ring, so the grid pipelines across tiles (fa3_fwd.cu's CROSS; 176 does not fit): +2-4 % over one CTA per
 # tile at N 2K-4K, level at 8K-16K (bench/NOTES.md, tenth session).
