@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import patch_tree  # (bench/, beside this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP_K = 40     # tiles stamped per CTA (later tiles are not)
@@ -66,20 +67,12 @@ EDITS = (
 
 def patched(source: str) -> str:
     """fa3_fwd.cu with the stamps; ValueError naming an anchor that is not there exactly once."""
-    for anchor, replacement in EDITS:
-        if source.count(anchor) != 1:
-            raise ValueError(f"tile_stamps: fa3_fwd.cu no longer holds this anchor exactly once: {anchor!r}")
-        source = source.replace(anchor, replacement)
-    return source
+    return patch_tree.patched(source, EDITS, "tile_stamps", "fa3_fwd.cu")
 
 
 def copy_patched(dest: Path) -> Path:
     """This tree's package and kernel sources, fa3_fwd.cu stamped, under dest."""
-    for part in ("fa_variants", "cuda_src", "bench"):
-        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
-    src = dest / "cuda_src" / "fa3_fwd.cu"
-    src.write_text(patched(src.read_text()))
-    return dest
+    return patch_tree.copy_patched(dest, {"cuda_src/fa3_fwd.cu": EDITS}, "tile_stamps")
 
 
 def summary(stamps, head_dim: int) -> dict:

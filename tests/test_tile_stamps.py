@@ -33,11 +33,14 @@ def test_the_stamped_kernel_compiles(tmp_path):
     code = textwrap.dedent(f"""
         from fa_variants import jit
         c = jit.compile_source("fa3_fwd.cu", ({expr!r},), "sm_90a")
-        print("ok")
+        print("ok", jit.__file__)
     """)
+    # cwd: the tree, since `python -c` puts the working directory before PYTHONPATH (run from this repository's
+    # root, it compiled the unstamped kernel)
     env = {"PYTHONPATH": str(tree), "FA_VARIANTS_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+    assert run.stdout.split()[1].startswith(str(tree)), run.stdout
 
 
 def test_summary_of_hand_written_stamps():
