@@ -26,16 +26,23 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def benchmark_points(doc: dict, timer: str = "events"):
-    """(group, variant, N, TFLOP/s) for every benchmark of one pytest-benchmark JSON document that recorded a
-    TFLOP/s for ``timer``; group = (dtype, head_dim, causal). Benchmarks of other tests are skipped."""
-    key = TIMER_KEYS[timer]
+def forward_records(doc: dict):
+    """(shape id, variant, extra_info) of every forward benchmark of one pytest-benchmark JSON document that
+    bench/test_bench.py recorded (backward cases carry a direction; benchmarks of other tests have no shape)."""
     for b in doc.get("benchmarks", []):
         info = b.get("extra_info") or {}
-        if info.get("direction", "fwd") != "fwd":  # the plot is the forward's; backward cases carry a direction
+        if info.get("direction", "fwd") != "fwd" or info.get("shape") is None or info.get("variant") is None:
             continue
-        value, shape_id, variant = info.get(key), info.get("shape"), info.get("variant")
-        if value is None or shape_id is None or variant is None:
+        yield info["shape"], info["variant"], info
+
+
+def benchmark_points(doc: dict, timer: str = "events"):
+    """(group, variant, N, TFLOP/s) for every forward benchmark of one pytest-benchmark JSON document that
+    recorded a TFLOP/s for ``timer``; group = (dtype, head_dim, causal)."""
+    key = TIMER_KEYS[timer]
+    for shape_id, variant, info in forward_records(doc):
+        value = info.get(key)
+        if value is None:
             continue
         try:
             shape = Shape.parse(shape_id)
