@@ -49,6 +49,16 @@ def assert_rows_match(name, res, ref, ref_lse, keep):
                                atol=EXACT if name in FLOAT64_MODELS else LSE_ATOL_FP8, err_msg=name)
 
 
+def assert_rows_untouched(name, res, clean, keep):
+    """The rows where ``keep`` is True are bit for bit the model's rows on the inputs without the bad value: the
+    rule says untouched, and an fp8 model's scales ignore non-finite values, so no tolerance is needed. (Against
+    the float64 reference instead, an fp8 model's error on a subset of these tiny rows, median 0.048, reached the
+    fp8 tolerance 0.06 by chance: CI, twenty-second session. Its accuracy is test_fp8_model.py's.)"""
+    assert np.array_equal(res.out[keep], clean.out[keep]), f"{name}: clean rows changed"
+    lse, want = res.lse.transpose(0, 2, 1)[keep], clean.lse.transpose(0, 2, 1)[keep]
+    assert np.array_equal(lse, want), f"{name}: clean rows' LSE changed"
+
+
 # ---------------------------------------------------------------------------------------------- bad values
 
 @pytest.mark.parametrize("name", MODELS)
@@ -57,13 +67,14 @@ def assert_rows_match(name, res, ref, ref_lse, keep):
 def test_bad_value_in_q_poisons_its_row_only(rng, name, bad, causal):
     q, k, v = inputs(rng)
     b, r, h = 1, int(rng.integers(NQ)), int(rng.integers(H))   # N_k > N_q: every row sees keys, causal too
-    ref = reference64(q, k, v, causal=causal)                 # clean: the other rows must not change
+    clean = MODELS[name](q, k, v, causal=causal, **BLOCKS)   # the other rows must not change
+    assert_rows_match(name, clean, *reference64(q, k, v, causal=causal), np.ones((B, NQ, H), bool))
     q[b, r, h, int(rng.integers(D))] = bad   # an Inf meets keys of both signs, so some score is +Inf: NaN
     res = MODELS[name](q, k, v, causal=causal, **BLOCKS)
     assert np.isnan(res.out[b, r, h]).all() and np.isnan(res.lse[b, h, r]), name
     keep = np.ones((B, NQ, H), bool)
     keep[b, r, h] = False
-    assert_rows_match(name, res, *ref, keep)
+    assert_rows_untouched(name, res, clean, keep)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -74,14 +85,15 @@ def test_bad_value_in_k_poisons_the_rows_that_see_it(rng, name, bad, causal):
     b, j, hk, c = 0, int(rng.integers(3, NK - 3)), int(rng.integers(HKV)), int(rng.integers(D))
     heads = query_heads_of(hk)
     q[b, :, heads, c] = np.abs(q[b, :, heads, c]) + 0.5   # q . k = +Inf for an Inf in k, in every row
-    ref = reference64(q, k, v, causal=causal)
+    clean = MODELS[name](q, k, v, causal=causal, **BLOCKS)
+    assert_rows_match(name, clean, *reference64(q, k, v, causal=causal), np.ones((B, NK, H), bool))
     k[b, j, hk, c] = bad
     res = MODELS[name](q, k, v, causal=causal, **BLOCKS)
     hit = np.zeros((B, NK, H), bool)
     hit[b] = sees(j, NK, NK, causal)[:, None] & np.isin(np.arange(H), heads)[None, :]
     assert np.isnan(res.out[hit]).all(), name
     assert np.isnan(res.lse.transpose(0, 2, 1)[hit]).all(), name
-    assert_rows_match(name, res, *ref, ~hit)
+    assert_rows_untouched(name, res, clean, ~hit)
 
 
 @pytest.mark.parametrize("name", FLOAT64_MODELS)   # e4m3 has no Inf: fa2_fp8 makes any Inf a NaN
