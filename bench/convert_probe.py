@@ -1,5 +1,6 @@
-"""fa3_fp8 with every K and V block converted inside the kernel: a lower bound on what quantizing K and V there
-would cost (needs a GPU).
+"""fa3_fp8 with its K and V blocks converted inside the kernel, timed against this tree (needs a GPU).
+
+A lower bound on what quantizing K and V inside the kernel would cost.
 
     python3 bench/convert_probe.py                                   (the fp8_short shapes, one round)
     python3 bench/convert_probe.py --rounds 2 -- --fp8-matrix fa3_bf16 --variants fa3_fp8 --no-peers --repeats 10

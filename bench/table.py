@@ -41,9 +41,13 @@ def load(paths) -> dict:
     file's case replaces an earlier one's)."""
     rows: dict = {}
     for path in paths:
-        with open(path) as f:
-            for shape_id, variant, info in forward_records(json.load(f)):
-                rows.setdefault(shape_id, {})[variant] = info
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: not a readable pytest-benchmark JSON file ({e})") from None
+        for shape_id, variant, info in forward_records(doc):
+            rows.setdefault(shape_id, {})[variant] = info
     return rows
 
 

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import table  # noqa: E402
@@ -64,3 +66,10 @@ def test_backward_cases_are_left_out(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_doc(backward=True)))
     assert table.load([path]) == {}
+
+
+def test_a_file_that_is_not_json_is_named(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text("not json")
+    with pytest.raises(SystemExit, match="bench.json: not a readable pytest-benchmark JSON"):
+        table.load([path])
