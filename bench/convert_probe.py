@@ -154,10 +154,11 @@ def copy_patched(dest: Path) -> Path:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    devcheck = argv[argv.index("--") + 1:] if "--" in argv else DEFAULT_DEVCHECK
+    cut = argv.index("--") if "--" in argv else len(argv)  # after it: devcheck's arguments
+    devcheck = argv[cut + 1:] if cut < len(argv) else DEFAULT_DEVCHECK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1)
-    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = ap.parse_args(argv[:cut])
     with tempfile.TemporaryDirectory(prefix="fav-convert-") as tmp:
         probe = copy_patched(Path(tmp) / "probe")
         cmd = [sys.executable, str(ROOT / "bench" / "ab.py"), f"shipped={ROOT}", f"probe={probe}",

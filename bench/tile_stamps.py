@@ -27,7 +27,6 @@ from pathlib import Path
 
 import patch_tree  # (bench/, beside this script)
 
-ROOT = Path(__file__).resolve().parent.parent
 STAMP_K = 40     # tiles stamped per CTA (later tiles are not)
 SLOTS = 12       # per (CTA, consumer, tile): t0, t1, t2, t3, n, tile, cross, unused, e1, e2, e3, unused
 CTAS, CONSUMERS = 264, 3
