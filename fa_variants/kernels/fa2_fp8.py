@@ -322,23 +322,25 @@ def plan_key(qz: dict, causal: bool, softmax_scale: float, return_lse: bool) -> 
             tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice())
 
 
-def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, kernel: str | None = None) -> FwdPlan:
+def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, kernel: str | None = None,
+         tile=None) -> FwdPlan:
     """The launch of FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be the kernel's: checked).
     Its pointers are q, k, vt, sq, sk, sv, out, lse (params.FP8_FWD). ``kernel``: "mma_sync" or "wgmma" instead
-    of this device's choice (operands quantized with that kernel's ``config``)."""
+    of this device's choice (operands quantized with that kernel's ``config``); ``tile``: another tile than the
+    table's (the operands quantized for it)."""
     kernel = kernel_of(kernel)
-    return cached_plan(_PLANS, plan_key(qz, causal, softmax_scale, return_lse) + (kernel,),
+    return cached_plan(_PLANS, plan_key(qz, causal, softmax_scale, return_lse) + (kernel, tile),
                        lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                                     kernel=kernel))
+                                     kernel=kernel, tile=tile))
 
 
-def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, kernel: str) -> FwdPlan:
+def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, kernel: str, tile=None) -> FwdPlan:
     import cupy
     b, h, nq, D = qz["q"].shape
     d = qz["head_dim"]
     hkv = qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
-    tile = config(d, kernel=kernel)
+    tile = config(d, kernel=kernel) if tile is None else tile
     if tuple(qz["tiles"]) != tuple(tile):
         raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, the {kernel} kernel uses "
                          f"{tuple(tile)}; quantize again")

@@ -76,26 +76,29 @@ def _maps(qz: dict, tile: Fa3Tile) -> tuple:
 _PLANS = plan_cache()  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)
 
 
-def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, split: bool | None = None) -> fa3.Fa3Plan:
+def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, split: bool | None = None,
+         tile: Fa3Tile | None = None) -> fa3.Fa3Plan:
     """The launch of fa3_fp8 on operands from ``quantize`` (made for this kernel's tiles: checked). ``split``: the
-    split last wave forced on or off (fa3.tail_split)."""
-    return cached_plan(_PLANS, fa2_fp8.plan_key(qz, causal, softmax_scale, return_lse) + (split,),
+    split last wave forced on or off (fa3.tail_split); ``tile``: another tile than the table's (the operands
+    quantized for it)."""
+    return cached_plan(_PLANS, fa2_fp8.plan_key(qz, causal, softmax_scale, return_lse) + (split, tile),
                        lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                                     split=split))
+                                     split=split, tile=tile))
 
 
-def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, split: bool | None = None) -> fa3.Fa3Plan:
+def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, split: bool | None = None,
+          tile: Fa3Tile | None = None) -> fa3.Fa3Plan:
     import cupy
     b, h, nq, D = qz["q"].shape
     d, hkv = qz["head_dim"], qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
-    tile = config(d)
-    if tuple(qz["tiles"]) != tile:
+    tile = config(d) if tile is None else tile
+    if tuple(qz["tiles"]) != tuple(tile):
         raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, fa3_fp8 uses {tuple(tile)}; quantize "
                          "with fa_variants.fp8.quantize(..., variant='fa3_fp8')")
     out_dtype = np.dtype(qz["out_dtype"])
     at = fa3.launch_of(out_dtype.name, batch=b, heads=h, seqlen_q=nq, seqlen_k=nk, head_dim=d, causal=causal,
-                       sms=sm_count(), fp8=True, split=split)
+                       sms=sm_count(), fp8=True, split=split, tile=tile)
     maps = _maps(qz, at.tile)
     if at.tma_out:  # O (16-bit) through a shared buffer of its own, stored by TMA
         maps += (fa3.out_map(qz["k"].data.ptr, b, nq, h, d),)
