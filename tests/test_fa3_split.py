@@ -49,5 +49,6 @@ def test_fa3_fp8_splits_where_its_o_buffer_fits():
         assert tma == (tile.persistent and d < 256), (d, tile)
         assert fa3.smem_bytes(d, tile, itemsize=1) <= SM90_SMEM
         if tma:
-            assert fa3.smem_bytes(d, tile, itemsize=1) == (fa3.smem_bytes(d, tile._replace(persistent=False), itemsize=1)
+            per_tile = tile._replace(persistent=False)  # one Q buffer, no O buffer
+            assert fa3.smem_bytes(d, tile, itemsize=1) == (fa3.smem_bytes(d, per_tile, itemsize=1)
                                                            + tile.block_q * d + fa3.o_buffer_bytes(d, tile))

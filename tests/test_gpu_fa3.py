@@ -39,7 +39,8 @@ def _run(case, host, poisoned, split=None):
 def _launch(case, split=None) -> fa3.Fa3Launch:
     from fa_variants.kernels.common import sm_count
     return fa3.launch_of("bfloat16", batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
-                         seqlen_k=case.seqlen_k, head_dim=case.head_dim, causal=case.causal, sms=sm_count(), split=split)
+                         seqlen_k=case.seqlen_k, head_dim=case.head_dim, causal=case.causal, sms=sm_count(),
+                         split=split)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

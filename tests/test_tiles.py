@@ -69,9 +69,8 @@ def _explain_rule(text: str, d: int, causal: bool, seqlen_k: int, fp8: bool = Fa
                       r"N_k <= (?P<upto>\d+)|N_k > (?P<past>\d+)|(?P<low>\d+) < N_k <= (?P<high>\d+)))?: "
                       r"B_r x B_c = (?P<bm>\d+) x (?P<bn>\d+), n_st = (?P<stages>\d+), "
                       r"(?P<grid>persistent grid|one CTA per tile)$")
-    fp8_part = text[text.index("fa3_fp8: the same kernel"):]
-    lines = [m for m in map(rule.match, (fp8_part if fp8 else text[:text.index("fa3_fp8: the same kernel")]).splitlines())
-             if m and int(m["d"]) == d]
+    at = text.index("fa3_fp8: the same kernel")  # fa3_fp8's tiles follow there
+    lines = [m for m in map(rule.match, (text[at:] if fp8 else text[:at]).splitlines()) if m and int(m["d"]) == d]
 
     def takes(m):
         mask_ok = m["mask"] in ("causal or not", "any mask and N_k") or (m["mask"] == "causal") == causal

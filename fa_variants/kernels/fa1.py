@@ -64,7 +64,8 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, tile=None) -> FwdPlan:
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=(nq * h * d, h * d, d)),
                    fmt="<8Q", out_shape=(b, nq, h, d), dtype=q.dtype,
-                   lse_shape=(b, h, nq) if return_lse else None, ws_rows=workspace_rows(b, h, nq, tile.block_q), ws_cols=D,
+                   lse_shape=(b, h, nq) if return_lse else None, ws_rows=workspace_rows(b, h, nq, tile.block_q),
+                   ws_cols=D,
                    device=cupy.cuda.Device().id)
 
 

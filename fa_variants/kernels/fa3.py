@@ -17,7 +17,7 @@ import struct
 import numpy as np
 
 from .. import jit
-from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_DIMS, Fa3Tile, fa3_instances, fa3_template_dim, fa3_tile
+from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, Fa3Tile, fa3_instances, fa3_template_dim, fa3_tile
 from . import KernelLauncher
 from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, sm_count
 from .launch import _cupy, _torch, function_of, launch_argv
@@ -26,7 +26,6 @@ from .tma import MapTemplate
 
 SOURCE = "fa3_fwd.cu"
 ARCHS = ("sm_90a",)
-DIMS = FA3_DIMS
 
 # The persistent grid's last wave spread over every SM (fa3_fwd.cu's SPLIT, where O leaves by TMA; non-causal, whose
 # tiles are equal): the last tiles % CTAs tiles, cut along their K/V blocks into one range per CTA, each tile into

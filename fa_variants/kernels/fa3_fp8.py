@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
-from ..tiles import FP8_TEMPLATE_DIMS, Fa3Tile, fa3_instances, fa3_tile
+from ..tiles import Fa3Tile, fa3_instances, fa3_tile
 from . import KernelLauncher
 from . import fa2_fp8, fa3
 from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, plan_cache, scale_log2, sm_count
@@ -22,7 +22,6 @@ from .tma import MapTemplate, slab_bytes
 
 SOURCE = fa3.SOURCE
 ARCHS = fa3.ARCHS
-DIMS = FP8_TEMPLATE_DIMS
 
 
 def config(head_dim: int) -> Fa3Tile:

@@ -381,7 +381,8 @@ def _tile_text(d: int, tile, when: str, operands: str = "K+V", itemsize: int = 2
     q_kib, kv_kib = tile.block_q * d * itemsize / 1024, 2 * tile.block_k * d * itemsize / 1024
     grid = "persistent grid" if tile.persistent else "one CTA per tile"
     return [f"  d={d:<3d} {when}: B_r x B_c = {tile.block_q} x {tile.block_k}, n_st = {tile.stages}, {grid}",
-            f"          smem Q {q_kib:g} + {tile.stages} x ({operands}) {kv_kib:g} = {q_kib + tile.stages * kv_kib:g} KiB; "
+            f"          smem Q {q_kib:g} + {tile.stages} x ({operands}) {kv_kib:g} = "
+            f"{q_kib + tile.stages * kv_kib:g} KiB; "
             f"a consumer thread holds O {rows * d // 128} + S {rows * tile.block_k // 128} fp32, "
             f"P {rows * tile.block_k * itemsize // 512} registers"]
 
@@ -478,8 +479,8 @@ PIPELINE = "\n".join([
     f"{FA3_ABLATION_TILE.block_k} (FA3's tile), one CTA per tile at every length",
     "",
     "grid: one CTA per tile (Q block, head, batch), last Q blocks first; or, where the tiles above say so, the",
-    "  persistent grid: one CTA per SM whose producer takes the next tile from a global counter (atomicAdd; the last CTA",
-    "  zeroes it for the next launch) and hands it to the consumers through two shared-memory slots with",
+    "  persistent grid: one CTA per SM whose producer takes the next tile from a global counter (atomicAdd; the",
+    "  last CTA zeroes it for the next launch) and hands it to the consumers through two shared-memory slots with",
     "  full/empty mbarriers. It loads the next tile's Q and K/V while the consumers finish this one: no CTA",
     "  start and no Q wait between tiles, and an SM that finishes early takes the next tile (heaviest first).",
     "  Where a second Q buffer fits (CROSS: not at d = 256), the pipeline runs across tiles: the next tile's",
