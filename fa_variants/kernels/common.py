@@ -2,7 +2,7 @@
 parameter struct, tile choice."""
 from __future__ import annotations
 
-from .. import arrays, jit
+from .. import arrays, gpu, jit
 from ..tiles import TEMPLATE_DIMS, first_fitting, template_dim  # noqa: F401 - the launchers import them from here
 
 LOG2E = 1.4426950408889634
@@ -16,15 +16,13 @@ def ensure_vector_aligned(a):
     return a if arrays.aligned_for_vector_loads(a) else a.copy()
 
 
-# A kernel runs any d <= 256 on its next template head dim (fa_variants/tiles.py), with the extra columns
-# zero-filled on load and never stored; a multiple of 8 is required for 16-byte rows: other d are copied once into
-# rows padded to the next multiple of 8, as flash-attn does.
-
-
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# The kernels load 16-byte rows: a head dim that is not a multiple of 8 is copied once into rows padded to the next
+# multiple of 8 (pad_last_dim), as flash-attn does. Any d <= 256 then runs on its next template head dim
+# (fa_variants/tiles.py), the extra columns zero-filled on load and never stored.
 PAD_SOURCE = "pad_head_dim.cu"
 PAD_ROWS = 8
 PAD_THREADS = (128, 256)  # one thread per column: the smallest CTA that covers the padded row
@@ -151,6 +149,25 @@ def sm_count(device: int | None = None) -> int:
     """Streaming multiprocessors of ``device`` (default: the current one): what persistent grids are sized to."""
     import cupy
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+KERNELS = ("wgmma", "mma_sync")  # fa2's and fa2_fp8's two kernels: Hopper's, and the one every sm_80+ GPU runs
+
+
+def wgmma_device() -> bool:
+    """Whether this device runs fa2's and fa2_fp8's wgmma kernels: sm_90 (and no device at all: the IO model
+    describes the H200)."""
+    cc = gpu.compute_capability()
+    return cc is None or cc == 90
+
+
+def choose_kernel(kernel: str | None, device_runs_wgmma: bool) -> str:
+    """``kernel`` ("wgmma" or "mma_sync", checked), or where None the one this device runs."""
+    if kernel is None:
+        return "wgmma" if device_runs_wgmma else "mma_sync"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    return kernel
 
 
 def smem_limit() -> int:

@@ -7,18 +7,17 @@ loop on Hopper's wgmma (sm_90: its tensor cores reach their rate only through wg
 on one instruction)."""
 from __future__ import annotations
 
-from .. import gpu, jit
+from .. import jit
 from ..tiles import FA2_TILES, FA2_WGMMA_TILES
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, forward_via_plan, fwd_params, pick_tiles,
-                     template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, choose_kernel, forward_via_plan, fwd_params,
+                     pick_tiles, template_dim, wgmma_device)
 from .launch import FwdPlan, function_of
 
 SOURCE = "fa2_fwd.cu"
 SM90_SOURCE = "fa2_fwd_sm90.cu"
 SM90_BWD_SOURCE = "fa2_bwd_sm90.cu"  # kernels/fa2_bwd_sm90.py's source (named here for SOURCE_ARCHS)
 SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",), SM90_BWD_SOURCE: ("sm_90a",)}  # wgmma exists only there
-KERNELS = ("wgmma", "mma_sync")
 
 TILES = FA2_TILES              # the mma.sync kernel's, by template head dim (fa_variants/tiles.py)
 SM90_TILES = FA2_WGMMA_TILES   # the wgmma kernel's
@@ -35,19 +34,12 @@ def sm90_smem_bytes(d: int, tile) -> int:
     return 1024 + tile.block_q * 2 * d + 2 * 2 * tile.block_k * 2 * d
 
 
-def uses_wgmma() -> bool:
-    """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
-    cc = gpu.compute_capability()
-    return cc is None or cc == 90
+uses_wgmma = wgmma_device  # whether this device runs the wgmma kernel (a GPU test patches it to run mma.sync)
 
 
 def kernel_of(kernel: str | None = None) -> str:
     """``kernel`` ("wgmma" or "mma_sync", checked), or the one this device runs where None."""
-    if kernel is None:
-        return "wgmma" if uses_wgmma() else "mma_sync"
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-    return kernel
+    return choose_kernel(kernel, uses_wgmma())
 
 
 def kernel_dim(head_dim: int, kernel: str | None = None) -> int:

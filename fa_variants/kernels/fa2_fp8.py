@@ -12,11 +12,12 @@ from typing import Callable
 
 import numpy as np
 
-from .. import gpu, jit
+from .. import jit
 from ..tiles import FA2_FP8_TILES, FA2_FP8_WGMMA_TILES, FP8_TEMPLATE_DIMS
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, ensure_vector_aligned,
-                     pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, choose_kernel,
+                     ensure_vector_aligned, pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim,
+                     wgmma_device)
 from .launch import FwdPlan, _cupy, _torch, function_of, launch
 from .params import FP8_FWD, QUANT
 
@@ -30,7 +31,6 @@ VT_THREADS = 256     # quantize_vt's CTA
 VT_KEYS = 128        # positions of V^T per quantize_vt CTA (its shared-memory swizzle needs 128) ...
 VT_CHANNELS = 128    # ... for at most this many channels (d = 256: two CTAs, registers as for d = 128)
 
-KERNELS = ("wgmma", "mma_sync")
 TILES = FA2_FP8_TILES              # the mma.sync kernel's, by template head dim (fa_variants/tiles.py)
 SM90_TILES = FA2_FP8_WGMMA_TILES   # the wgmma kernel's
 
@@ -48,19 +48,12 @@ def sm90_smem_bytes(d: int, tile) -> int:
     return 1024 + tile.block_q * d + 3 * (tile.block_k * d + d * tile.block_k)
 
 
-def uses_wgmma() -> bool:
-    """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
-    cc = gpu.compute_capability()
-    return cc is None or cc == 90
+uses_wgmma = wgmma_device  # whether this device runs the wgmma kernel (a GPU test patches it to run mma.sync)
 
 
 def kernel_of(kernel: str | None = None) -> str:
     """``kernel`` ("wgmma" or "mma_sync", checked), or the one this device runs where None."""
-    if kernel is None:
-        return "wgmma" if uses_wgmma() else "mma_sync"
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-    return kernel
+    return choose_kernel(kernel, uses_wgmma())
 
 
 def fp8_template_dim(head_dim: int) -> int:
