@@ -104,6 +104,11 @@ class Run:
     def launcher(self):
         return importlib.import_module(f"fa_variants.kernels.{self.variant}")
 
+    @property
+    def through_api(self) -> bool:
+        """No tile or kernel of its own: the call a user makes."""
+        return not self.kernel and not self.tiles
+
     def tile(self, head_dim: int):
         """This run's tile at ``head_dim``'s template dim (None: the table's)."""
         mod = self.launcher
@@ -119,7 +124,7 @@ class Run:
 
     def call(self, shape: Shape, scale: float):
         """fn(q, k, v) -> out for inputs of ``shape`` (fp8: quantizing in the call)."""
-        if not self.kernel and not self.tiles:
+        if self.through_api:
             return lambda q, k, v: attention(q, k, v, variant=self.variant, causal=shape.causal, softmax_scale=scale)
         if self.variant == "fa2_fp8":
             quantize, attend = self.quantize(shape), self.attend_quantized(shape, scale)
@@ -145,7 +150,7 @@ class Run:
     def quantize(self, shape: Shape):
         """fn(q, k, v) -> this run's quantized operands (fp8 variants)."""
         import fa_variants as fav
-        if not self.kernel and not self.tiles:
+        if self.through_api:
             return lambda q, k, v: fav.fp8.quantize(q, k, v, variant=self.variant)
         from fa_variants.kernels import fa2_fp8
         tile = self.tile(shape.head_dim)
@@ -156,7 +161,7 @@ class Run:
     def attend_quantized(self, shape: Shape, scale: float):
         """fn(quantized operands) -> out (fp8 variants)."""
         import fa_variants as fav
-        if not self.kernel and not self.tiles:
+        if self.through_api:
             return lambda qz: fav.fp8.attention(qz, causal=shape.causal, softmax_scale=scale)
         kw = dict(causal=shape.causal, softmax_scale=scale, return_lse=False, **self._kw(shape.head_dim))
         return lambda qz: self.launcher.run_quantized(self.launcher.plan(qz, **kw), qz)[0]

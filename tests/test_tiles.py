@@ -139,6 +139,20 @@ def test_fa3_ablation_runs_fa3s_tile_on_one_cta_per_tile(cpu_plans):
         fa3.plan(*_qkv(1000, 64), causal=False, softmax_scale=0.1, return_lse=False, pingpong=False)
 
 
+def test_a_sweeps_tile_is_launched_and_checked(cpu_plans):
+    """plan(tile=...) launches that tile (bench/devcheck.py --tiles), and refuses anything but the kernel's tuple."""
+    qkv = _qkv(4096, 64)
+    one_cta_per_tile = tiles.Fa3Tile(192, 128, 2, True, False)
+    plan = fa3.plan(*qkv, causal=True, softmax_scale=0.1, return_lse=False, tile=one_cta_per_tile)
+    assert _args(plan.func)[2:] == ["128", "2", "true", "true", "3", "false"] and not plan.persistent
+    plan = fa2.plan(*qkv, causal=True, softmax_scale=0.1, return_lse=False, kernel="mma_sync",
+                    tile=tiles.Fa2Tile(64, 32, 4, False))
+    assert _args(plan.func)[2:] == ["64", "32", "4", "false"]
+    for mod, kw in ((fa3, {}), (fa2, {"kernel": "mma_sync"}), (fa2, {}), (fa1, {})):
+        with pytest.raises(TypeError, match="tile"):
+            mod.plan(*qkv, causal=True, softmax_scale=0.1, return_lse=False, tile=(128, 64, 4, False, True), **kw)
+
+
 def test_fa3_split_keyword_forces_the_split_last_wave(cpu_plans):
     """plan(split=True) splits a short tile's last wave, which the default leaves whole (the GPU tests' shapes);
     split=False never splits."""

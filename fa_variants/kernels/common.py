@@ -170,6 +170,14 @@ def choose_kernel(kernel: str | None, device_runs_wgmma: bool) -> str:
     return kernel
 
 
+def given_tile(tile, kind: type):
+    """A tile passed to a launcher (``plan(tile=...)``: a sweep's), checked to be the kernel's named tuple
+    (fa_variants/tiles.py ``kind``); None (the table's) stays None."""
+    if tile is not None and not isinstance(tile, kind):
+        raise TypeError(f"tile must be a fa_variants.tiles.{kind.__name__} or None, got {tile!r}")
+    return tile
+
+
 def smem_limit() -> int:
     """Opt-in shared memory per block of the current device (the sm_90 figure when there is none)."""
     try:

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from .. import jit
-from ..tiles import FA1_TILES
+from ..tiles import FA1_TILES, Tile
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, forward_via_plan, fwd_params, pick_tiles,
-                     template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, forward_via_plan, fwd_params, given_tile,
+                     pick_tiles, template_dim)
 from .launch import FwdPlan, function_of
 
 SOURCE = "fa1_fwd.cu"
@@ -56,7 +56,7 @@ def plan(q, k, v, *, causal, softmax_scale, return_lse, tile=None) -> FwdPlan:
     import cupy
     b, nq, h, d = q.shape
     D = template_dim(d)
-    tile = config(d) if tile is None else tile
+    tile = config(d) if given_tile(tile, Tile) is None else tile
     kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, tile))  # compiled on first use
     smem = smem_bytes(D, tile)
     check_grid(b, "batch")

@@ -8,10 +8,10 @@ on one instruction)."""
 from __future__ import annotations
 
 from .. import jit
-from ..tiles import FA2_TILES, FA2_WGMMA_TILES
+from ..tiles import FA2_TILES, FA2_WGMMA_TILES, Fa2Tile, Tile
 from . import KernelLauncher
 from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, choose_kernel, forward_via_plan, fwd_params,
-                     pick_tiles, template_dim, wgmma_device)
+                     given_tile, pick_tiles, template_dim, wgmma_device)
 from .launch import FwdPlan, function_of
 
 SOURCE = "fa2_fwd.cu"
@@ -77,7 +77,8 @@ def launch_of(dtype: str, head_dim: int, kernel: str | None = None, epilogue: st
     than the table's (a tile sweep's)."""
     kernel = "mma_sync" if epilogue else kernel_of(kernel)
     d = kernel_dim(head_dim, kernel)
-    tile = config(head_dim, kernel=kernel) if tile is None else tile
+    if given_tile(tile, Tile if kernel == "wgmma" else Fa2Tile) is None:
+        tile = config(head_dim, kernel=kernel)
     if kernel == "wgmma":
         return SM90_SOURCE, sm90_instance(CTYPE[dtype], d, tile), tile, sm90_smem_bytes(d, tile)
     return SOURCE, instance(CTYPE[dtype], d, tile, epilogue), tile, smem_bytes(d, tile)

@@ -13,11 +13,11 @@ from typing import Callable
 import numpy as np
 
 from .. import jit
-from ..tiles import FA2_FP8_TILES, FA2_FP8_WGMMA_TILES, FP8_TEMPLATE_DIMS
+from ..tiles import FA2_FP8_TILES, FA2_FP8_WGMMA_TILES, FP8_TEMPLATE_DIMS, Fp8WgmmaTile, Tile
 from . import KernelLauncher
 from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, choose_kernel,
-                     ensure_vector_aligned, pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim,
-                     wgmma_device)
+                     ensure_vector_aligned, given_tile, pad_last_dim, pick_tiles, plan_cache, scale_log2,
+                     template_dim, wgmma_device)
 from .launch import FwdPlan, _cupy, _torch, function_of, launch
 from .params import FP8_FWD, QUANT
 
@@ -333,7 +333,8 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, ker
     d = qz["head_dim"]
     hkv = qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
-    tile = config(d, kernel=kernel) if tile is None else tile
+    if given_tile(tile, Fp8WgmmaTile if kernel == "wgmma" else Tile) is None:
+        tile = config(d, kernel=kernel)
     if tuple(qz["tiles"]) != tuple(tile):
         raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, the {kernel} kernel uses "
                          f"{tuple(tile)}; quantize again")

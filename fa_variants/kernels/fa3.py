@@ -19,7 +19,8 @@ import numpy as np
 from .. import jit
 from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, Fa3Tile, fa3_instances, fa3_template_dim, fa3_tile
 from . import KernelLauncher
-from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, sm_count
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, given_tile,
+                     sm_count)
 from .launch import _cupy, _torch, function_of, launch_argv
 from .params import FWD
 from .tma import MapTemplate
@@ -175,7 +176,7 @@ def launch_of(dtype: str, *, batch: int, heads: int, seqlen_q: int, seqlen_k: in
     if ablation and (fp8 or d != FA3_ABLATION_DIM):
         raise ValueError(f"the ablation instances exist for 16-bit head_dim {FA3_ABLATION_DIM} only, got "
                          f"{'fp8 ' if fp8 else ''}head_dim {head_dim}")
-    if tile is None:
+    if given_tile(tile, Fa3Tile) is None:
         tile = FA3_ABLATION_TILE if ablation else fa3_tile(head_dim, seqlen_k, causal, fp8)
     itemsize = 1 if fp8 else 2
     tiles = cdiv(seqlen_q, tile.block_q) * heads * batch

@@ -15,7 +15,7 @@ from .. import jit
 from ..tiles import Fa3Tile, fa3_instances, fa3_tile
 from . import KernelLauncher
 from . import fa2_fp8, fa3
-from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, plan_cache, scale_log2, sm_count
+from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, given_tile, plan_cache, scale_log2, sm_count
 from .launch import function_of
 from .params import FA3_FP8_FWD, FP8_FWD
 from .tma import MapTemplate, slab_bytes
@@ -91,7 +91,7 @@ def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, spl
     b, h, nq, D = qz["q"].shape
     d, hkv = qz["head_dim"], qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
-    tile = config(d) if tile is None else tile
+    tile = config(d) if given_tile(tile, Fa3Tile) is None else tile
     if tuple(qz["tiles"]) != tuple(tile):
         raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, fa3_fp8 uses {tuple(tile)}; quantize "
                          "with fa_variants.fp8.quantize(..., variant='fa3_fp8')")
