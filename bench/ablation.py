@@ -11,15 +11,14 @@ Rows, each the same attention on the same inputs (d = 128, B * N = 16K tokens, 1
   fa3 -pingpong -overlap          TMA producer warpgroup and mbarrier ring only
   fa3 -overlap                    + ping-pong between the two consumer warpgroups
   fa3 -pingpong                   + intra-warpgroup overlap (softmax of block j under P V of block j-1)
-  fa3                             both (the shipped levers, on the plain grid with the base tiles)
-  fa3 as shipped                  what the registry runs: its grid (persistent where tiles are short) and tiles by length
+  fa3                             both (the shipped levers, on one CTA per tile with FA3's 128 x 176 tile)
+  fa3 as shipped                  what the registry runs: its tile and grid by length (fa_variants/tiles.py)
 TFLOP/s = 4 B H N^2 d / time (x 0.5 causal); CUDA-event medians with L2-busting input rotation (fa_variants.timing),
 the rows interleaved over --rounds rounds, each row's time the median of its rounds' medians, so that no row is read
 in a state of the card of its own. The GPU idles --rest seconds before each row's burst of calls, as devcheck's and
 `pytest bench`'s cases start (FAV_TIMING_REST_S): the card's boost clock. Run back to back (--rest 0), the rows reach
-the H200's power cap within ~80 ms and are read at its lowered clock, the fastest rows the most: that is why this
-table's full fa3 row read 620-674 where devcheck read 716-755 from the ninth session to the twentieth (bench/NOTES.md,
-twenty-first session; bench/sustained.py shows the same drop, 734 -> 635 at N 4K).
+the H200's power cap within ~80 ms and are read at its lowered clock, the fastest rows the most
+(docs/kernels/tiles.md, "The ablation's tile").
 """
 from __future__ import annotations
 
@@ -51,8 +50,8 @@ def rows_for(shape: Shape, repeats: int, rounds: int, rest: float):
         name = "fa3" + ("" if pp else " -pingpong") + ("" if ov else " -overlap")
         impls.append((name, "yes", "yes" if pp else "no", "yes" if ov else "no", fa3.plan(*sets[0], pingpong=pp,
                                                                                        overlap=ov, **kw)))
-    # The ablation's instances run one CTA per tile with the base tiles at every length (fa3.plan); the shipped
-    # fa3 picks its grid and tiles by length (at N 4K: the persistent grid), which devcheck and `pytest bench` time.
+    # The ablation's instances run one CTA per tile with FA3's tile at every length (tiles.FA3_ABLATION_TILE); the
+    # shipped fa3 picks its grid and tile by length (tiles.fa3_tile), which devcheck and `pytest bench` time.
     impls.append(("fa3 as shipped", "yes", "table", "yes", fa3.plan(*sets[0], **kw)))
     calls = [lambda q, k, v, plan=plan: plan.run_cupy(q, k, v) for *_, plan in impls]
     for call in calls:  # first calls (and compiles) out of the way

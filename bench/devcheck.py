@@ -9,6 +9,8 @@ run on every iteration; the full correctness suite is `pytest -m gpu tests`. Tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib
 import math
 import sys
@@ -16,7 +18,7 @@ import time
 
 from tabulate import tabulate
 
-from fa_variants import attention, registry, timing
+from fa_variants import attention, registry, tiles, timing
 from fa_variants.tolerances import LSE_ATOL, LSE_ATOL_FP8, TOL
 from fa_variants.reference.dense import all_pairs, attention64, rel_error
 from fa_variants.timing import (Shape, cast_half, gpu_input_sets, median, time_cuda, torch_sdpa_fn, torch_sdpa_unsupported,
@@ -62,11 +64,11 @@ SETS = {
               Shape(8, 16, 4096, 128, "bfloat16", False), Shape(4, 33, 4096, 128, "bfloat16", False)],
     # d 256 where the floor is closest (N 2K, non-causal) and its neighbour, both dtypes
     "d256": [Shape(16384 // n, 8, n, 256, dt, False) for dt in ("bfloat16", "float16") for n in (2048, 4096)],
-    # d 64's long non-causal rows, where one CTA per tile runs (PERSISTENT_UP_TO) and the persistent grid would split
+    # d 64's long non-causal rows, where the persistent grid splits its last wave
     "d64long": [Shape(16384 // n, 32, n, 64, dt, False) for dt in ("bfloat16", "float16") for n in (8192, 16384)],
-    # The same at the matrix's long rows (one CTA per tile, equal tiles): H 16 is 2048 tiles (15.5 waves), H 33 4224 (32)
+    # The same at the matrix's long rows: H 16 is 2048 tiles (15.5 waves), H 33 4224 (32)
     "tail": [Shape(16384 // n, h, n, 128, "bfloat16", False) for n in (4096, 8192, 16384) for h in (16, 33)],
-    # Where seqlen_k's tail block is part-empty at the default tiles (BN 160 and 176 at d 128, 80 at d 256): the
+    # Where seqlen_k's tail block is part-empty at the tiles of long rows (BN 160 at d 128, 80 at d 256): the
     # narrow tail block's shapes (fa3_fwd.cu's TAIL_BN), non-causal
     "narrow": [Shape(16384 // n, 2048 // d, n, d, dt, False) for dt in ("bfloat16", "float16") for d in (128, 256)
                for n in (1024, 2048, 4096)],
@@ -74,9 +76,112 @@ SETS = {
     # fa3_fp8 where quantization in the call costs the most (short rows), one causal shape beside them
     "fp8_short": [Shape(16384 // n, 2048 // d, n, d, "bfloat16", False) for d in (64, 128, 256) for n in (1024, 2048, 4096)]
     + [Shape(4, 16, 4096, 128, "bfloat16", True)],
-    # d 64's long causal rows, where the 16-bit fa3 leaves the persistent grid (PERSISTENT_UP_TO: past N 8K)
+    # d 64's long causal rows on the persistent grid (against one CTA per tile: --tiles fa3:64=192,128,2,1,0)
     "d64causal": [Shape(16384 // n, 32, n, 64, dt, True) for dt in ("bfloat16", "float16") for n in (4096, 8192, 16384)],
 }
+
+
+# The tile types of a --tiles spec, by (variant, kernel): the tuple of template arguments each kernel takes.
+TILE_TYPES = {("fa1", None): tiles.Tile, ("fa2", "wgmma"): tiles.Tile, ("fa2", "mma_sync"): tiles.Fa2Tile,
+              ("fa2_fp8", "wgmma"): tiles.Fp8WgmmaTile, ("fa2_fp8", "mma_sync"): tiles.Tile,
+              ("fa3", None): tiles.Fa3Tile, ("fa3_fp8", None): tiles.Fa3Tile}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """How devcheck calls a variant: through the API as a user does, or, for a tile sweep (``tiles``: template head
+    dim -> tile) or another kernel than the device's (``kernel``: fa2's and fa2_fp8's "wgmma" or "mma_sync"),
+    through its launcher with those as explicit arguments."""
+    variant: str
+    kernel: str | None = None
+    tiles: tuple = ()   # ((template head dim, tile), ...)
+
+    @property
+    def tag(self) -> str:
+        return self.variant + ("-mma.sync" if self.kernel == "mma_sync" else "")
+
+    @property
+    def launcher(self):
+        return importlib.import_module(f"fa_variants.kernels.{self.variant}")
+
+    @property
+    def through_api(self) -> bool:
+        """No tile or kernel of its own: the call a user makes."""
+        return not self.kernel and not self.tiles
+
+    def tile(self, head_dim: int):
+        """This run's tile at ``head_dim``'s template dim (None: the table's)."""
+        mod = self.launcher
+        dim = (mod.kernel_dim(head_dim, self.kernel) if self.variant == "fa2" else
+               tiles.fa3_template_dim(head_dim) if self.variant.startswith("fa3") else
+               mod.fp8_template_dim(head_dim) if self.variant == "fa2_fp8" else tiles.template_dim(head_dim))
+        return dict(self.tiles).get(dim)
+
+    def _kw(self, head_dim: int) -> dict:
+        kw = {"kernel": self.kernel} if self.kernel else {}
+        tile = self.tile(head_dim)
+        return kw | ({"tile": tile} if tile is not None else {})
+
+    def call(self, shape: Shape, scale: float):
+        """fn(q, k, v) -> out for inputs of ``shape`` (fp8: quantizing in the call)."""
+        if self.through_api:
+            return lambda q, k, v: attention(q, k, v, variant=self.variant, causal=shape.causal, softmax_scale=scale)
+        if self.variant == "fa2_fp8":
+            quantize, attend = self.quantize(shape), self.attend_quantized(shape, scale)
+            return lambda q, k, v: attend(quantize(q, k, v))
+        kw = dict(causal=shape.causal, softmax_scale=scale, return_lse=False)
+        if self.variant == "fa3_fp8":  # the shipped quantize-and-attend plan, on this run's tile
+            from fa_variants.kernels import fa2_fp8
+            tile = self.tile(shape.head_dim) or self.launcher.config(shape.head_dim)
+            make = lambda q, k, v: fa2_fp8.quantize_and_attend(  # noqa: E731
+                q, k, v, tile, functools.partial(self.launcher.plan, tile=tile), self.launcher.launch_behind_quantizer,
+                **kw)
+        else:
+            make = lambda q, k, v: self.launcher.plan(q, k, v, **kw, **self._kw(shape.head_dim))  # noqa: E731
+        plans = {}  # every input set of a shape has one signature: one plan
+
+        def fn(q, k, v):
+            key = (q.shape, q.strides, k.shape, k.strides, q.dtype)
+            if key not in plans:
+                plans[key] = make(q, k, v)
+            return plans[key].run_cupy(q, k, v)[0]
+        return fn
+
+    def quantize(self, shape: Shape):
+        """fn(q, k, v) -> this run's quantized operands (fp8 variants)."""
+        import fa_variants as fav
+        if self.through_api:
+            return lambda q, k, v: fav.fp8.quantize(q, k, v, variant=self.variant)
+        from fa_variants.kernels import fa2_fp8
+        tile = self.tile(shape.head_dim)
+        if tile is None:
+            tile = self.launcher.config(shape.head_dim, **({"kernel": self.kernel} if self.kernel else {}))
+        return lambda q, k, v: fa2_fp8.quantize(q, k, v, tile)
+
+    def attend_quantized(self, shape: Shape, scale: float):
+        """fn(quantized operands) -> out (fp8 variants)."""
+        import fa_variants as fav
+        if self.through_api:
+            return lambda qz: fav.fp8.attention(qz, causal=shape.causal, softmax_scale=scale)
+        kw = dict(causal=shape.causal, softmax_scale=scale, return_lse=False, **self._kw(shape.head_dim))
+        return lambda qz: self.launcher.run_quantized(self.launcher.plan(qz, **kw), qz)[0]
+
+
+def parse_tiles(spec: str) -> dict[tuple[str, str | None], tuple]:
+    """{(variant, kernel): ((template head dim, tile), ...)} from --tiles: 'fa3:128=128,160,2,1,1;fa2.mma_sync:128=
+    128,32,4,0' (a variant's tile at a template head dim; fa2 and fa2_fp8 name their kernel, wgmma or mma_sync)."""
+    runs: dict = {}
+    for part in filter(None, spec.split(";")):
+        name, _, rest = part.partition(":")
+        variant, _, kernel = name.partition(".")
+        kernel = kernel or None
+        if (variant, kernel) not in TILE_TYPES:
+            raise SystemExit(f"--tiles: {name!r} is none of {sorted(f'{v}.{k}' if k else v for v, k in TILE_TYPES)}")
+        dim, _, values = rest.partition("=")
+        tile = TILE_TYPES[variant, kernel](*(int(x) for x in values.split(",")))
+        runs[variant, kernel] = runs.get((variant, kernel), ()) + ((int(dim), tile),)
+        print(f"tiles: {name} d={dim} -> {tile}")
+    return runs
 
 
 def check(names):
@@ -109,18 +214,19 @@ def check(names):
     return bad
 
 
-def time_sweep(shapes, names, repeats):
+def time_sweep(shapes, runs, repeats):
     import cupy
     torch, why = torch_status()
     timed = lambda fn, s: median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=s))  # noqa: E731
+    names = [r.tag for r in runs]
     rows = []
     for i, shape in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {shape.id}", file=sys.stderr, flush=True)
         sets = gpu_input_sets(shape)
         scale = 1 / math.sqrt(shape.head_dim)
         res = {}
-        for name in names:
-            res[name] = timed(lambda q, k, v, name=name: attention(q, k, v, variant=name, causal=shape.causal), sets)
+        for run in runs:
+            res[run.tag] = timed(run.call(shape, scale), sets)
         res.update(torch_peers(torch, shape, scale, sets, timed))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
@@ -204,8 +310,8 @@ def quant_bandwidth(repeats, variants=("fa3_fp8", "fa2_fp8"), threads=None):
         row = [shape.id, f"{copy * 1e3:.1f}"]
         for name in names:
             if threads:
-                tiles = registry.get(name).launcher.tiles(shape.head_dim)
-                runs = [(f"{name} {t} threads", lambda q, k, v, t=t: fa2_fp8.quantize_parts(q, k, v, tiles, t))
+                blocks = registry.get(name).launcher.tiles(shape.head_dim)
+                runs = [(f"{name} {t} threads", lambda q, k, v, t=t: fa2_fp8.quantize_parts(q, k, v, blocks, t))
                         for t in threads]
             else:
                 runs = [(name, lambda q, k, v, n=name: fav.fp8.quantize(q, k, v, variant=n))]
@@ -244,52 +350,51 @@ def torch_peers(torch, shape, scale, sets, timed) -> dict:
     return res
 
 
-def fp8_sweep(shapes, repeats, mma_sync=True, names=("fa2", "fa3", "fa2_fp8", "fa3_fp8")):
+def fp8_sweep(shapes, repeats, runs):
     """The fp8 variants against this library's bf16 ones and torch SDPA, in one run: pre-quantized operands (a KV
-    cache, the issue's headline) and quantization included; fa2_fp8's mma.sync kernel (emulated e4m3 on sm_90) for
-    contrast unless ``mma_sync`` is False. Ratios: against fa2, and against the best 16-bit number of the row
-    (fa3 and torch's backends included)."""
-    import os
+    cache, the issue's headline) and quantization included. Ratios: against the first 16-bit variant, and against
+    the best 16-bit number of the row (fa3 and torch's backends included)."""
     import cupy
-    import fa_variants as fav
     torch, _ = torch_status()
-    runs = [n for n in names if registry.get(n).available()[0]]
-    half = [n for n in runs if registry.get(n).operand_dtype is None]
-    fp8 = [(n, "") for n in runs if registry.get(n).operand_dtype is not None]
-    if mma_sync:
-        fp8.insert(1, ("fa2_fp8", "mma_sync"))
+    runs = [r for r in runs if registry.get(r.variant).available()[0]]
+    half = [r for r in runs if registry.get(r.variant).operand_dtype is None]
+    fp8 = [r for r in runs if registry.get(r.variant).operand_dtype is not None]
     rows = []
     for i, shape in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {shape.id}", file=sys.stderr, flush=True)
         sets = gpu_input_sets(shape)
         scale = 1 / math.sqrt(shape.head_dim)
         t = lambda fn, s=sets: median(time_cuda(fn, warmup=3, repeats=repeats, rotate_inputs=s))  # noqa: E731
-        res = {n: t(lambda q, k, v, n=n: attention(q, k, v, variant=n, causal=shape.causal, softmax_scale=scale))
-               for n in half}
-        for name, kernel in fp8:
-            os.environ["FA_VARIANTS_FP8_KERNEL"] = kernel
-            tag = name + ("-mma.sync" if kernel else "")
-            qsets = [(fav.fp8.quantize(*s, variant=name),) for s in sets]
-            res[tag + " prequant"] = t(lambda qz: fav.fp8.attention(qz, causal=shape.causal, softmax_scale=scale),
-                                       qsets)
+        res = {r.tag: t(r.call(shape, scale)) for r in half}
+        for run in fp8:
+            quantize = run.quantize(shape)
+            qsets = [(quantize(*s),) for s in sets]
+            res[run.tag + " prequant"] = t(run.attend_quantized(shape, scale), qsets)
             del qsets
-            res[tag + " +quant"] = t(lambda q, k, v, n=name: attention(q, k, v, variant=n, causal=shape.causal,
-                                                                       softmax_scale=scale))
-        os.environ.pop("FA_VARIANTS_FP8_KERNEL", None)
+            res[run.tag + " +quant"] = t(run.call(shape, scale))
         res.update(torch_peers(torch, shape, scale, sets, t))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
         tf = {k: shape.flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
         # (no 16-bit number: --variants of fp8 ones only with --no-peers, an A/B of fp8 kernels alone)
         best16 = max((v for k, v in tf.items() if "fp8" not in k), default=math.nan)
-        best = fp8[-1][0]  # the last fp8 variant (fa3_fp8 where it runs)
-        base = half[0] if half else "torch-cudnn"
+        best = fp8[-1].tag  # the last fp8 variant (fa3_fp8 where it runs)
+        base = half[0].tag if half else "torch-cudnn"
         rows.append([shape.id] + [f"{v:.1f}" for v in tf.values()]
                     + [f"{tf[best + ' prequant'] / tf.get(base, math.nan):.2f}", f"{tf[best + ' +quant'] / best16:.2f}",
                        f"{tf[best + ' prequant'] / best16:.2f}"])
         heads = (["shape"] + [f"{k} TF/s" for k in tf]
                  + [f"{best} prequant/{base}", f"{best} +quant/best16", f"{best} prequant/best16"])
     print(tabulate(rows, headers=heads))
+
+
+def runs_of(names, overrides) -> list[Run]:
+    """A Run per variant of --variants, or one per kernel a --tiles spec names for it (``parse_tiles``)."""
+    runs = []
+    for name in names:
+        mine = [(kernel, t) for (variant, kernel), t in overrides.items() if variant == name]
+        runs += [Run(name, kernel, t) for kernel, t in mine] or [Run(name)]
+    return runs
 
 
 def main():
@@ -303,25 +408,22 @@ def main():
                     help="fp8 quantization alone (the fp8 variants among --variants, else both): time, bandwidth, host")
     ap.add_argument("--quant-threads", default="", metavar="N,N",
                     help="fp8 quantization with these quantize_qk_amax CTA sizes (e.g. 256,512,1024)")
-    ap.add_argument("--fp8", action="store_true", help="fa2_fp8 (pre-quantized, +quantization, mma.sync) vs fa2")
+    ap.add_argument("--fp8", action="store_true", help="fa2_fp8 and fa3_fp8 (pre-quantized, +quantization; fa2_fp8's "
+                    "mma.sync kernel too) vs fa2 and fa3")
     ap.add_argument("--flex", action="store_true", help="FlexAttention (torch.compile) beside torch SDPA's backends")
     ap.add_argument("--no-peers", action="store_true", help="time this library's variants only (tile sweeps)")
     ap.add_argument("--fp8-matrix", default="", metavar="SET",
                     help="the fp8 variants among --variants (e.g. fa2,fa3,fa2_fp8,fa3_fp8) beside the 16-bit ones and "
                          "torch on a shape set (fa3_bf16: issue 9's bf16 matrix), pre-quantized and +quantization")
-    ap.add_argument("--tiles", default="", help="override launcher tiles for a sweep: 'fa2:128=128,32,4;fa2:256=...'; "
-                    "another table of the launcher: 'fa2_fp8.SM90_TILES:128=128,128,8'")
+    ap.add_argument("--tiles", default="", help="time these tiles instead of the table's (fa_variants/tiles.py), "
+                    "through the launchers' plan(tile=...): 'fa3:128=128,160,2,1,1;fa3:64=192,128,2,1,1'; fa2 and "
+                    "fa2_fp8 name the kernel: 'fa2.mma_sync:128=128,32,4,0', 'fa2_fp8.wgmma:64=128,64,8,2'")
     a = ap.parse_args()
     PEERS[:] = [] if a.no_peers else timing.peer_names(a.flex)
-    for spec in filter(None, a.tiles.split(";")):
-        name, rest = spec.split(":")
-        name, _, table = name.partition(".")
-        d, cfg = rest.split("=")
-        getattr(importlib.import_module(f"fa_variants.kernels.{registry.get(name).name}"), table or "TILES")[int(d)] = [tuple(int(x) for x in cfg.split(","))]
-        print(f"tiles override: {name} d={d} -> {cfg}")
     names = [n for n in a.variants.split(",") if n]
     for n in names:
         registry.get(n)
+    runs = runs_of(names, parse_tiles(a.tiles))
     bad = check(names) if a.check else 0
     if a.memory:
         memory_check()
@@ -330,12 +432,13 @@ def main():
         quant_bandwidth(a.repeats, fp8_names)
     if a.quant_threads:
         quant_bandwidth(a.repeats, fp8_names, threads=[int(t) for t in a.quant_threads.split(",")])
-    if a.fp8:
-        fp8_sweep(SETS["fp8"], a.repeats)
+    if a.fp8:  # fa2_fp8's mma.sync kernel (emulated e4m3 on sm_90) for contrast
+        fp8_sweep(SETS["fp8"], a.repeats, [Run(n) for n in ("fa2", "fa3", "fa2_fp8")]
+                  + [Run("fa2_fp8", "mma_sync"), Run("fa3_fp8")])
     if a.fp8_matrix:
-        fp8_sweep(SETS[a.fp8_matrix], a.repeats, mma_sync=False, names=names)
+        fp8_sweep(SETS[a.fp8_matrix], a.repeats, runs)
     for s in filter(None, a.time.split(",")):
-        time_sweep(SETS[s], names, a.repeats)
+        time_sweep(SETS[s], runs, a.repeats)
     sys.exit(1 if bad else 0)
 
 

@@ -12,23 +12,21 @@ causal), so a padded d computes fewer useful FLOPs than its template: "padded / 
 two times (target <= 1.0: padding costs nothing beyond the template's own work). torch SDPA's flash backend on
 the same problem at d stands beside it (an empty cell where torch refuses that head dim).
 
-The templates are read from the launcher's tile table (its keys are the head dims a kernel exists for); when a
-launcher has none, the padding set below is assumed.
+The templates are read from fa_variants/tiles.py (the head dims a kernel exists for).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
 
 from tabulate import tabulate
 
-from fa_variants import registry, timing
+from fa_variants import registry, tiles, timing
 
 PADDED_DIMS = (80, 111, 160, 192, 224)
-TEMPLATE_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)   # the padding set of the issue, if a launcher has no table
+TEMPLATE_DIMS = tiles.TEMPLATE_DIMS   # the 16-bit kernels' padding set
 TOKENS, HIDDEN, SEQLEN = 16 * 1024, 2048, 4096
 DTYPE = "bfloat16"
 
@@ -54,15 +52,12 @@ def problem(d: int, causal: bool, heads: int | None = None) -> timing.Shape:
 
 
 def templates_of(variant: str) -> tuple[int, ...]:
-    """Head dims the kernel this device runs is compiled for: its launcher's SM90_TILES keys where the device
-    runs the wgmma kernel, else its TILES keys (TEMPLATE_DIMS if none)."""
-    try:
-        mod = importlib.import_module(f"fa_variants.kernels.{variant}")
-        wgmma = getattr(mod, "uses_wgmma", lambda: False)()
-        tiles = mod.SM90_TILES if wgmma and hasattr(mod, "SM90_TILES") else mod.TILES
-        return tuple(sorted(int(d) for d in tiles))
-    except Exception:  # noqa: BLE001 - no such table: the issue's padding set
-        return TEMPLATE_DIMS
+    """Head dims the kernel this device runs for ``variant`` is compiled for (fa_variants/tiles.py; fa2 on sm_90 runs
+    its wgmma kernel's); TEMPLATE_DIMS for a name that is no variant."""
+    from fa_variants.kernels import fa2
+    dims = {"fa1": tiles.TEMPLATE_DIMS, "fa2": tuple(fa2.SM90_TILES) if fa2.uses_wgmma() else tiles.TEMPLATE_DIMS,
+            "fa2_fp8": tiles.FP8_TEMPLATE_DIMS, "fa3": tiles.FA3_DIMS, "fa3_fp8": tiles.FP8_TEMPLATE_DIMS}
+    return tuple(sorted(dims.get(variant, TEMPLATE_DIMS)))
 
 
 def row_values(variant, d, causal, templates, ms, peer_ms) -> dict:

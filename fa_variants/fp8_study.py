@@ -19,7 +19,7 @@ Per-tensor scaling is not something the kernel offers (its scales are per block)
 
 ``--accumulation`` asks a different question: how far does the FP8 model move when its tensor-core accumulator
 keeps fewer mantissa bits (``reference.fp8.tc_matmul``), and, with ``--gpu``, which of those models each GPU
-kernel is closest to (bench/NOTES.md: Hopper's e4m3 wgmma against the mma.sync kernel).
+kernel is closest to (docs/ records it for Hopper's e4m3 wgmma against the mma.sync kernel).
 
 Run: ``python -m fa_variants.fp8_study [--n 4096 --d 128 --heads 1 --seed 0] [--gpu] [--accumulation]``.
 """
@@ -122,16 +122,10 @@ def accumulation(n: int = 1000, d: int = 128, seed: int = 0, heads: int = 2, gpu
     ref, _ = attention64(q, k, v, causal=False, scale=1 / math.sqrt(d))
     ref = ref.transpose(1, 0, 2)[None]
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
-    kernels = [("default", BLOCK, BLOCK)]
-    if gpu:
-        import os
-
-        from .registry import get
-        kernels = []
-        for name in ("", "mma_sync"):
-            os.environ["FA_VARIANTS_FP8_KERNEL"] = name
-            kernels.append((name or "default", *get("fa2_fp8").launcher.tiles(d)))
-        os.environ.pop("FA_VARIANTS_FP8_KERNEL")
+    kernels = [("model", BLOCK, BLOCK)]
+    if gpu:  # this device's kernel (wgmma on sm_90), and the mma.sync one (emulated e4m3 there), each with its tiles
+        kernels = [(kernel, *k_fa2_fp8.config(d, kernel=kernel)[:2])
+                   for kernel in dict.fromkeys((k_fa2_fp8.kernel_of(), "mma_sync"))]
     rows, models = [], {}
     for _, bq, bk in kernels:
         for bits in ACCUMULATE_BITS:
@@ -140,21 +134,18 @@ def accumulation(n: int = 1000, d: int = 128, seed: int = 0, heads: int = 2, gpu
                 rows.append([f"model {bq}x{bk}, " + (f"accumulator {bits} bits" if bits else "exact accumulator"),
                              rel(models[bq, bk, bits], models[bq, bk, None]), rel(models[bq, bk, bits], ref)])
     if gpu:
-        import os
-
         import cupy
 
-        import fa_variants as fav
         from .timing import cast_half
         qg, kg, vg = (cast_half(cupy.asarray(a, dtype=cupy.float32), "bfloat16") for a in (q, k, v))
-        for name, bq, bk in kernels:
-            os.environ["FA_VARIANTS_FP8_KERNEL"] = "" if name == "default" else name
-            kind = "wgmma" if k_fa2_fp8.uses_wgmma() else "mma.sync"
-            out = cupy.asnumpy(fav.attention(qg, kg, vg, variant="fa2_fp8")).astype(np.float64)
+        for kernel, bq, bk in kernels:
+            out, _ = k_fa2_fp8.forward(qg, kg, vg, causal=False, softmax_scale=1 / math.sqrt(d), return_lse=False,
+                                       kernel=kernel)
+            out = cupy.asnumpy(out).astype(np.float64)
+            kind = kernel.replace("_", ".")
             for bits in ACCUMULATE_BITS:
                 rows.append([f"GPU {kind} kernel ({bq}x{bk}) vs model, " + (f"accumulator {bits} bits" if bits else "exact"),
                              rel(out, models[bq, bk, bits]), rel(out, ref)])
-        os.environ.pop("FA_VARIANTS_FP8_KERNEL")
     return rows
 
 

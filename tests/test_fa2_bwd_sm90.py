@@ -8,23 +8,22 @@ from fa_variants import gpu, registry
 from fa_variants.kernels import common, fa2, fa2_bwd, fa2_bwd_sm90 as k
 
 
-@pytest.mark.parametrize("cc, env, head_dim, want", [
+@pytest.mark.parametrize("cc, kernel, head_dim, want", [
     (90, None, 64, "wgmma"), (90, None, 128, "wgmma"), (90, None, 256, "wgmma"), (90, None, 40, "wgmma"),
     (90, "mma_sync", 64, "mma_sync"), (80, None, 64, "mma_sync"), (89, None, 128, "mma_sync"),
 ])
-def test_fa2_backward_dispatch(monkeypatch, cc, env, head_dim, want):
+def test_fa2_backward_dispatch(monkeypatch, cc, kernel, head_dim, want):
     monkeypatch.setattr(gpu, "compute_capability", lambda: cc)
-    if env:
-        monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", env)
-    else:
-        monkeypatch.delenv("FA_VARIANTS_FA2_KERNEL", raising=False)
     called = []
     monkeypatch.setattr(k, "backward", lambda *a, **kw: called.append("wgmma"))
     monkeypatch.setattr(fa2_bwd, "backward", lambda *a, **kw: called.append("mma_sync"))
 
     class Q:
         shape = (1, 8, 2, head_dim)
-    registry.get("fa2").launcher.backward(None, Q(), None, None, None, None, causal=False, softmax_scale=1.0)
+    if kernel:  # fa2.backward(kernel=...): the mma.sync backward on Hopper
+        fa2.backward(None, Q(), None, None, None, None, causal=False, softmax_scale=1.0, kernel=kernel)
+    else:
+        registry.get("fa2").launcher.backward(None, Q(), None, None, None, None, causal=False, softmax_scale=1.0)
     assert called == [want]
 
 

@@ -251,7 +251,7 @@ def test_truncated_accumulator_model():
 
 def test_fp8_kernel_choice_and_its_tiles(monkeypatch):
     """sm_90 (and no GPU: the H200 is what the IO model describes) runs the wgmma kernel with SM90_TILES;
-    FA_VARIANTS_FP8_KERNEL=mma_sync selects the mma.sync kernel and its TILES. Both tables cover the entry's
+    kernel="mma_sync" selects the mma.sync kernel and its TILES. Both tables cover the entry's
     head dims, and the tiles reported to the IO model are the chosen kernel's."""
     from fa_variants import gpu, registry
     from fa_variants.kernels import fa2_fp8 as k
@@ -261,10 +261,7 @@ def test_fp8_kernel_choice_and_its_tiles(monkeypatch):
     monkeypatch.setattr(gpu, "compute_capability", lambda: 90)
     assert k.uses_wgmma()
     assert all(k.tiles(d) == tuple(k.SM90_TILES[d][0][:2]) for d in k.TILES)
-    monkeypatch.setenv("FA_VARIANTS_FP8_KERNEL", "mma_sync")
-    assert not k.uses_wgmma()
-    assert all(k.tiles(d) == tuple(k.TILES[d][0][:2]) for d in k.TILES)
-    monkeypatch.delenv("FA_VARIANTS_FP8_KERNEL")
+    assert all(k.config(d, kernel="mma_sync")[:2] == tuple(k.TILES[d][0][:2]) for d in k.TILES)
     monkeypatch.setattr(gpu, "compute_capability", lambda: 89)
     assert not k.uses_wgmma()
 

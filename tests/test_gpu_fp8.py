@@ -67,8 +67,8 @@ def fp8_kernel(request, monkeypatch):
     ok, why = registry.get(name).available()
     if not ok:
         pytest.skip(f"{name} cannot run here: {why}")
-    if request.param.endswith("mma_sync"):
-        monkeypatch.setenv("FA_VARIANTS_FP8_KERNEL", "mma_sync")
+    if request.param.endswith("mma_sync"):  # the mma.sync kernel where the device would run wgmma
+        monkeypatch.setattr(fp8_launcher, "uses_wgmma", lambda: False)
     if name == "fa3_fp8":
         return Fp8Kernel(name, fa3_model.forward_fp8, "wgmma")
     return Fp8Kernel(name, model.forward, "wgmma" if fp8_launcher.uses_wgmma() else "mma_sync")
@@ -343,7 +343,7 @@ def _tail_rows(case, bm, tail_tiles):
 
 
 @pytest.mark.parametrize("case", FP8_SPLIT_CASES, ids=[c.id for c in FP8_SPLIT_CASES])
-def test_fa3_fp8_split_tail(request, monkeypatch, poisoned, case):
+def test_fa3_fp8_split_tail(request, poisoned, case):
     """fa3_fp8's last wave cut into pieces on several CTAs and merged by each tile's last piece (fa3_fwd.cu's
     SPLIT; O stored by TMA from a buffer of its own). Unsplit, against float64 and the model. Split: against
     float64, bitwise equal across calls with other inputs in between (the merges' counts reset), bitwise equal to
@@ -352,7 +352,7 @@ def test_fa3_fp8_split_tail(request, monkeypatch, poisoned, case):
     differ by e4m3 roundings of P, not by the merge (the model's split_blocks shows the same: test_models_fa3.py).
     The LSE (l sums the unrounded P) stays within the model's bound of the unsplit one."""
     from fa_variants.kernels import fa3, fa3_fp8
-    from fa_variants.kernels.common import cdiv, sm_count
+    from fa_variants.kernels.common import sm_count
     kernel = Fp8Kernel("fa3_fp8", fa3_model.forward_fp8, "wgmma")
     ok, why = registry.get(kernel.variant).available()
     if not ok:
@@ -360,28 +360,26 @@ def test_fa3_fp8_split_tail(request, monkeypatch, poisoned, case):
     hosts = [_data(request, case, "bfloat16") for _ in range(2)]
 
     def run(host, split):
-        monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", split)  # these short tiles split only when asked to
-        fav.clear_plans()
+        """fa3_fp8 with the split last wave forced on or off (these short tiles split only when asked to)."""
+        qz = fa3_fp8.quantize(*to_device(host))
         with poisoned(case):
-            out, lse = fav.attention(*to_device(host), variant=kernel.variant, return_lse=True)
+            out, lse = fa3_fp8.attention_quantized(qz, causal=False, softmax_scale=1 / math.sqrt(case.head_dim),
+                                                   return_lse=True, split=split)
         return to_host(out).astype(np.float64), to_host(lse)
 
-    monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", "0")
-    fav.clear_plans()
-    _check_against_float64_and_model(hosts[0], case, kernel, poisoned)
-    monkeypatch.setenv("FA_VARIANTS_FA3_SPLIT", "1")
-    fav.clear_plans()
-    d, cfg = fp8_launcher.fp8_template_dim(case.head_dim), fa3_fp8.config(case.head_dim)
-    tiles = cdiv(case.seqlen_q, cfg[0]) * case.heads * case.batch
-    tail = fa3.tail_split(tiles, min(tiles, sm_count()), cdiv(case.seqlen_k, cfg[1]), False,
-                          fa3.stores_o_by_tma(d, cfg, itemsize=1))
-    assert fa3.persistent(cfg) and tail[2] > 0, "the case does not split"
-    for host in hosts:
-        _check_against_float64(host, case, kernel, poisoned)
-    runs = [run(hosts[i], "1") for i in (0, 1, 0)]
+    _check_against_float64_and_model(hosts[0], case, kernel, poisoned)  # the default: unsplit at these shapes
+    launch = lambda split: fa3.launch_of("bfloat16", batch=case.batch, heads=case.heads,  # noqa: E731
+                                         seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, head_dim=case.head_dim,
+                                         causal=False, sms=sm_count(), fp8=True, split=split)
+    cfg, tail = launch(True).tile, launch(True).tail
+    assert cfg.persistent and tail[2] > 0 and launch(None).tail[2] == 0, "the case does not split"
+    runs = [run(hosts[i], True) for i in (0, 1, 0)]
+    for i in (0, 1):
+        ref_out, _ = reference64(*hosts[i], False)
+        assert np.isfinite(runs[i][0]).all() and rel_err(runs[i][0], ref_out) <= FP8_TOL, "split: against float64"
     assert np.array_equal(runs[0][0], runs[2][0]), "split: out differs across calls"
     assert np.array_equal(runs[0][1], runs[2][1], equal_nan=True), "split: lse differs across calls"
-    unsplit = run(hosts[0], "0")
+    unsplit = run(hosts[0], False)
     split_rows = _tail_rows(case, cfg[0], tail[0])
     assert np.array_equal(runs[0][0][~split_rows], unsplit[0][~split_rows]), "tiles that are not split differ"
     ref_out, _ = reference64(*hosts[0], False)
@@ -389,4 +387,3 @@ def test_fa3_fp8_split_tail(request, monkeypatch, poisoned, case):
     to_unsplit = rel_err(runs[0][0][split_rows], unsplit[0][split_rows])
     assert to_unsplit <= 2 * err, f"split tiles differ from unsplit by {to_unsplit:.3e} (their own error {err:.3e})"
     assert np.abs(runs[0][1] - unsplit[1]).max() <= FP8_MODEL_LSE_ATOL
-    fav.clear_plans()

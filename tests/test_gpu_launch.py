@@ -167,15 +167,14 @@ def test_nan_in_v_reaches_the_rows_that_use_it(variant, rng):
 
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 160, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fa2_mma_sync_kernel_where_wgmma_is_the_default(monkeypatch, rng, d, causal):
-    """On Hopper fa2 runs its wgmma kernel; FA_VARIANTS_FA2_KERNEL=mma_sync runs the paper's mma.sync kernel,
-    which must stay right too (it is what sm_80/86/89 run)."""
-    monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", "mma_sync")
-    api.clear_plans()
-    try:
-        host = _host(rng, b=2, nq=130, nk=97, h=4, hkv=2, d=d, dtype="bfloat16")
-        out, lse = fav.attention(*to_device(host), variant="fa2", causal=causal, return_lse=True)
-        ref_out, ref_lse = reference64(*host, causal)
-        assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what=f"fa2 mma.sync d={d}")
-    finally:
-        api.clear_plans()
+def test_fa2_mma_sync_kernel_where_wgmma_is_the_default(rng, d, causal):
+    """On Hopper fa2 runs its wgmma kernel; plan(kernel="mma_sync") runs the paper's mma.sync kernel, which must
+    stay right too (it is what sm_80/86/89 run)."""
+    host = _host(rng, b=2, nq=130, nk=97, h=4, hkv=2, d=d, dtype="bfloat16")
+    q, k, v = to_device(host)
+    plan = fa2_launcher.plan(q, k, v, causal=causal, softmax_scale=1 / math.sqrt(d), return_lse=True,
+                             kernel="mma_sync")
+    assert plan.block == 32 * fa2_launcher.config(d, kernel="mma_sync").warps
+    out, lse = plan.run_cupy(q, k, v)
+    ref_out, ref_lse = reference64(*host, causal)
+    assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what=f"fa2 mma.sync d={d}")

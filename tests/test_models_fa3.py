@@ -13,6 +13,7 @@ import pytest
 from conftest import TOL, reference64, rel_err
 from fa_variants import iomodel
 from fa_variants.reference import common, fa2, fa3, fp8
+from fa_variants.tiles import fa3_tile
 
 EXACT = 1e-12   # float64 model against float64 attention: rounding only
 
@@ -55,7 +56,7 @@ def test_odd_sizes(rng, n_q, n_k, causal, blocks):
     q, k, v = inputs(rng, 1, n_q, n_k, 2, 2, 8)
     kw = {} if blocks is None else dict(block_q=blocks[0], block_k=blocks[1])
     res = check(q, k, v, causal, **kw)
-    assert res.blocks == (blocks or fa3.DEFAULT_TILES[64][:2])
+    assert res.blocks == (blocks or fa3_tile(8, n_k, causal)[:2])
 
 
 @pytest.mark.parametrize("n_q,n_k", [(300, 129), (129, 300), (128, 256), (256, 128), (200, 201)])
@@ -72,17 +73,19 @@ def test_gqa_mqa(rng, heads, heads_kv, causal):
     check(q, k, v, causal, block_q=12, block_k=16)
 
 
-@pytest.mark.parametrize("d,blocks", [(8, (192, 128)), (64, (192, 128)), (100, (128, 176)), (128, (128, 176)),
-                                      (160, (128, 80)), (256, (128, 80))])
-def test_kernel_tiles_by_head_dim(rng, d, blocks):
+@pytest.mark.parametrize("d,short,short_causal,long,long_causal", [
+    (8, (192, 128), (192, 128), (192, 128), (192, 128)), (64, (192, 128), (192, 128), (192, 128), (192, 128)),
+    (100, (128, 128), (128, 128), (128, 160), (128, 128)), (128, (128, 128), (128, 128), (128, 160), (128, 128)),
+    (160, (128, 64), (128, 64), (128, 80), (128, 80)), (256, (128, 64), (128, 64), (128, 80), (128, 80))])
+def test_kernel_tiles_by_head_dim(rng, d, short, short_causal, long, long_causal):
+    """The default blocks are the tiles the kernel launches (fa_variants/tiles.py): at N_k = 140, whole key blocks
+    at d 128 and 256 (their short tiles); past the short tiles' bounds, d 128's 160-key blocks (128 causal) and
+    d 256's 80."""
     q, k, v = inputs(rng, 1, 150, 140, 1, 1, d)
-    assert fa3.default_blocks(d) == blocks
-    t = fa3.template_dim(d)
-    full = fa3.SHORT_TILES.get(t)        # whole key blocks at N_k <= 1024, d 128 and 256
-    assert check(q, k, v, False).blocks == (full[1][:2] if full and 140 <= full[0] else blocks)
-    short = fa3.CAUSAL_SHORT_TILES.get(t)   # (128, 64) at d 256 up to N_k 2048; (128, 128) at d 128
-    causal_blocks = short[1][:2] if short and 140 <= short[0] else fa3.CAUSAL_TILES.get(t, blocks)[:2]
-    assert check(q, k, v, True).blocks == causal_blocks
+    assert check(q, k, v, False).blocks == short
+    assert check(q, k, v, True).blocks == short_causal
+    assert fa3.default_blocks(d, seqlen_k=4096) == fa3.default_blocks(d) == long
+    assert fa3.default_blocks(d, causal=True, seqlen_k=4096) == long_causal
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
@@ -302,35 +305,6 @@ def test_three_consumers(rng, causal):
     assert check(q, k, v, causal, block_q=192, block_k=128).blocks == (192, 128)
 
 
-def test_default_tiles_are_the_kernels():
-    """The model's default blocks are the kernel's: TILES maps a template dim to (BM, BN, stages), or to a list
-    of such configurations, first choice first."""
-    kernels = pytest.importorskip("fa_variants.kernels.fa3")
-    first = {d: tuple(t[0] if isinstance(t, list) else t)[:3] for d, t in kernels.TILES.items()}
-    assert first == fa3.DEFAULT_TILES
-    assert {d: tuple(t[0])[:3] for d, t in kernels.CAUSAL_TILES.items()} == fa3.CAUSAL_TILES
-    assert fa3.default_blocks(128, causal=True) == kernels.config(128, causal=True)[:2]
-    assert kernels.LAUNCHER.tiles(128, causal=True) == fa3.default_blocks(128, causal=True)   # what compare shows
-    assert kernels.LAUNCHER.tiles(128) == fa3.default_blocks(128)
-    assert fa3.default_blocks(64, causal=True) == fa3.default_blocks(64)
-    assert {d: (n, tuple(t)[:3]) for d, (n, t) in kernels.CAUSAL_SHORT_TILES.items()} == fa3.CAUSAL_SHORT_TILES
-    assert {d: (n, tuple(t)[:3]) for d, (n, t) in kernels.SHORT_TILES.items()} == fa3.SHORT_TILES
-    for causal, table in ((True, fa3.CAUSAL_SHORT_TILES), (False, fa3.SHORT_TILES)):
-        for d, (n, short) in table.items():
-            assert kernels.config(d, n, causal=causal)[:2] == fa3.default_blocks(d, causal=causal, seqlen_k=n)
-            # past n, the table's tiles (non-causal d 128: the persistent grid's 160-key blocks, which the model,
-            # knowing no grid, does not follow)
-            assert kernels.config(d, n + 1, causal=causal)[:2] != short[:2]
-            assert fa3.default_blocks(d, causal=causal, seqlen_k=n + 1) != short[:2]
-    for d in (1, 64, 65, 128, 129, 256):
-        assert fa3.default_blocks(d) == first[fa3.template_dim(d)][:2]
-    fp8_kernels = pytest.importorskip("fa_variants.kernels.fa3_fp8")
-    assert {d: tuple(t[0])[:3] for d, t in fp8_kernels.TILES.items()} == fa3.FP8_TILES
-    for d in (16, 64, 80, 128, 144, 256):
-        assert fa3.default_blocks(d, tiles=fa3.FP8_TILES) == fp8_kernels.tiles(d)
-    assert fa3.accesses_fp8(1000, 1000, 128) == fa3.accesses(1000, 1000, 128, *fa3.FP8_TILES[128][:2])
-
-
 # ---------------------------------------------------------------------------------------------- HBM traffic
 
 def counted(model, n_q, n_k, d, block_q, block_k, causal=False, batch=1, heads=1, heads_kv=1, rng=None):
@@ -371,10 +345,11 @@ def test_closed_form_is_fa2s_but_for_ctas_that_see_no_key():
         {t: n for t, n in fa2_counts.items() if t not in ("Q", "total")}
     assert fa3_counts["total"] == fa2_counts["total"] - 24 * d
     # None: the kernel's tiles, not the paper's blocks fa2_accesses would pick
-    assert fa3.accesses(1000, 1000, 64) == iomodel.fa2_accesses(1000, 1000, 64, *fa3.DEFAULT_TILES[64][:2])
-    assert fa3.accesses(4000, 4000, 256, causal=True) == iomodel.fa2_accesses(4000, 4000, 256, *fa3.DEFAULT_TILES[256][:2], True)
-    short_n, short = fa3.CAUSAL_SHORT_TILES[256]   # causal d 256 up to N_k 2048: its short tiles
-    assert fa3.accesses(1000, short_n, 256, causal=True) == iomodel.fa2_accesses(1000, short_n, 256, *short[:2], True)
+    assert fa3.accesses(1000, 1000, 64) == iomodel.fa2_accesses(1000, 1000, 64, 192, 128)
+    assert fa3.accesses(4000, 4000, 256, causal=True) == iomodel.fa2_accesses(4000, 4000, 256, 128, 80, True)
+    # causal d 256 up to N_k 2048: its short tiles
+    assert fa3.accesses(1000, 2048, 256, causal=True) == iomodel.fa2_accesses(1000, 2048, 256, 128, 64, True)
+    assert fa3.accesses_fp8(1000, 1000, 128) == fa3.accesses(1000, 1000, 128, *fa3_tile(128, fp8=True)[:2])
 
 
 def test_whole_call_is_batch_times_heads_and_gqa_saves_no_reads():
@@ -391,7 +366,7 @@ def test_fp8_close_to_float64(rng, causal, n_q, n_k, heads, heads_kv):
     q, k, v = inputs(rng, 1, n_q, n_k, heads, heads_kv, 64)
     res = run(fa3.forward_fp8, q, k, v, causal)
     ref_out, ref_lse = reference64(q, k, v, causal)
-    assert res.blocks == fa3.FP8_TILES[64][:2]
+    assert res.blocks == fa3_tile(64, fp8=True)[:2] == (192, 160)
     assert 1e-4 < rel_err(res.out, ref_out) < TOL["float8_e4m3fn"], "quantizes, within the fp8 tolerance"
     assert np.array_equal(np.isneginf(res.lse), np.isneginf(ref_lse))
     empty = np.isneginf(ref_lse).transpose(0, 2, 1)
@@ -429,7 +404,7 @@ def test_fp8_descending_is_fa2_fp8_on_reversed_keys(rng, accumulate_bits):
 
 def test_fp8_default_blocks_follow_head_dim(rng):
     q, k, v = inputs(rng, 1, 20, 20, 1, 1, 160)
-    assert fa3.forward_fp8(q, k, v).blocks == fa3.FP8_TILES[256][:2]
+    assert fa3.forward_fp8(q, k, v).blocks == fa3_tile(256, fp8=True)[:2] == (128, 128)
     with pytest.raises(ValueError, match="scaling"):
         fa3.forward_fp8(q, k, v, scaling="channel")
     with pytest.raises(ValueError, match="p_scale"):
@@ -456,9 +431,9 @@ def test_teaching_text():
     assert "for" in fa3.LOOPS and "down to" in fa3.LOOPS
     p = fa3.PIPELINE
     for word in ("producer", "consumer", "TMA", "full[s]", "empty[s]", "expect_tx", "complete_tx",
-                 "ping-pong", "named barrier", "intra-warpgroup", "wgmma.wait_group", "measured in bench/RESULTS.md"):
+                 "ping-pong", "named barrier", "intra-warpgroup", "wgmma.wait_group", "measured (docs/kernels/fa3.md"):
         assert word in p, word
-    # no performance number is stated: those belong to bench/RESULTS.md
+    # no performance number is stated: those belong to docs/
     number = re.search(r"(?<!\w)\d[\d.,]*\s*(TFLOP|GB/s|TB/s|%|ms\b|us\b|x faster)", p)
     assert not number, f"a measured number in the text: {number.group(0)!r}"
 

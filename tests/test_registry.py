@@ -123,15 +123,13 @@ def test_available_on_gpu_matches_compute_capability(v):
 
 def test_fa2_kernel_choice_and_its_tiles(monkeypatch):
     """sm_90 (and no GPU: the H200 is what the IO model describes) runs fa2's wgmma kernel with SM90_TILES at
-    head dims padded to 64/128/256; FA_VARIANTS_FA2_KERNEL=mma_sync and other GPUs run the mma.sync kernel."""
+    head dims padded to 64/128/256; kernel="mma_sync" and other GPUs run the mma.sync kernel."""
     from fa_variants import gpu
     from fa_variants.kernels import fa2 as k
     monkeypatch.setattr(gpu, "compute_capability", lambda: 90)
     assert k.uses_wgmma()
     assert [k.kernel_dim(d) for d in (1, 64, 65, 96, 128, 129, 160, 256)] == [64, 64, 128, 128, 128, 256, 256, 256]
     assert all(k.tiles(d) == tuple(k.SM90_TILES[k.kernel_dim(d)][0][:2]) for d in (40, 80, 200))
-    monkeypatch.setenv("FA_VARIANTS_FA2_KERNEL", "mma_sync")
-    assert not k.uses_wgmma() and k.kernel_dim(96) == 96 and k.tiles(96) == tuple(k.TILES[96][0][:2])
-    monkeypatch.delenv("FA_VARIANTS_FA2_KERNEL")
+    assert k.kernel_dim(96, "mma_sync") == 96 and k.config(96, kernel="mma_sync")[:2] == tuple(k.TILES[96][0][:2])
     monkeypatch.setattr(gpu, "compute_capability", lambda: 80)
     assert not k.uses_wgmma() and k.kernel_dim(160) == 160

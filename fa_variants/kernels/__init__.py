@@ -16,9 +16,9 @@ class Launcher(Protocol):
     def forward(self, q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool) -> tuple:
         """(out, lse or None) for validated CuPy q, k, v, on the current stream."""
 
-    def tiles(self, head_dim: int, causal: bool = False) -> tuple[int, int]:
-        """(block_q, block_k) the kernel uses at this head dim (and mask) on this device: what the IO model is
-        run with."""
+    def tiles(self, head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> tuple[int, int]:
+        """(block_q, block_k) of the kernel a call of this head dim, mask and seqlen_k launches on this device
+        (seqlen_k None: the longest rows'): what the IO model is run with, and what ``plan`` launches."""
 
     def compile_units(self, arch: str | None = None) -> dict[str, tuple[str, ...]]:
         """{source file in cuda_src/: template instances} that make up this launcher for ``arch`` (every arch
@@ -43,19 +43,17 @@ class KernelLauncher:
     restrictions (a wgmma source only for sm_90a), tile choice, launch, extra memory."""
     sources: Callable[[], Mapping[str, tuple[str, ...]]]       # {source: instances}, every arch
     forward_fn: Callable
-    tiles_fn: Callable[[int], tuple]
+    tiles_fn: Callable[..., tuple]                             # (head_dim, causal, seqlen_k) -> (BM, BN)
     extra_bytes_fn: Callable
     source_archs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     plan_fn: Callable | None = None
     backward_fn: Callable | None = None
-    causal_tiles_fn: Callable[[int], tuple] | None = None   # where causal calls take other tiles (fa3)
 
     def forward(self, q, k, v, *, causal, softmax_scale, return_lse):
         return self.forward_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
-    def tiles(self, head_dim, causal=False):
-        fn = self.causal_tiles_fn if causal and self.causal_tiles_fn is not None else self.tiles_fn
-        return tuple(fn(head_dim))[:2]
+    def tiles(self, head_dim, causal=False, seqlen_k=None):
+        return tuple(self.tiles_fn(head_dim, causal, seqlen_k))[:2]
 
     def compile_units(self, arch=None):
         return {s: tuple(e) for s, e in self.sources().items()

@@ -2,7 +2,8 @@
 parameter struct, tile choice."""
 from __future__ import annotations
 
-from .. import arrays, jit
+from .. import arrays, gpu, jit
+from ..tiles import TEMPLATE_DIMS, first_fitting, template_dim  # noqa: F401 - the launchers import them from here
 
 LOG2E = 1.4426950408889634
 CTYPE = {"float16": "fav::Half", "bfloat16": "fav::BFloat16"}
@@ -15,24 +16,13 @@ def ensure_vector_aligned(a):
     return a if arrays.aligned_for_vector_loads(a) else a.copy()
 
 
-#: The head dims the 16-bit kernels are instantiated for; any d <= 256 runs on the next one up, with its extra
-#: columns zero-filled on load and never stored (a multiple of 8 is required for 16-byte rows: other d are
-#: copied once into rows padded to the next multiple of 8, as flash-attn does).
-TEMPLATE_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-
-
-def template_dim(head_dim: int, dims=TEMPLATE_DIMS) -> int:
-    """The template head dim a kernel pads ``head_dim`` to."""
-    for t in dims:
-        if head_dim <= t:
-            return t
-    raise ValueError(f"head_dim must be at most {dims[-1]}, got {head_dim}")
-
-
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# The kernels load 16-byte rows: a head dim that is not a multiple of 8 is copied once into rows padded to the next
+# multiple of 8 (pad_last_dim), as flash-attn does. Any d <= 256 then runs on its next template head dim
+# (fa_variants/tiles.py), the extra columns zero-filled on load and never stored.
 PAD_SOURCE = "pad_head_dim.cu"
 PAD_ROWS = 8
 PAD_THREADS = (128, 256)  # one thread per column: the smallest CTA that covers the padded row
@@ -161,12 +151,35 @@ def sm_count(device: int | None = None) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
+KERNELS = ("wgmma", "mma_sync")  # fa2's and fa2_fp8's two kernels: Hopper's, and the one every sm_80+ GPU runs
+
+
+def wgmma_device() -> bool:
+    """Whether this device runs fa2's and fa2_fp8's wgmma kernels: sm_90 (and no device at all: the IO model
+    describes the H200)."""
+    cc = gpu.compute_capability()
+    return cc is None or cc == 90
+
+
+def choose_kernel(kernel: str | None, device_runs_wgmma: bool) -> str:
+    """``kernel`` ("wgmma" or "mma_sync", checked), or where None the one this device runs."""
+    if kernel is None:
+        return "wgmma" if device_runs_wgmma else "mma_sync"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    return kernel
+
+
+def given_tile(tile, kind: type):
+    """A tile passed to a launcher (``plan(tile=...)``: a sweep's), checked to be the kernel's named tuple
+    (fa_variants/tiles.py ``kind``); None (the table's) stays None."""
+    if tile is not None and not isinstance(tile, kind):
+        raise TypeError(f"tile must be a fa_variants.tiles.{kind.__name__} or None, got {tile!r}")
+    return tile
+
+
 def smem_limit() -> int:
-    """Opt-in shared memory per block of the current device (the sm_90 figure when there is none).
-    FA_VARIANTS_SMEM_LIMIT overrides it: run the tile choices of a smaller GPU (sm_80, sm_86) on a bigger one."""
-    import os
-    if os.environ.get("FA_VARIANTS_SMEM_LIMIT"):
-        return int(os.environ["FA_VARIANTS_SMEM_LIMIT"])
+    """Opt-in shared memory per block of the current device (the sm_90 figure when there is none)."""
     try:
         import cupy
         return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
@@ -175,21 +188,6 @@ def smem_limit() -> int:
 
 
 def pick_tiles(candidates, smem_bytes, head_dim: int, limit: int | None = None):
-    """The first (BM, BN, warps) of ``candidates[head_dim]`` (fastest first) whose shared memory fits ``limit``."""
-    limit = smem_limit() if limit is None else limit
-    for cfg in candidates[head_dim]:
-        if smem_bytes(head_dim, cfg) <= limit:
-            return cfg
-    raise ValueError(f"no tile configuration for head_dim {head_dim} fits {limit} bytes of shared memory")
-
-
-def tile_lookup(candidates: dict, smem_bytes):
-    """(config, tiles) for a launcher: config(d) is the full tile tuple the device takes (pick_tiles), tiles(d)
-    its (block_q, block_k) for the IO model. ``candidates`` is read at each call, so edits to it take effect."""
-    def config(head_dim, limit=None):
-        return pick_tiles(candidates, smem_bytes, head_dim, limit)
-
-    def tiles(head_dim, limit=None):
-        return config(head_dim, limit)[:2]
-
-    return config, tiles
+    """The first tile of ``candidates[head_dim]`` (fastest first) whose shared memory fits ``limit`` (default: the
+    current device's)."""
+    return first_fitting(candidates[head_dim], smem_bytes, head_dim, smem_limit() if limit is None else limit)

@@ -1,18 +1,17 @@
-"""Launcher of cuda_src/fa2_fwd.cu and fa2_fwd_sm90.cu: tile sizes per template head dim, grid (Q block, head,
-batch), dynamic shared memory, and the launch plan of one call signature.
+"""Launcher of cuda_src/fa2_fwd.cu and fa2_fwd_sm90.cu: the tile per template head dim (fa_variants/tiles.py), grid
+(Q block, head, batch), dynamic shared memory, and the launch plan of one call signature.
 
 One algorithm, two kernels: FlashAttention-2 on mma.sync (sm_80, sm_86, sm_89: the paper's kernel) and the same
-loop on Hopper's wgmma (sm_90: its tensor cores reach their rate only through wgmma). FA_VARIANTS_FA2_KERNEL=mma_sync
-runs the mma.sync kernel on Hopper too (the instruction change alone, measured; and FA1 against FA2 on one
-instruction)."""
+loop on Hopper's wgmma (sm_90: its tensor cores reach their rate only through wgmma). ``plan(..., kernel=
+"mma_sync")`` runs the mma.sync kernel on Hopper too (the instruction change alone, measured; and FA1 against FA2
+on one instruction)."""
 from __future__ import annotations
 
-import os
-
-from .. import gpu, jit
+from .. import jit
+from ..tiles import FA2_TILES, FA2_WGMMA_TILES, Fa2Tile, Tile
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, TEMPLATE_DIMS, cdiv, check_grid, forward_via_plan,
-                     fwd_params, pick_tiles, template_dim, tile_lookup)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cdiv, check_grid, choose_kernel, forward_via_plan, fwd_params,
+                     given_tile, pick_tiles, template_dim, wgmma_device)
 from .launch import FwdPlan, function_of
 
 SOURCE = "fa2_fwd.cu"
@@ -20,86 +19,78 @@ SM90_SOURCE = "fa2_fwd_sm90.cu"
 SM90_BWD_SOURCE = "fa2_bwd_sm90.cu"  # kernels/fa2_bwd_sm90.py's source (named here for SOURCE_ARCHS)
 SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",), SM90_BWD_SOURCE: ("sm_90a",)}  # wgmma exists only there
 
-# template head_dim -> (BM rows of Q per CTA, BN keys per K/V block, warps, early prefetch), fastest first; each
-# warp owns BM / warps rows. The first that fits the device's shared memory is used (sm_90: the first; sm_80 and
-# sm_86/89 have less). Chosen by the sweeps recorded in bench/NOTES.md; "early prefetch" issues the next K/V
-# block's loads before the QK^T MMAs rather than after the softmax, which spills registers at d >= 96. Above
-# d = 128 one warp's 16 rows of O take 4 D / 8 registers a thread, so 8 warps share the 128 rows.
-TILES = {
-    32: [(128, 64, 4, False)],  # early prefetch spills 4 bytes on sm_80 here
-    64: [(128, 64, 4, True)],
-    96: [(128, 64, 4, False)],
-    128: [(128, 64, 4, False), (128, 32, 4, False)],
-    160: [(128, 64, 8, True), (64, 32, 4, True)],
-    192: [(128, 64, 8, True), (64, 32, 4, True)],
-    224: [(128, 64, 8, True), (64, 32, 4, True), (32, 32, 2, True)],
-    256: [(128, 64, 8, True), (64, 32, 4, True), (32, 32, 2, True)],
-}
-assert tuple(TILES) == TEMPLATE_DIMS
-
-
-def smem_bytes(d: int, cfg) -> int:
-    bm, bn = cfg[:2]
-    row = (d + 8) * 2  # padded rows, see Tile<> in common/tile.cuh
-    return bm * row + 4 * bn * row  # Q + two stages of K and V
-
-
-_config = tile_lookup(TILES, smem_bytes)[0]  # the mma.sync kernel's choice at a template dim
-
-
-# wgmma kernel: template head_dim -> (BM = two warpgroups of 64 rows, BN keys, 8 warps). Its tiles are K-major
-# 128-byte swizzled rows of 64, 128 or 256 elements, so other head dims pad to those; n128 key blocks where the O
-# accumulator leaves room for the S and P registers (d = 256: 128 of O, so n64).
-SM90_TILES = {64: [(128, 128, 8)], 128: [(128, 128, 8)], 256: [(128, 64, 8)]}
+TILES = FA2_TILES              # the mma.sync kernel's, by template head dim (fa_variants/tiles.py)
+SM90_TILES = FA2_WGMMA_TILES   # the wgmma kernel's
 SM90_DIMS = tuple(SM90_TILES)
 
 
-def uses_wgmma() -> bool:
-    """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
-    if os.environ.get("FA_VARIANTS_FA2_KERNEL", "").replace(".", "_") == "mma_sync":
-        return False
-    cc = gpu.compute_capability()
-    return cc is None or cc == 90
+def smem_bytes(d: int, tile) -> int:
+    row = (d + 8) * 2  # padded rows, see Tile<> in common/tile.cuh
+    return tile.block_q * row + 4 * tile.block_k * row  # Q + two stages of K and V
 
 
-def sm90_smem_bytes(d: int, cfg) -> int:
-    bm, bn = cfg[:2]
-    return 1024 + bm * 2 * d + 2 * 2 * bn * 2 * d  # unpadded swizzled Q, two stages of K and V, 1 KB alignment
+def sm90_smem_bytes(d: int, tile) -> int:
+    # unpadded swizzled Q, two stages of K and V, 1 KB alignment
+    return 1024 + tile.block_q * 2 * d + 2 * 2 * tile.block_k * 2 * d
 
 
-def kernel_dim(head_dim: int) -> int:
-    """The template head dim of the kernel this device runs."""
-    return template_dim(head_dim, SM90_DIMS) if uses_wgmma() else template_dim(head_dim)
+uses_wgmma = wgmma_device  # whether this device runs the wgmma kernel (a GPU test patches it to run mma.sync)
 
 
-def config(head_dim, limit=None):
-    """(BM, BN, warps[, early prefetch]) of the kernel this device runs, at the template dim head_dim pads to."""
-    if uses_wgmma():
-        return pick_tiles(SM90_TILES, sm90_smem_bytes, kernel_dim(head_dim), limit)
-    return _config(template_dim(head_dim), limit)
+def kernel_of(kernel: str | None = None) -> str:
+    """``kernel`` ("wgmma" or "mma_sync", checked), or the one this device runs where None."""
+    return choose_kernel(kernel, uses_wgmma())
 
 
-def tiles(head_dim, limit=None):
-    return config(head_dim, limit)[:2]
+def kernel_dim(head_dim: int, kernel: str | None = None) -> int:
+    """The template head dim of ``kernel`` (default: this device's)."""
+    return template_dim(head_dim, SM90_DIMS) if kernel_of(kernel) == "wgmma" else template_dim(head_dim)
 
 
-def instance(ctype: str, d: int, cfg, epilogue: str = "") -> str:
-    bm, bn, w, early = cfg
+def config(head_dim: int, limit: int | None = None, kernel: str | None = None):
+    """The tile of ``kernel`` (default: this device's) at the template dim head_dim pads to: the first of its table
+    whose shared memory fits ``limit`` (default: this device's)."""
+    d = kernel_dim(head_dim, kernel)
+    if kernel_of(kernel) == "wgmma":
+        return pick_tiles(SM90_TILES, sm90_smem_bytes, d, limit)
+    return pick_tiles(TILES, smem_bytes, d, limit)
+
+
+def tiles(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> tuple[int, int]:
+    tile = config(head_dim)
+    return tile.block_q, tile.block_k
+
+
+def instance(ctype: str, d: int, tile, epilogue: str = "") -> str:
     epi = f", {epilogue}" if epilogue else ""
-    return f"fa2_fwd<{ctype}, {d}, {bm}, {bn}, {w}, {'true' if early else 'false'}{epi}>"
+    return (f"fa2_fwd<{ctype}, {d}, {tile.block_q}, {tile.block_k}, {tile.warps}, "
+            f"{'true' if tile.early_prefetch else 'false'}{epi}>")
 
 
-def sm90_instance(ctype: str, d: int, cfg) -> str:
-    return f"fa2_fwd_sm90<{ctype}, {d}, {cfg[1]}>"
+def sm90_instance(ctype: str, d: int, tile) -> str:
+    return f"fa2_fwd_sm90<{ctype}, {d}, {tile.block_k}>"
+
+
+def launch_of(dtype: str, head_dim: int, kernel: str | None = None, epilogue: str = "", tile=None) -> tuple:
+    """(source, instance, tile, dynamic shared memory) that a call of ``head_dim`` launches on ``kernel`` (default:
+    this device's; every split-KV partial on mma.sync, where PartialOut is instantiated); ``tile``: another tile
+    than the table's (a tile sweep's)."""
+    kernel = "mma_sync" if epilogue else kernel_of(kernel)
+    d = kernel_dim(head_dim, kernel)
+    if given_tile(tile, Tile if kernel == "wgmma" else Fa2Tile) is None:
+        tile = config(head_dim, kernel=kernel)
+    if kernel == "wgmma":
+        return SM90_SOURCE, sm90_instance(CTYPE[dtype], d, tile), tile, sm90_smem_bytes(d, tile)
+    return SOURCE, instance(CTYPE[dtype], d, tile, epilogue), tile, smem_bytes(d, tile)
 
 
 def specializations():
-    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs) + \
+    return tuple(instance(c, d, tile) for c in CTYPE.values() for d, cands in TILES.items() for tile in cands) + \
         tuple(instance(c, 64, TILES[64][0], "fav::PartialOut<64>") for c in CTYPE.values())
 
 
-SOURCES = {SM90_SOURCE: tuple(sm90_instance(c, d, cfg) for c in CTYPE.values()
-                              for d, cfgs in SM90_TILES.items() for cfg in cfgs),
+SOURCES = {SM90_SOURCE: tuple(sm90_instance(c, d, tile) for c in CTYPE.values()
+                              for d, cands in SM90_TILES.items() for tile in cands),
            PAD_SOURCE: PAD_INSTANCES}
 
 
@@ -107,27 +98,20 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
     return 0  # only the output and the LSE
 
 
-def plan(q, k, v, *, causal, softmax_scale, return_lse, kv_blocks=(0, None), epilogue="", kernel=None) -> FwdPlan:
+def plan(q, k, v, *, causal, softmax_scale, return_lse, kv_blocks=(0, None), epilogue="", kernel=None,
+         tile=None) -> FwdPlan:
     """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8.
     ``kv_blocks``/``epilogue``: a [begin, end) range of K/V blocks into a split-KV partial (PartialOut).
-    ``kernel``: "mma_sync" or "wgmma" instead of this device's choice (the benchmark times both on Hopper)."""
+    ``kernel``: "mma_sync" or "wgmma" instead of this device's choice (the benchmark times both on Hopper);
+    ``tile``: another tile than the table's."""
     import cupy
     b, nq, h, d = q.shape
-    wgmma = uses_wgmma() if kernel is None else kernel == "wgmma"
-    if wgmma and not epilogue:
-        D = template_dim(d, SM90_DIMS)
-        cfg = pick_tiles(SM90_TILES, sm90_smem_bytes, D)
-        kern = jit.kernel(SM90_SOURCE, sm90_instance(CTYPE[q.dtype.name], D, cfg))
-        smem = sm90_smem_bytes(D, cfg)
-    else:  # the mma.sync kernel (and every split-KV partial: PartialOut is instantiated there)
-        D = template_dim(d)
-        cfg = _config(D)
-        kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, cfg, epilogue))  # compiled on first use
-        smem = smem_bytes(D, cfg)
+    source, name, tile, smem = launch_of(q.dtype.name, d, kernel, epilogue, tile)
     check_grid(h, "heads")
     check_grid(b, "batch")
     out_strides = (nq * h * d, h * d, d)
-    return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=32 * cfg[2], smem=smem,
+    return FwdPlan(func=function_of(jit.kernel(source, name), smem), grid=(cdiv(nq, tile.block_q), h, b),
+                   block=32 * tile.warps, smem=smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
                                        out_strides=out_strides, kv_blocks=kv_blocks),
                    fmt="<8Q", out_shape=(b, nq, h, d), dtype=q.dtype,
@@ -160,7 +144,7 @@ def forward_partial(q, k, v, *, causal, softmax_scale, kv_blocks):
 
 def partial_block_k() -> int:
     """Keys per K/V block of forward_partial's kernel: the unit of its [begin, end) ranges."""
-    return _config(64)[1]
+    return config(64, kernel="mma_sync").block_k
 
 
 def merge_partials(parts, dtype):
@@ -186,11 +170,11 @@ def _sources():
             fa2_bwd_sm90.SOURCE: fa2_bwd_sm90.specializations()}
 
 
-def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
-    """fa2_bwd_sm90 (wgmma) where the forward runs on wgmma and it takes the head dim, else fa2_bwd (mma.sync;
-    FA_VARIANTS_FA2_KERNEL=mma_sync forces it, as it does the forward)."""
+def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, kernel=None):
+    """fa2_bwd_sm90 (wgmma) where the forward runs on wgmma and it takes the head dim, else fa2_bwd (mma.sync).
+    ``kernel``: "mma_sync" or "wgmma" instead of this device's choice, as ``plan``'s."""
     from . import fa2_bwd, fa2_bwd_sm90
-    mod = fa2_bwd_sm90 if uses_wgmma() and fa2_bwd_sm90.supports(q.shape[3]) else fa2_bwd
+    mod = fa2_bwd_sm90 if kernel_of(kernel) == "wgmma" and fa2_bwd_sm90.supports(q.shape[3]) else fa2_bwd
     return mod.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
 
 

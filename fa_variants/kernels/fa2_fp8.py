@@ -2,20 +2,22 @@
 K, V, then FA2 on e4m3 tensor cores. The quantized layout is what fa_variants.fp8.quantize returns.
 
 Two kernels of one algorithm: on sm_90 the e4m3 tensor cores are reached only through wgmma (ptxas emulates
-e4m3 mma.sync with f16 HMMA there), so Hopper runs fa2_fp8_fwd_sm90.cu and sm_89 runs fa2_fp8_fwd.cu.
-FA_VARIANTS_FP8_KERNEL=mma_sync runs the mma.sync kernel on Hopper too (to measure what wgmma buys)."""
+e4m3 mma.sync with f16 HMMA there), so Hopper runs fa2_fp8_fwd_sm90.cu and sm_89 runs fa2_fp8_fwd.cu. ``forward``
+and ``plan`` take ``kernel="mma_sync"`` to run the mma.sync kernel on Hopper too (what wgmma buys, measured). The
+tiles are fa_variants/tiles.py's."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import numpy as np
 
-from .. import gpu, jit
+from .. import jit
+from ..tiles import FA2_FP8_TILES, FA2_FP8_WGMMA_TILES, FP8_TEMPLATE_DIMS, Fp8WgmmaTile, Tile
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, ensure_vector_aligned,
-                     pad_last_dim, pick_tiles, plan_cache, scale_log2, template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, check_grid, choose_kernel,
+                     ensure_vector_aligned, given_tile, pad_last_dim, pick_tiles, plan_cache, scale_log2,
+                     template_dim, wgmma_device)
 from .launch import FwdPlan, _cupy, _torch, function_of, launch
 from .params import FP8_FWD, QUANT
 
@@ -23,90 +25,83 @@ SOURCE = "fa2_fp8_fwd.cu"
 SM90_SOURCE = "fa2_fp8_fwd_sm90.cu"
 QUANT_SOURCE = "fp8_quantize.cu"
 SOURCE_ARCHS = {SM90_SOURCE: ("sm_90a",)}  # wgmma exists only there
-QUANT_THREADS = 256  # quantize_qk_amax's CTA: 256 ran 1-14 % faster than 512 and 1024 (bench/devcheck.py --quant-threads)
+QUANT_THREADS = 256  # quantize_qk_amax's CTA: the fastest in bench/devcheck.py --quant-threads (docs/kernels/tiles.md)
 AMAX_ROWS = 128      # rows of V per amax chunk (one atomicMax per channel each)
 VT_THREADS = 256     # quantize_vt's CTA
 VT_KEYS = 128        # positions of V^T per quantize_vt CTA (its shared-memory swizzle needs 128) ...
 VT_CHANNELS = 128    # ... for at most this many channels (d = 256: two CTAs, registers as for d = 128)
 
-# head_dim -> (BM rows of Q per CTA = Q scale block, BN keys per block = K scale block, warps).
-# mma.sync: on sm_90 the emulation costs registers; these are the largest tiles that compile without spills for
-# both sm_89 and sm_90a (bench/NOTES.md).
-TILES = {64: [(128, 32, 4)], 128: [(64, 64, 4)], 256: [(128, 32, 8)]}
-# wgmma: two warpgroups of 64 rows; n128 key blocks where the O accumulator leaves room (d = 256: 128 of its
-# 214 registers are O, so n64). d = 64 fits two CTAs per SM with n64 blocks (102 registers): +6 % measured, while
-# at d = 128 that configuration spills and gains nothing (bench/NOTES.md). Optional 4th entry: CTAs per SM.
-SM90_TILES = {64: [(128, 64, 8, 2)], 128: [(128, 128, 8)], 256: [(128, 64, 8)]}
+TILES = FA2_FP8_TILES              # the mma.sync kernel's, by template head dim (fa_variants/tiles.py)
+SM90_TILES = FA2_FP8_WGMMA_TILES   # the wgmma kernel's
 
 
-def smem_bytes(d: int, cfg) -> int:
-    bm, bn = cfg[:2]
+def smem_bytes(d: int, tile) -> int:
+    bm, bn = tile.block_q, tile.block_k
     q = bm * (d // 2 + 8) * 2
     k = bn * (d // 2 + 8) * 2
     vt = d * (bn // 2 + 8) * 2
     return q + 2 * (k + vt)
 
 
-def sm90_smem_bytes(d: int, cfg) -> int:
-    bm, bn = cfg[:2]
-    return 1024 + bm * d + 3 * (bn * d + d * bn)  # unpadded swizzled tiles, three K/V stages, 1 KB for alignment
+def sm90_smem_bytes(d: int, tile) -> int:
+    # unpadded swizzled tiles, three K/V stages, 1 KB for alignment
+    return 1024 + tile.block_q * d + 3 * (tile.block_k * d + d * tile.block_k)
 
 
-def uses_wgmma() -> bool:
-    """Whether this device runs the wgmma kernel: sm_90 (and no device at all: the IO model describes the H200)."""
-    if os.environ.get("FA_VARIANTS_FP8_KERNEL", "").replace(".", "_") == "mma_sync":
-        return False
-    cc = gpu.compute_capability()
-    return cc is None or cc == 90
+uses_wgmma = wgmma_device  # whether this device runs the wgmma kernel (a GPU test patches it to run mma.sync)
 
 
-#: Head dims the fp8 kernels are instantiated for (wgmma's K-major e4m3 tiles need multiples of 64); any multiple
-#: of 16 up to 256 is quantized into rows of the next one up, its extra columns zero.
-FP8_TEMPLATE_DIMS = (64, 128, 256)
+def kernel_of(kernel: str | None = None) -> str:
+    """``kernel`` ("wgmma" or "mma_sync", checked), or the one this device runs where None."""
+    return choose_kernel(kernel, uses_wgmma())
 
 
 def fp8_template_dim(head_dim: int) -> int:
+    """The head dim the fp8 kernels run ``head_dim`` at (tiles.FP8_TEMPLATE_DIMS): any multiple of 16 up to 256 is
+    quantized into rows of the next one up, its extra columns zero."""
     return template_dim(head_dim, FP8_TEMPLATE_DIMS)
 
 
-def config(head_dim: int, limit=None):
-    """(BM, BN, warps) of the kernel this device runs, at the template dim head_dim pads to."""
-    D = fp8_template_dim(head_dim)
-    if uses_wgmma():
-        return pick_tiles(SM90_TILES, sm90_smem_bytes, D, limit)
-    return pick_tiles(TILES, smem_bytes, D, limit)
+def config(head_dim: int, limit: int | None = None, kernel: str | None = None):
+    """The tile of ``kernel`` (default: this device's) at the template dim head_dim pads to, the first of its table
+    whose shared memory fits ``limit`` (default: this device's)."""
+    d = fp8_template_dim(head_dim)
+    if kernel_of(kernel) == "wgmma":
+        return pick_tiles(SM90_TILES, sm90_smem_bytes, d, limit)
+    return pick_tiles(TILES, smem_bytes, d, limit)
 
 
-def tiles(head_dim: int, limit=None):
-    return config(head_dim, limit)[:2]
+def tiles(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> tuple[int, int]:
+    tile = config(head_dim)
+    return tile.block_q, tile.block_k
 
 
-def instance(ctype: str, d: int, cfg) -> str:
-    bm, bn, w = cfg
-    return f"fa2_fp8_fwd<{ctype}, {d}, {bm}, {bn}, {w}>"
+def instance(ctype: str, d: int, tile) -> str:
+    return f"fa2_fp8_fwd<{ctype}, {d}, {tile.block_q}, {tile.block_k}, {tile.warps}>"
 
 
-def sm90_instance(ctype: str, d: int, cfg) -> str:
-    bm, bn, w, *rest = cfg  # an optional 4th entry: CTAs per SM the registers are capped for (default 1)
-    return f"fa2_fp8_fwd_sm90<{ctype}, {d}, {bn}, {w // 4}, {rest[0] if rest else 1}>"
+def sm90_instance(ctype: str, d: int, tile) -> str:
+    return f"fa2_fp8_fwd_sm90<{ctype}, {d}, {tile.block_k}, {tile.warps // 4}, {tile.ctas_per_sm}>"
 
 
-def quant_instances(ctype: str, d: int, cfg, threads: int = QUANT_THREADS):
-    """The two quantizer kernels for a kernel of tiles ``cfg`` (its BM and BN are Q's and K's scale blocks)."""
-    bm, bn = cfg[:2]
+def quant_instances(ctype: str, d: int, tile, threads: int = QUANT_THREADS):
+    """The two quantizer kernels for a kernel of ``tile`` (its BM and BN are Q's and K's scale blocks)."""
+    bm, bn = tile[:2]
     return (f"quantize_qk_amax<{ctype}, {d}, {bm}, {bn}, {AMAX_ROWS}, {threads}>",
             f"quantize_vt<{ctype}, {d}, {VT_KEYS}, {min(d, VT_CHANNELS)}, {VT_THREADS}>")
 
 
 def specializations():
-    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in TILES.items() for cfg in cfgs)
+    return tuple(instance(c, d, tile) for c in CTYPE.values() for d, cands in TILES.items() for tile in cands)
 
 
 SOURCES = {
     PAD_SOURCE: PAD_INSTANCES,
-    SM90_SOURCE: tuple(sm90_instance(c, d, cfg) for c in CTYPE.values() for d, cfgs in SM90_TILES.items() for cfg in cfgs),
+    SM90_SOURCE: tuple(sm90_instance(c, d, tile) for c in CTYPE.values() for d, cands in SM90_TILES.items()
+                       for tile in cands),
     QUANT_SOURCE: tuple(dict.fromkeys(e for c in CTYPE.values() for table in (TILES, SM90_TILES)
-                                      for d, cfgs in table.items() for cfg in cfgs for e in quant_instances(c, d, cfg))),
+                                      for d, cands in table.items() for tile in cands
+                                      for e in quant_instances(c, d, tile))),
 }
 
 
@@ -114,7 +109,7 @@ def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv
     """The e4m3 copies of Q, K and V^T (padded) and their scales, when quantizing on the fly for the kernel whose
     (BM, BN) ``tiles_of(head_dim)`` gives (default: this device's fa2_fp8 kernel's)."""
     heads_kv = heads if heads_kv is None else heads_kv
-    bm, bn = (tiles_of or tiles)(head_dim)
+    bm, bn = (tiles_of or tiles)(head_dim)[:2]
     D = fp8_template_dim(head_dim)  # quantized rows are the template dim wide
     nk_pad = cdiv(seqlen_k, bn) * bn
     return (batch * D * (heads * seqlen_q + heads_kv * (seqlen_k + nk_pad))
@@ -320,35 +315,41 @@ def plan_key(qz: dict, causal: bool, softmax_scale: float, return_lse: bool) -> 
             tuple(qz["tiles"]), causal, softmax_scale, return_lse, cupy.cuda.runtime.getDevice())
 
 
-def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:
-    """The launch of FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be this device's: checked).
-    Its pointers are q, k, vt, sq, sk, sv, out, lse (params.FP8_FWD)."""
-    key = plan_key(qz, causal, softmax_scale, return_lse) + (uses_wgmma(),)
-    return cached_plan(_PLANS, key, lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale,
-                                                  return_lse=return_lse))
+def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, kernel: str | None = None,
+         tile=None) -> FwdPlan:
+    """The launch of FA2 on e4m3 operands prepared by ``quantize`` (their tiles must be the kernel's: checked).
+    Its pointers are q, k, vt, sq, sk, sv, out, lse (params.FP8_FWD). ``kernel``: "mma_sync" or "wgmma" instead
+    of this device's choice (operands quantized with that kernel's ``config``); ``tile``: another tile than the
+    table's (the operands quantized for it)."""
+    kernel = kernel_of(kernel)
+    return cached_plan(_PLANS, plan_key(qz, causal, softmax_scale, return_lse) + (kernel, tile),
+                       lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                     kernel=kernel, tile=tile))
 
 
-def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> FwdPlan:
+def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, kernel: str, tile=None) -> FwdPlan:
     import cupy
     b, h, nq, D = qz["q"].shape
     d = qz["head_dim"]
     hkv = qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
-    cfg = config(d)
-    if tuple(qz["tiles"]) != tuple(cfg):
-        raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, this GPU uses {cfg}; quantize again")
+    if given_tile(tile, Fp8WgmmaTile if kernel == "wgmma" else Tile) is None:
+        tile = config(d, kernel=kernel)
+    if tuple(qz["tiles"]) != tuple(tile):
+        raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, the {kernel} kernel uses "
+                         f"{tuple(tile)}; quantize again")
     ctype = CTYPE[np.dtype(qz["out_dtype"]).name]
-    if uses_wgmma():
-        kern, smem = jit.kernel(SM90_SOURCE, sm90_instance(ctype, D, cfg)), sm90_smem_bytes(D, cfg)
+    if kernel == "wgmma":
+        kern, smem = jit.kernel(SM90_SOURCE, sm90_instance(ctype, D, tile)), sm90_smem_bytes(D, tile)
     else:
-        kern, smem = jit.kernel(SOURCE, instance(ctype, D, cfg)), smem_bytes(D, cfg)
+        kern, smem = jit.kernel(SOURCE, instance(ctype, D, tile)), smem_bytes(D, tile)
     check_grid(h, "heads")
     check_grid(b, "batch")
     template = FP8_FWD.pack(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d,
                             batch=b, seqlen_q=nq, seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
                             scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)), heads_kv=hkv)
-    return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, cfg[0]), h, b), block=32 * cfg[2], smem=smem,
-                   template=template, fmt=FP8_FWD.pointers_format, out_shape=(b, nq, h, d),
+    return FwdPlan(func=function_of(kern, smem), grid=(cdiv(nq, tile.block_q), h, b), block=32 * tile.warps,
+                   smem=smem, template=template, fmt=FP8_FWD.pointers_format, out_shape=(b, nq, h, d),
                    dtype=np.dtype(qz["out_dtype"]), lse_shape=(b, h, nq) if return_lse else None, ws_rows=0,
                    ws_cols=0, device=cupy.cuda.Device().id)
 
@@ -364,14 +365,18 @@ def run_quantized(p: FwdPlan, qz: dict):
     return out, lse
 
 
-def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool):
-    """FA2 on e4m3 operands prepared by ``quantize``."""
-    return run_quantized(plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse), qz)
+def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool,
+                        kernel: str | None = None):
+    """FA2 on e4m3 operands prepared by ``quantize`` (``kernel``: as ``plan``'s)."""
+    return run_quantized(plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, kernel=kernel),
+                         qz)
 
 
-def forward(q, k, v, *, causal, softmax_scale, return_lse):
-    qz = quantize(q, k, v)
-    return attention_quantized(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+def forward(q, k, v, *, causal, softmax_scale, return_lse, kernel: str | None = None):
+    """Quantize q, k, v and attend. ``kernel``: "mma_sync" or "wgmma" instead of this device's choice (the FP8
+    study and devcheck compare the two on Hopper)."""
+    qz = quantize(q, k, v, config(q.shape[3], kernel=kernel))
+    return attention_quantized(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, kernel=kernel)
 
 
 LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), **SOURCES}, forward_fn=forward,

@@ -1,86 +1,52 @@
-"""Launcher of cuda_src/fa3_fwd.cu (FlashAttention-3 forward, sm_90a only): tiles per template head dim, TMA
-tensor maps (kernels/tma.py), grid (Q block, head, batch), a producer warpgroup and BM / 64 consumer warpgroups,
+"""Launcher of cuda_src/fa3_fwd.cu (FlashAttention-3 forward, sm_90a only): TMA tensor maps (kernels/tma.py), a
+producer warpgroup and BM / 64 consumer warpgroups, one CTA per (Q block, head, batch) tile or the persistent grid,
 and the launch plan of one call signature.
 
-A plan keeps the three tensor maps encoded for the call signature and patches this call's addresses into them,
-so a warm call is still one cuLaunchKernel (with four parameters: the maps of q, k and v, and FwdParams).
-``plan(..., pingpong=False)`` / ``overlap=False`` run the ablation's instances (bench/ablation.py).
+What a call launches (its tile from fa_variants/tiles.py, grid, shared memory, split last wave) is ``launch_of``, a
+function of the shapes alone; ``plan`` adds what needs the GPU. A plan keeps the tensor maps encoded for the call
+signature and patches this call's addresses into them, so a warm call is still one cuLaunchKernel (with the maps
+of q, k, v and out, FwdParams and the persistent grid's tile counter). ``plan(..., pingpong=False)`` /
+``overlap=False`` run the FA3 ablation's instances (bench/ablation.py).
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import struct
 
 import numpy as np
 
 from .. import jit
+from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, Fa3Tile, fa3_instances, fa3_template_dim, fa3_tile
 from . import KernelLauncher
-from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, sm_count,
-                     template_dim)
+from .common import (CTYPE, PAD_INSTANCES, PAD_SOURCE, SM90_SMEM, cdiv, forward_via_plan, fwd_params, given_tile,
+                     sm_count)
 from .launch import _cupy, _torch, function_of, launch_argv
 from .params import FWD
 from .tma import MapTemplate
 
 SOURCE = "fa3_fwd.cu"
 ARCHS = ("sm_90a",)
-# template head_dim -> [(BM query rows = 64 per consumer warpgroup, BN keys per K/V block, K/V ring stages,
-# ping-pong on, persistent grid on)], the first being used (devcheck.py --tiles swaps it for a sweep:
-# 'fa3:64=192,128,2,1,0'). Wide key
-# blocks amortize each block's fixed work (barrier waits, row max, O rescale) where O (D / 2 registers a thread)
-# leaves room for S, P and the next S: n176 at d = 128 (FA3's tile), n80 at d = 256 (O takes 128; two stages of
-# K and V at n80 are 224 KB of the 227). d = 64: three consumers (BM = 192) keep the tensor cores fed where a
-# block's GEMMs are short next to its softmax. Chosen by the sweeps in bench/NOTES.md (wgmma_n.cuh: n80, n176).
-TILES = {64: [(192, 128, 2, 1, 0)], 128: [(128, 176, 2, 1, 0)], 256: [(128, 80, 2, 1, 0)]}
-DIMS = tuple(TILES)
-# The persistent grid (one CTA per SM taking tiles from a counter) against one CTA per tile, by template dim, as
-# (causal, non-causal): it wins up to this seqlen_k (short tiles: the next tile's loads hide under this one's end
-# instead of a new CTA's start; d 64 N 1K +12 %, N 2K +7 %; bench/RESULTS.md, fourth session). Non-causal at every
-# length since its tiles pipeline across tiles (PERSISTENT_TILES, tenth session) and its last wave is split: d 128
-# N 8K +1.5 %, 16K +5 % over the persistent grid unsplit, which was level with one CTA per tile; d 64 N 16K +5 % over
-# one CTA per tile (fourteenth session). Causal d 64 at every length too: at N 16K it lost 1-5 % in the fourth
-# session, and won +1.1 % (bf16) / +0.7 % (fp16) in three alternating rounds of the twenty-second, with the
-# cross-tile pipeline since. A tile table entry's own flag (a sweep's) overrides it.
-PERSISTENT_UP_TO = {64: (1 << 30, 1 << 30), 128: (1 << 30, 1 << 30), 256: (0, 0)}
-# Where the persistent grid runs at d 128 (non-causal), 160-key blocks: with them a second Q buffer fits beside
-# the ring, so the grid pipelines across tiles (fa3_fwd.cu's CROSS; 176 does not fit): +2-4 % over one CTA per
-# tile at N 2K-4K, level at 8K-16K (bench/NOTES.md, tenth session).
-PERSISTENT_TILES = {128: (128, 160, 2, 1, 1)}
-# Causal rows' own tiles where they differ (FA3's choice too): at d 128, 128-key blocks waste less of the diagonal
-# block than 176 and measured +4 % at N 2K, +2 % at N 4K (bench/RESULTS.md, fourth session); on the persistent
-# grid at every length (its heavy-first order and the cross-tile pipeline: +1-3 % at N 4K-16K, tenth session).
-# A sweep of causal shapes overrides this table ('fa3.CAUSAL_TILES:128=...'), not TILES.
-CAUSAL_TILES = {128: [(128, 128, 2, 1, 1)]}
-# Causal calls up to a seqlen_k take these tiles instead: at d 256, 64-key blocks up to N 2K, where the consumers
-# skip the diagonal blocks their own rows do not see and 64 keys leave less masked work than 80 (+1.7 % at
-# N 2K, level at 4K, -1 % at 8K; bench/NOTES.md, eleventh session).
-CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2, 1, 0))}
-# Non-causal calls up to a seqlen_k take these: at N 1K, 160-key blocks leave 64 keys in a tile's 7th block, which
-# runs at 128 (TAIL_BN); 128-key blocks leave none (d 128 on the persistent grid: +4.0 % bf16, +4.6 % fp16 at N 1K,
-# -0.6 % at 2K). d 256 at N 1K: 64-key blocks, none left, against 80 with 64 keys in the 13th block (+1.2-1.5 %;
-# level at 2K; bench/NOTES.md, fifteenth session).
-SHORT_TILES = {128: (1024, (128, 128, 2, 1, 1)), 256: (1024, (128, 64, 2, 1, 0))}
-# The persistent grid's last wave spread over every SM (fa3_fwd.cu's SPLIT, where O leaves by TMA; non-causal,
-# whose tiles are equal): the last tiles % CTAs tiles, cut along their K/V blocks into one range per CTA, each tile
-# into at most MAX_PIECES pieces, where the last wave leaves at least 1 / 8 of the SMs idle and a tile has at least
-# SPLIT_MIN_BLOCKS blocks (a piece has a fixed cost: its first S alone, its partial's round trip; at d 128 N 2K, 13
-# blocks, the split lost 1 %, at N 4K-16K it gained 1-5 %: bench/NOTES.md, fourteenth session).
-# FA_VARIANTS_FA3_SPLIT=0 turns it off, 1 on wherever it can run (the GPU tests' small shapes).
+
+# The persistent grid's last wave spread over every SM (fa3_fwd.cu's SPLIT, where O leaves by TMA; non-causal, whose
+# tiles are equal): the last tiles % CTAs tiles, cut along their K/V blocks into one range per CTA, each tile into
+# at most MAX_PIECES pieces, where the last wave leaves at least 1 / 8 of the SMs idle and a tile has at least
+# SPLIT_MIN_BLOCKS blocks: a piece has a fixed cost (its first S alone, its partial's round trip) that a tile of
+# fewer blocks does not win back (docs/kernels/tiles.md).
 MAX_PIECES = 4
 SPLIT_MIN_BLOCKS = 20
 
 
-def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: bool) -> tuple:
+def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: bool, split: bool | None = None) -> tuple:
     """(tail_tiles, tail_blocks, tail_ranges) of FwdParams: the last wave's tiles and the ranges of K/V blocks
-    they are cut into, or (0, 0, 0) for no split."""
-    flag = os.environ.get("FA_VARIANTS_FA3_SPLIT", "").strip()
-    if flag not in ("", "0", "1"):
-        raise ValueError(f"FA_VARIANTS_FA3_SPLIT must be 0 or 1, got {flag!r}")
-    if causal or not tma_out or flag == "0" or (flag == "" and kv_blocks < SPLIT_MIN_BLOCKS):
+    they are cut into, or (0, 0, 0) for no split. ``split`` None: where it pays (the thresholds above); True:
+    wherever the kernel can run it (the GPU tests' small shapes); False: never."""
+    if split is not None and not isinstance(split, bool):
+        raise TypeError(f"split must be None, True or False, got {split!r}")
+    if causal or not tma_out or split is False or (split is None and kv_blocks < SPLIT_MIN_BLOCKS):
         return (0, 0, 0)
     last = tiles % ctas
-    if tiles <= ctas or last == 0 or (flag == "" and 8 * last > 7 * ctas):
+    if tiles <= ctas or last == 0 or (split is None and 8 * last > 7 * ctas):
         return (0, 0, 0)
     blocks = max(cdiv(last * kv_blocks, ctas), cdiv(kv_blocks, MAX_PIECES))
     if blocks >= kv_blocks:
@@ -88,10 +54,10 @@ def tail_split(tiles: int, ctas: int, kv_blocks: int, causal: bool, tma_out: boo
     return (last, blocks, cdiv(last * kv_blocks, blocks))
 
 
-def workspace_bytes(d: int, cfg, tail: tuple) -> int:
+def workspace_bytes(d: int, tile: Fa3Tile, tail: tuple) -> int:
     """The split tail's partials: per consumer thread D / 8 float4 of O and one of m and l; per range at most two
     pieces."""
-    return tail[2] * 2 * (cfg[0] // 64) * 128 * (d // 8 + 1) * 16
+    return tail[2] * 2 * tile.consumers * 128 * (d // 8 + 1) * 16
 
 
 def out_map(ptr: int, b: int, nq: int, h: int, d: int) -> MapTemplate:
@@ -125,43 +91,9 @@ def split_workspace(device: int, stream: int, nbytes: int) -> int:
     return _stream_buffer(_WORKSPACES, device, stream, nbytes)
 
 
-# The FA3 paper's ablation (Table 2) at d = 128: instances with ping-pong and/or the intra-warpgroup overlap off.
-ABLATION_DIM = 128
+# The FA3 paper's ablation (Table 2): instances with ping-pong and/or the intra-warpgroup overlap off, at
+# FA3_ABLATION_DIM on FA3_ABLATION_TILE.
 ABLATIONS = ((False, True), (True, False), (False, False), (True, True))  # (pingpong, overlap)
-
-
-def as_persistent(d: int, cfg, causal: bool = False) -> tuple:
-    """A tile table entry as the persistent grid runs it: itself if it is a persistent entry already, else
-    PERSISTENT_TILES' entry where there is one."""
-    if persistent(cfg):
-        return tuple(cfg)
-    if not causal and d in PERSISTENT_TILES:
-        return tuple(PERSISTENT_TILES[d])
-    return tuple(cfg[:4]) + (1,)
-
-
-def config(d: int, seqlen_k: int | None = None, causal: bool = False):
-    """The tile table's first entry at template dim d (CAUSAL_TILES' for causal calls; CAUSAL_SHORT_TILES' or
-    SHORT_TILES' up to their seqlen_k), run on the persistent grid
-    (as_persistent) up to PERSISTENT_UP_TO[d] (its causal or its non-causal limit) unless the entry sets its flag;
-    FA_VARIANTS_FA3_PERSISTENT=0 or 1 forces either grid (call fav.clear_plans() after changing it)."""
-    entry = (CAUSAL_TILES if causal and d in CAUSAL_TILES else TILES)[d][0]
-    short = (CAUSAL_SHORT_TILES if causal else SHORT_TILES).get(d)
-    if short and seqlen_k is not None and seqlen_k <= short[0]:
-        entry = short[1]
-    cfg = tuple(entry) + (0,) * (5 - len(entry))
-    flag = os.environ.get("FA_VARIANTS_FA3_PERSISTENT", "").strip()
-    if flag:
-        if flag not in ("0", "1"):
-            raise ValueError(f"FA_VARIANTS_FA3_PERSISTENT must be 0 or 1, got {flag!r}")
-        return as_persistent(d, cfg, causal) if flag == "1" else cfg[:4] + (0,)
-    if seqlen_k is not None and not cfg[4] and seqlen_k <= PERSISTENT_UP_TO[d][0 if causal else 1]:
-        return as_persistent(d, cfg, causal)
-    return cfg
-
-
-def threads(cfg) -> int:
-    return 128 * (1 + cfg[0] // 64)
 
 
 def _bars(stages: int) -> int:
@@ -169,69 +101,93 @@ def _bars(stages: int) -> int:
     return 8 * (8 + 4 * stages) + 8
 
 
-def _layout_bytes(d: int, cfg, itemsize: int, q_bufs: int) -> int:
+def _layout_bytes(d: int, tile: Fa3Tile, itemsize: int, q_bufs: int) -> int:
     # alignment, the Q buffers, the K/V ring (fp8: K and V^T, one byte an element), the mbarriers and tile slots
-    bm, bn, stages = cfg[:3]
-    return 1024 + q_bufs * bm * itemsize * d + stages * 2 * bn * itemsize * d + _bars(stages)
+    return 1024 + q_bufs * tile.block_q * itemsize * d + tile.stages * 2 * tile.block_k * itemsize * d + \
+        _bars(tile.stages)
 
 
-def q_buffers(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
+def q_buffers(d: int, tile: Fa3Tile, itemsize: int = 2, overlap: bool = True) -> int:
     """Q buffers of an instance: two where the persistent grid pipelines across tiles (fa3_fwd.cu's CROSS: the
     intra-warpgroup overlap on and a second Q buffer fits in sm_90's opt-in shared memory, tma.cuh's
     MAX_DYNAMIC_SMEM), else one. The kernel decides the same way and traps if given less than its layout needs."""
-    return 2 if persistent(cfg) and overlap and _layout_bytes(d, cfg, itemsize, 2) <= SM90_SMEM else 1
+    return 2 if tile.persistent and overlap and _layout_bytes(d, tile, itemsize, 2) <= SM90_SMEM else 1
 
 
-def o_buffer_bytes(d: int, cfg) -> int:
+def o_buffer_bytes(d: int, tile: Fa3Tile) -> int:
     """fa3_fp8's O buffer: BM rows of 16-bit O (twice Q's e4m3 rows, so O cannot go out through Q's buffer)."""
-    return cfg[0] * 2 * d
+    return tile.block_q * 2 * d
 
 
-def stores_o_by_tma(d: int, cfg, overlap: bool = True, itemsize: int = 2) -> bool:
+def stores_o_by_tma(d: int, tile: Fa3Tile, overlap: bool = True, itemsize: int = 2) -> bool:
     """Whether an instance stores O by TMA (fa3_fwd.cu's TMA_OUT: where the persistent grid pipelines across
     tiles; 16-bit O over its Q buffers, fa3_fp8's through a buffer of its own where that fits too); it then takes
     a tensor map of the output."""
-    if q_buffers(d, cfg, itemsize, overlap) != 2:
+    if q_buffers(d, tile, itemsize, overlap) != 2:
         return False
-    return itemsize == 2 or _layout_bytes(d, cfg, itemsize, 2) + o_buffer_bytes(d, cfg) <= SM90_SMEM
+    return itemsize == 2 or _layout_bytes(d, tile, itemsize, 2) + o_buffer_bytes(d, tile) <= SM90_SMEM
 
 
-def smem_bytes(d: int, cfg, itemsize: int = 2, overlap: bool = True) -> int:
+def smem_bytes(d: int, tile: Fa3Tile, itemsize: int = 2, overlap: bool = True) -> int:
     """Alignment, the Q buffers, fa3_fp8's O buffer, the K/V ring (fp8: K and V^T, one byte an element), the
     mbarriers and the persistent grid's two tile slots."""
-    o_buf = o_buffer_bytes(d, cfg) if itemsize == 1 and stores_o_by_tma(d, cfg, overlap, itemsize) else 0
-    return _layout_bytes(d, cfg, itemsize, q_buffers(d, cfg, itemsize, overlap)) + o_buf
+    o_buf = o_buffer_bytes(d, tile) if itemsize == 1 and stores_o_by_tma(d, tile, overlap, itemsize) else 0
+    return _layout_bytes(d, tile, itemsize, q_buffers(d, tile, itemsize, overlap)) + o_buf
 
 
-def tiles(head_dim, limit=None):
-    return config(template_dim(head_dim, DIMS))[:2]
+def tiles(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> tuple[int, int]:
+    """(BM, BN) that a call launches (tiles.fa3_tile): what the IO model is run with."""
+    tile = fa3_tile(head_dim, seqlen_k, causal)
+    return tile.block_q, tile.block_k
 
 
-def causal_tiles(head_dim):
-    return config(template_dim(head_dim, DIMS), causal=True)[:2]
-
-
-def instance(ctype: str, d: int, pingpong: bool | None = None, overlap: bool = True, cfg=None,
+def instance(ctype: str, d: int, tile: Fa3Tile, *, pingpong: bool | None = None, overlap: bool = True,
              fp8: bool = False) -> str:
-    cfg = config(d) if cfg is None else tuple(cfg) + (0,) * (5 - len(cfg))
-    bm, bn, stages, pp, pers = cfg
-    pingpong = bool(pp) if pingpong is None else pingpong
+    """The fa3_fwd template instance of ``tile`` at template dim ``d`` (``pingpong`` None: the tile's)."""
+    pingpong = tile.pingpong if pingpong is None else pingpong
     fp8_arg = ", true" if fp8 else ""  # the 16-bit instances keep their names (and cache keys)
-    return (f"fa3_fwd<{ctype}, {d}, {bn}, {stages}, {str(pingpong).lower()}, {str(overlap).lower()}, "
-            f"{bm // 64}, {str(bool(pers)).lower()}{fp8_arg}>")
+    return (f"fa3_fwd<{ctype}, {d}, {tile.block_k}, {tile.stages}, {str(bool(pingpong)).lower()}, "
+            f"{str(overlap).lower()}, {tile.consumers}, {str(bool(tile.persistent)).lower()}{fp8_arg}>")
 
 
-def persistent(cfg) -> bool:
-    """Whether a tile configuration (BM, BN, stages, ping-pong[, persistent]) runs the persistent grid."""
-    return len(cfg) > 4 and bool(cfg[4])
+@dataclasses.dataclass(frozen=True)
+class Fa3Launch:
+    """What a call launches, decided from its shapes alone (``launch_of``, no GPU): ``plan`` adds the tensor maps,
+    the parameter struct and the CUfunction."""
+    dim: int          # the template head dim
+    tile: Fa3Tile
+    instance: str     # the fa3_fwd template instance
+    ctas: int         # one per (Q block, head, batch) tile, or on the persistent grid at most one per SM
+    smem: int         # dynamic shared memory, bytes
+    tma_out: bool     # O stored by TMA: the kernel takes a tensor map of the output
+    tail: tuple       # the split last wave (tail_split), (0, 0, 0) for none
+    workspace: int    # bytes of the split tail's partials, per stream
 
 
-def grid(nq: int, heads: int, batch: int, cfg) -> tuple:
-    """One CTA per (Q block, head, batch) tile, or with the persistent grid one per SM (at most one per tile)."""
-    tiles = cdiv(nq, cfg[0]) * heads * batch
-    if persistent(cfg):
-        tiles = min(tiles, sm_count())
-    return (tiles, 1, 1)
+def launch_of(dtype: str, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
+              sms: int, fp8: bool = False, pingpong: bool | None = None, overlap: bool = True,
+              split: bool | None = None, tile: Fa3Tile | None = None) -> Fa3Launch:
+    """The launch of fa3 (``fp8``: fa3_fp8) for one call signature: q of (batch, seqlen_q, heads, head_dim) in
+    ``dtype`` (fa3_fp8: its output's), ``seqlen_k`` keys, on ``sms`` SMs. The tile is the table's
+    (tiles.fa3_tile), or ``tile`` (a tile sweep's); ``pingpong`` False/True and ``overlap=False`` run the FA3
+    ablation's instances, on tiles.FA3_ABLATION_TILE, one CTA per tile at every length; ``split``: tail_split's."""
+    d = fa3_template_dim(head_dim)
+    ablation = pingpong is not None or not overlap
+    if ablation and (fp8 or d != FA3_ABLATION_DIM):
+        raise ValueError(f"the ablation instances exist for 16-bit head_dim {FA3_ABLATION_DIM} only, got "
+                         f"{'fp8 ' if fp8 else ''}head_dim {head_dim}")
+    if given_tile(tile, Fa3Tile) is None:
+        tile = FA3_ABLATION_TILE if ablation else fa3_tile(head_dim, seqlen_k, causal, fp8)
+    itemsize = 1 if fp8 else 2
+    tiles = cdiv(seqlen_q, tile.block_q) * heads * batch
+    if tiles >= 2**31:
+        raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
+    ctas = min(tiles, sms) if tile.persistent else tiles
+    tma_out = stores_o_by_tma(d, tile, overlap, itemsize)
+    tail = tail_split(tiles, ctas, cdiv(seqlen_k, tile.block_k), causal, tma_out, split)
+    return Fa3Launch(dim=d, tile=tile, ctas=ctas, smem=smem_bytes(d, tile, itemsize, overlap), tma_out=tma_out,
+                     instance=instance(CTYPE[dtype], d, tile, pingpong=pingpong, overlap=overlap, fp8=fp8),
+                     tail=tail, workspace=workspace_bytes(d, tile, tail))
 
 
 _COUNTERS: dict = {}  # (device, stream) -> Memory on that device: the persistent grid's counter pair, then the
@@ -247,13 +203,10 @@ def tile_counter(device: int, stream: int) -> int:
 
 
 def specializations():
-    grids = lambda d, cfg, causal: (cfg[:4] + (0,), as_persistent(d, cfg, causal))  # noqa: E731
-    cfgs = [(d, config(d, causal=causal), causal) for d in DIMS for causal in (False, True)]
-    cfgs += [(d, config(d, 1, causal=c), c) for c, table in ((True, CAUSAL_SHORT_TILES), (False, SHORT_TILES))
-             for d in table]
-    main = tuple(dict.fromkeys(instance(c, d, cfg=g) for c in CTYPE.values() for d, cfg, causal in cfgs
-                               for g in grids(d, cfg, causal)))
-    ablation = tuple(instance(c, ABLATION_DIM, pp, ov) for c in CTYPE.values() for pp, ov in ABLATIONS)
+    """Every instance a call can launch (tiles.fa3_instances), then the ablation's."""
+    main = tuple(instance(c, d, tile) for c in CTYPE.values() for d, tile in fa3_instances())
+    ablation = tuple(instance(c, FA3_ABLATION_DIM, FA3_ABLATION_TILE, pingpong=pp, overlap=ov)
+                     for c in CTYPE.values() for pp, ov in ABLATIONS)
     return main + tuple(e for e in dict.fromkeys(ablation) if e not in main)
 
 
@@ -312,37 +265,26 @@ class Fa3Plan:
         return out, lse
 
 
-def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = None,
-         overlap: bool = True) -> Fa3Plan:
-    """The launch of one call signature, for aligned CuPy q, k, v whose head dim is a multiple of 8.
-    ``pingpong`` None: the tile table's choice; False/True and ``overlap=False``: the ablation's instances."""
+def plan(q, k, v, *, causal, softmax_scale, return_lse, pingpong: bool | None = None, overlap: bool = True,
+         split: bool | None = None, tile: Fa3Tile | None = None) -> Fa3Plan:
+    """The launch of one call signature (``launch_of``), for aligned CuPy q, k, v whose head dim is a multiple
+    of 8. ``pingpong``/``overlap``: the ablation's instances; ``split``: the split last wave forced on or off;
+    ``tile``: another tile than the table's."""
     import cupy
     b, nq, h, d = q.shape
-    D = template_dim(d, DIMS)
-    ablation = pingpong is not None or not overlap
-    if ablation and D != ABLATION_DIM:
-        raise ValueError(f"the ablation instances exist at head_dim {ABLATION_DIM} only, got {d}")
-    # the ablation's instances run one CTA per tile, at every length: the paper's levers on the plain grid
-    cfg = config(D) if ablation else config(D, k.shape[1], causal)
-    smem = smem_bytes(D, cfg, overlap=overlap)
-    kern = jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], D, pingpong, overlap, cfg))
+    at = launch_of(q.dtype.name, batch=b, heads=h, seqlen_q=nq, seqlen_k=k.shape[1], head_dim=d, causal=causal,
+                   sms=sm_count(), pingpong=pingpong, overlap=overlap, split=split, tile=tile)
     maps = tuple(MapTemplate(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
-                 for a, rows, name in ((q, cfg[0], "q"), (k, cfg[1], "k"), (v, cfg[1], "v")))
-    tma_out = stores_o_by_tma(D, cfg, overlap)
-    if tma_out:
+                 for a, rows, name in ((q, at.tile.block_q, "q"), (k, at.tile.block_k, "k"), (v, at.tile.block_k, "v")))
+    if at.tma_out:
         maps += (out_map(q.data.ptr, b, nq, h, d),)
-    tiles = cdiv(nq, cfg[0]) * h * b
-    if tiles >= 2**31:
-        raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
-    ctas = grid(nq, h, b, cfg)
-    tail = tail_split(tiles, ctas[0], cdiv(k.shape[1], cfg[1]), causal, tma_out)
-    return Fa3Plan(func=function_of(kern, smem), grid=ctas, block=threads(cfg), smem=smem,
+    return Fa3Plan(func=function_of(jit.kernel(SOURCE, at.instance), at.smem), grid=(at.ctas, 1, 1),
+                   block=at.tile.threads, smem=at.smem,
                    template=fwd_params(q, k, v, head_dim=d, causal=causal, softmax_scale=softmax_scale,
-                                       out_strides=(nq * h * d, h * d, d), tail=tail),
-                   workspace=workspace_bytes(D, cfg, tail),
-                   fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d), dtype=q.dtype,
-                   lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
-                   persistent=persistent(cfg))
+                                       out_strides=(nq * h * d, h * d, d), tail=at.tail),
+                   workspace=at.workspace, fmt=FWD.pointers_format, maps=maps, out_shape=(b, nq, h, d),
+                   dtype=q.dtype, lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
+                   persistent=at.tile.persistent)
 
 
 def forward(q, k, v, *, causal, softmax_scale, return_lse):
@@ -350,5 +292,5 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
 
 
 LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES},
-                          forward_fn=forward, tiles_fn=tiles, causal_tiles_fn=causal_tiles, extra_bytes_fn=extra_bytes,
-                          source_archs={SOURCE: ARCHS}, plan_fn=plan)
+                          forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes, source_archs={SOURCE: ARCHS},
+                          plan_fn=plan)

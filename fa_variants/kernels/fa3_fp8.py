@@ -12,48 +12,36 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
+from ..tiles import Fa3Tile, fa3_instances, fa3_tile
 from . import KernelLauncher
 from . import fa2_fp8, fa3
-from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, cdiv, plan_cache, scale_log2
+from .common import CTYPE, PAD_INSTANCES, PAD_SOURCE, cached_plan, given_tile, plan_cache, scale_log2, sm_count
 from .launch import function_of
 from .params import FA3_FP8_FWD, FP8_FWD
 from .tma import MapTemplate, slab_bytes
 
 SOURCE = fa3.SOURCE
 ARCHS = fa3.ARCHS
-DIMS = fa2_fp8.FP8_TEMPLATE_DIMS
-# template head_dim -> [(BM = 64 per consumer warpgroup, BN keys per block, stages, ping-pong, persistent)], the
-# first used. BM is Q's scale block and BN K's (fa2_fp8's quantizers take them). e4m3 halves the shared memory and
-# the P fragments of fa3's tiles; S (BN / 2 fp32 registers a thread) and O (D / 2) stay. d 64 on the persistent
-# grid: +6-8 % at N 4K and 16K (bench/RESULTS.md, fourth session). d 128 too since O leaves it by TMA from a buffer
-# of its own and its last wave is split (fa3_fwd.cu's TMA_OUT, SPLIT): +4-5 % at N 4K-16K, +1.4 % causal (d 64 +1-4 %;
-# bench/NOTES.md, eighteenth session); d 256 has no room for that buffer and runs one CTA per tile.
-# d 128 with 192-key blocks (V^T in 64-byte slabs): +3-5 % at N >= 8K, even at 4K (eighth session); 256 keys spill,
-# and FA3's 224 (V^T in 32-byte slabs) measured level (0.98-1.01, seventeenth session). d 64 with FA3's 160-key
-# blocks (V^T in 32-byte slabs): +2-3 % at N 4K and 16K over 128 (seventeenth session).
-TILES = {64: [(192, 160, 2, 1, 1)], 128: [(128, 192, 2, 1, 1)], 256: [(128, 128, 2, 1, 0)]}
 
 
-def config(head_dim: int, limit=None) -> tuple:
-    """(BM, BN, stages, ping-pong, persistent) at the template dim head_dim pads to."""
-    return tuple(TILES[fa2_fp8.fp8_template_dim(head_dim)][0])
+def config(head_dim: int) -> Fa3Tile:
+    """The tile at the template dim head_dim pads to (tiles.FA3_FP8_TILES): the quantizers take its BM and BN as
+    Q's and K's scale blocks."""
+    return fa3_tile(head_dim, fp8=True)
 
 
-def tiles(head_dim: int, limit=None):
-    return config(head_dim)[:2]
-
-
-def instance(ctype: str, d: int, cfg) -> str:
-    return fa3.instance(ctype, d, cfg=cfg, fp8=True)
+def tiles(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> tuple[int, int]:
+    tile = config(head_dim)
+    return tile.block_q, tile.block_k
 
 
 def specializations():
-    return tuple(instance(c, d, cfg) for c in CTYPE.values() for d in DIMS for cfg in TILES[d])
+    return tuple(fa3.instance(c, d, tile, fp8=True) for c in CTYPE.values() for d, tile in fa3_instances(fp8=True))
 
 
 def quant_specializations():
-    return tuple(dict.fromkeys(e for c in CTYPE.values() for d in DIMS for cfg in TILES[d]
-                               for e in fa2_fp8.quant_instances(c, d, cfg)))
+    return tuple(dict.fromkeys(e for c in CTYPE.values() for d, tile in fa3_instances(fp8=True)
+                               for e in fa2_fp8.quant_instances(c, d, tile)))
 
 
 def extra_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize=2, heads_kv=None):
@@ -73,9 +61,9 @@ def quantize(q, k, v) -> dict:
     return fa2_fp8.quantize(q, k, v, config(q.shape[3]))
 
 
-def _maps(qz: dict, cfg) -> tuple:
+def _maps(qz: dict, tile: Fa3Tile) -> tuple:
     """Tensor maps of e4m3 Q, K and V^T as the (batch, rows, heads, row bytes) tensors tma.py describes."""
-    bm, bn = cfg[:2]
+    bm, bn = tile.block_q, tile.block_k
     q, k, vt = qz["q"], qz["k"], qz["vt"]
     (b, h, nq, D), (hkv, nk), npad = q.shape, k.shape[1:3], vt.shape[3]
     row = slab_bytes(D)  # Q, K: rows of D e4m3 bytes; V^T: rows of BN keys
@@ -87,46 +75,44 @@ def _maps(qz: dict, cfg) -> tuple:
 _PLANS = plan_cache()  # call signature -> Fa3Plan (quantizing on the fly makes a new qz per call)
 
 
-def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> fa3.Fa3Plan:
-    """The launch of fa3_fp8 on operands from ``quantize`` (made for this kernel's tiles: checked)."""
-    return cached_plan(_PLANS, fa2_fp8.plan_key(qz, causal, softmax_scale, return_lse),
-                       lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse))
+def plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, split: bool | None = None,
+         tile: Fa3Tile | None = None) -> fa3.Fa3Plan:
+    """The launch of fa3_fp8 on operands from ``quantize`` (made for this kernel's tiles: checked). ``split``: the
+    split last wave forced on or off (fa3.tail_split); ``tile``: another tile than the table's (the operands
+    quantized for it)."""
+    return cached_plan(_PLANS, fa2_fp8.plan_key(qz, causal, softmax_scale, return_lse) + (split, tile),
+                       lambda: _plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                     split=split, tile=tile))
 
 
-def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool) -> fa3.Fa3Plan:
+def _plan(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool, split: bool | None = None,
+          tile: Fa3Tile | None = None) -> fa3.Fa3Plan:
     import cupy
     b, h, nq, D = qz["q"].shape
     d, hkv = qz["head_dim"], qz["k"].shape[1]
     nk, nk_pad = qz["seqlen_k"], qz["vt"].shape[3]
-    cfg = config(d)
-    if tuple(qz["tiles"]) != cfg:
-        raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, fa3_fp8 uses {cfg}; quantize with "
-                         "fa_variants.fp8.quantize(..., variant='fa3_fp8')")
-    tiles = cdiv(nq, cfg[0]) * h * b
-    if tiles >= 2**31:
-        raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
-    smem = fa3.smem_bytes(D, cfg, itemsize=1)
-    kern = jit.kernel(SOURCE, instance(CTYPE[np.dtype(qz["out_dtype"]).name], D, cfg))
-    maps = _maps(qz, cfg)
-    tma_out = fa3.stores_o_by_tma(D, cfg, itemsize=1)
-    if tma_out:  # O (16-bit) through a shared buffer of its own, stored by TMA
+    tile = config(d) if given_tile(tile, Fa3Tile) is None else tile
+    if tuple(qz["tiles"]) != tuple(tile):
+        raise ValueError(f"quantized tensors were made for tiles {qz['tiles']}, fa3_fp8 uses {tuple(tile)}; quantize "
+                         "with fa_variants.fp8.quantize(..., variant='fa3_fp8')")
+    out_dtype = np.dtype(qz["out_dtype"])
+    at = fa3.launch_of(out_dtype.name, batch=b, heads=h, seqlen_q=nq, seqlen_k=nk, head_dim=d, causal=causal,
+                       sms=sm_count(), fp8=True, split=split, tile=tile)
+    maps = _maps(qz, at.tile)
+    if at.tma_out:  # O (16-bit) through a shared buffer of its own, stored by TMA
         maps += (fa3.out_map(qz["k"].data.ptr, b, nq, h, d),)
-    ctas = fa3.grid(nq, h, b, cfg)
-    tail = fa3.tail_split(tiles, ctas[0], cdiv(nk, cfg[1]), causal, tma_out)
     fields = dict(q=0, k=0, vt=0, sq=0, sk=0, sv=0, o=0, lse=0, o_b=nq * h * d, o_n=h * d, o_h=d, batch=b, seqlen_q=nq,
                   seqlen_k=nk, seqlen_k_pad=nk_pad, heads=h, group=h // hkv, head_dim=d,
                   scale_log2=scale_log2(abs(softmax_scale)), causal=int(bool(causal)), heads_kv=hkv)
     # the persistent grid's instances take the split tail's fields too (Fa3Fp8FwdParams), the others fa2_fp8's
-    params = FA3_FP8_FWD if fa3.persistent(cfg) else FP8_FWD
+    params = FA3_FP8_FWD if at.tile.persistent else FP8_FWD
     if params is FA3_FP8_FWD:
-        fields.update(tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2], o_ws=0)
-    template = params.pack(**fields)
-    return fa3.Fa3Plan(func=function_of(kern, smem), grid=ctas, block=fa3.threads(cfg), smem=smem, template=template,
-                       workspace=fa3.workspace_bytes(D, cfg, tail), ws_offset=FA3_FP8_FWD.offset("o_ws"),
-                       fmt=params.pointers_format, maps=maps,
-                       out_shape=(b, nq, h, d), dtype=np.dtype(qz["out_dtype"]),
-                       lse_shape=(b, h, nq) if return_lse else None, device=cupy.cuda.Device().id,
-                       persistent=fa3.persistent(cfg), negate_q=softmax_scale < 0)
+        fields.update(tail_tiles=at.tail[0], tail_blocks=at.tail[1], tail_ranges=at.tail[2], o_ws=0)
+    return fa3.Fa3Plan(func=function_of(jit.kernel(SOURCE, at.instance), at.smem), grid=(at.ctas, 1, 1),
+                       block=at.tile.threads, smem=at.smem, template=params.pack(**fields), workspace=at.workspace,
+                       ws_offset=FA3_FP8_FWD.offset("o_ws"), fmt=params.pointers_format, maps=maps,
+                       out_shape=(b, nq, h, d), dtype=out_dtype, lse_shape=(b, h, nq) if return_lse else None,
+                       device=cupy.cuda.Device().id, persistent=at.tile.persistent, negate_q=softmax_scale < 0)
 
 
 def launch_on(p: fa3.Fa3Plan, stream: int, at: dict, out: int, lse: int, after: bool = False):
@@ -155,8 +141,10 @@ def run_quantized(p: fa3.Fa3Plan, qz: dict):
     return out, lse
 
 
-def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool):
-    return run_quantized(plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse), qz)
+def attention_quantized(qz: dict, *, causal: bool, softmax_scale: float, return_lse: bool,
+                        split: bool | None = None):
+    """fa3_fp8 on operands from ``quantize``; ``split``: the split last wave forced on or off (the GPU tests')."""
+    return run_quantized(plan(qz, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, split=split), qz)
 
 
 def forward(q, k, v, *, causal, softmax_scale, return_lse):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_FP8_TILES, FA3_TILES, fa3_tile
 from . import fp8 as _fp8
 from .common import (AccessCounter, ModelResult, block_scores, block_slices, block_visited, causal_visible,
                      check_block, logsumexp_from, normalize, prepare, rescale, row_exp,
@@ -53,22 +54,6 @@ from .common import (AccessCounter, ModelResult, block_scores, block_slices, blo
 #: Query rows per consumer warpgroup: a CTA of B_r rows has ceil(B_r / 64) consumers (the kernel's BM = 64 NC).
 CONSUMER_ROWS = 64
 
-#: Template head dim -> (B_r, B_c, stages): the kernel's tiles (kernels/fa3.py ``TILES``; tests check they agree
-#: once that module exists). Other head dims are padded to the next template dim; above d = 128 the 64 x d fp32
-#: O accumulator of a consumer thread's rows leaves room only for an 80-key S tile.
-DEFAULT_TILES = {64: (192, 128, 2), 128: (128, 176, 2), 256: (128, 80, 2)}
-#: Causal calls' tiles where they differ (kernels/fa3.py ``CAUSAL_TILES``): 128-key blocks at d = 128.
-CAUSAL_TILES = {128: (128, 128, 2)}
-#: Causal calls up to a seqlen_k take these tiles (kernels/fa3.py ``CAUSAL_SHORT_TILES``): 64-key blocks at
-#: d = 256 up to N_k = 2048.
-CAUSAL_SHORT_TILES = {256: (2048, (128, 64, 2))}
-#: Non-causal calls up to a seqlen_k take these (kernels/fa3.py ``SHORT_TILES``): N_k = 1024 in whole blocks of
-#: 128 keys at d = 128 and of 64 at d = 256.
-SHORT_TILES = {128: (1024, (128, 128, 2)), 256: (1024, (128, 64, 2))}
-#: fa3_fp8's tiles (kernels/fa3_fp8.py ``TILES``): e4m3's k32 steps want key blocks in multiples of 32, and the
-#: halved shared memory leaves d = 256 room for 128 keys (d = 128: 192, the most whose S, O and P fit a thread;
-#: d = 64: FA3's 160).
-FP8_TILES = {64: (192, 160, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 #: FA4's lazy rescaling, the kernel's RESCALE_TAU (cuda_src/fa3_fwd.cu; a test reads it there): a row's reference
 #: point (the max subtracted before exp) moves to its new max only once that has grown by more than tau, in log2
 #: units, so P~ <= 2^tau and O is rescaled only when some reference moves. 16-bit P takes 2^8; fa3_fp8's e4m3
@@ -89,23 +74,13 @@ for i in 1..T_r:           (one CTA each) producer: load Q_i once, then K_j, V_j
     O = e^(m_prev - m) O + P V_1; write O / l and LSE = m + log l (once)"""
 
 
-def template_dim(head_dim: int) -> int:
-    """The kernel's template head dim for ``head_dim``: 64, 128 or 256 (wgmma's 128-byte swizzled K-major rows)."""
-    return next((t for t in DEFAULT_TILES if head_dim <= t), max(DEFAULT_TILES))
-
-
-def default_blocks(head_dim: int, block_q=None, block_k=None, tiles=None, causal=False,
-                   seqlen_k=None) -> tuple[int, int]:
-    """(B_r, B_c): the ones given, else the kernel's tiles at ``head_dim``'s template dim (``tiles``: fa3's
-    ``DEFAULT_TILES``, with ``CAUSAL_TILES`` for causal calls and ``CAUSAL_SHORT_TILES`` / ``SHORT_TILES`` for
-    causal / other calls up to their seqlen_k, or fa3_fp8's ``FP8_TILES``)."""
-    t = template_dim(head_dim)
-    short = (CAUSAL_SHORT_TILES if causal else SHORT_TILES).get(t) if tiles is None else None
-    if tiles is None:
-        tiles = CAUSAL_TILES if causal and t in CAUSAL_TILES else DEFAULT_TILES
-    b_r, b_c, _ = short[1] if short and seqlen_k is not None and seqlen_k <= short[0] else tiles[t]
+def default_blocks(head_dim: int, block_q=None, block_k=None, causal=False, seqlen_k=None,
+                   fp8=False) -> tuple[int, int]:
+    """(B_r, B_c): the ones given, else the tile the kernel launches for a call of ``head_dim`` over ``seqlen_k``
+    keys with this mask (fa3's, or fa3_fp8's with ``fp8``; fa_variants/tiles.py ``fa3_tile``)."""
+    tile = fa3_tile(head_dim, seqlen_k, causal, fp8)
     block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
-    return (b_r if block_q is None else block_q), (b_c if block_k is None else block_k)
+    return (tile.block_q if block_q is None else block_q), (tile.block_k if block_k is None else block_k)
 
 
 def consumer_rows(rows: slice) -> list[slice]:
@@ -154,7 +129,7 @@ def consumer_visits(visits, rows: slice, seqlen_q: int, seqlen_k: int, block_k: 
     return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal)) for cols, _ in visits[first:]]
 
 
-def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False, tiles=None) -> dict:
+def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False, fp8=False) -> dict:
     """FA3's HBM element accesses per head, exact (causal included), with ``default_blocks`` for None: the keys
     of ``iomodel.fa2_accesses`` (which it calls), less the Q rows of the CTAs that see no key and so load nothing.
 
@@ -162,7 +137,7 @@ def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=Fa
     e = floor((N_q - N_k) / B_r) blocks, all full, so Q = (N_q - e B_r) d. Otherwise fa2's Q = N_q d.
     """
     from .. import iomodel   # here, not at the top: iomodel imports reference.common, the registry both
-    B_r, B_c = default_blocks(head_dim, block_q, block_k, tiles, causal, seqlen_k)
+    B_r, B_c = default_blocks(head_dim, block_q, block_k, causal, seqlen_k, fp8)
     counts = iomodel.fa2_accesses(seqlen_q, seqlen_k, head_dim, B_r, B_c, causal)
     empty_rows = (max(0, seqlen_q - seqlen_k) // B_r) * B_r if causal else 0
     counts["Q"] -= empty_rows * head_dim
@@ -171,8 +146,8 @@ def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=Fa
 
 
 def accesses_fp8(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False) -> dict:
-    """``accesses`` with fa3_fp8's tiles (``FP8_TILES``) for None."""
-    return accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal, FP8_TILES)
+    """``accesses`` with fa3_fp8's tiles for None."""
+    return accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal, fp8=True)
 
 
 def lazy_reference(m, row_max, tau):
@@ -370,7 +345,7 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
                          f"{p_scale:g} x 2^{rescale_tau:g}")
     q64, k64, v64, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
                                     block_k=block_k)
-    B_r, B_c = default_blocks(q64.shape[3], block_q, block_k, FP8_TILES)  # the original head dim, as the kernel pads
+    B_r, B_c = default_blocks(q64.shape[3], block_q, block_k, fp8=True)  # the original head dim, as the kernel pads
     Q, K, V, sq, sk, sv = _fp8.quantized_operands(q64, k64, v64, scaling, B_r, B_c, rotate, seed)
     N_q, N_k = Q.shape[2], K.shape[2]
 
@@ -392,17 +367,36 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
 
 # ----------------------------------------------------------------------------------------------- the teaching text
 
+def _keys(low: int, bound: int | None) -> str:
+    """The seqlen_k range of a tile rule, in words."""
+    if bound is None:
+        return "any N_k" if low == 0 else f"N_k > {low}"
+    return f"N_k <= {bound}" if low == 0 else f"{low} < N_k <= {bound}"
+
+
+def _tile_text(d: int, tile, when: str, operands: str = "K+V", itemsize: int = 2) -> list[str]:
+    """A tile as two lines: its sizes and grid, then arithmetic on them (not a measurement): the operand tiles'
+    shared memory and a consumer thread's accumulator registers (128 threads per warpgroup)."""
+    rows = CONSUMER_ROWS
+    q_kib, kv_kib = tile.block_q * d * itemsize / 1024, 2 * tile.block_k * d * itemsize / 1024
+    grid = "persistent grid" if tile.persistent else "one CTA per tile"
+    return [f"  d={d:<3d} {when}: B_r x B_c = {tile.block_q} x {tile.block_k}, n_st = {tile.stages}, {grid}",
+            f"          smem Q {q_kib:g} + {tile.stages} x ({operands}) {kv_kib:g} = "
+            f"{q_kib + tile.stages * kv_kib:g} KiB; "
+            f"a consumer thread holds O {rows * d // 128} + S {rows * tile.block_k // 128} fp32, "
+            f"P {rows * tile.block_k * itemsize // 512} registers"]
+
+
 def _tile_lines() -> list[str]:
-    """Per template head dim: the operand tiles' shared memory and a consumer thread's accumulator registers,
-    arithmetic on ``DEFAULT_TILES`` (16-bit operands, 128 threads per warpgroup)."""
+    """fa3's tile rules (fa_variants/tiles.py FA3_TILES), the two masks' merged where they agree."""
     lines = []
-    for t, (b_r, b_c, stages) in DEFAULT_TILES.items():
-        rows = CONSUMER_ROWS
-        q_kib, kv_kib = b_r * t * 2 / 1024, 2 * b_c * t * 2 / 1024
-        lines += [f"  d={t:<3d}  B_r x B_c = {b_r} x {b_c}, n_st = {stages}: smem Q {q_kib:g} KiB + {stages} x (K+V) "
-                  f"{kv_kib:g} KiB = {q_kib + stages * kv_kib:g} KiB",
-                  f"          a consumer thread's registers: O {rows * t // 128} + S {rows * b_c // 128} fp32, "
-                  f"P {rows * b_c // 256} (two 16-bit values each)"]
+    for d in sorted({d for d, _ in FA3_TILES}):
+        masks = ("causal or not",) if FA3_TILES[d, False] == FA3_TILES[d, True] else ("non-causal", "causal")
+        for mask in masks:
+            low = 0
+            for bound, tile in FA3_TILES[d, mask == "causal"]:
+                lines += _tile_text(d, tile, f"{mask}, {_keys(low, bound)}")
+                low = bound
     return lines
 
 
@@ -453,10 +447,10 @@ PIPELINE = "\n".join([
     "  units' (16 exp2 lanes an SM), so one consumer's softmax no longer fits under the other's GEMMs and the",
     "  two softmaxes overlap. The consumers then also take turns at their exponentials (named barriers 8 + c,",
     "  round robin as above): one consumer's exp2s run at the units' full rate while the other takes its row",
-    "  max or issues its wgmmas (what it buys on the H200: bench/NOTES.md, sixteenth session). Every 16th of",
+    "  max or issues its wgmmas (what it buys on the H200: docs/kernels/fa3.md). Every 16th of",
     "  a thread's exponentials there runs on the FMA units instead (EXP_FMA, math.cuh's exp2f_fma: 2^round(x)",
     "  built from its bit pattern times a degree-2 polynomial of the rest): a small share relieves the MUFU",
-    "  lanes, a larger one takes issue slots the other consumer needs (bench/NOTES.md, nineteenth session).",
+    "  lanes, a larger one takes issue slots the other consumer needs (docs/kernels/fa3.md).",
     "",
     "intra-warpgroup overlap (OVERLAP; inside one consumer: wgmma is asynchronous, issue, commit, wait later):",
     "  wait k_full (block j) and v_full (block j+1); [ping-pong wait]",
@@ -479,19 +473,14 @@ PIPELINE = "\n".join([
     "  The arithmetic is FA2's online softmax with each P V issued one block later: the same operations in the",
     "  same order, so OVERLAP off (FA2's step: softmax, rescale, then P_j V_j at once) gives the same numbers.",
     "",
-    "tiles (kernels/fa3.py TILES; arithmetic on the tile sizes, not a measurement):",
+    "tiles (fa_variants/tiles.py, what a call launches; why each, measured: docs/kernels/tiles.md):",
     *_tile_lines(),
-    *[f"  causal d={t}: B_r x B_c = {b_r} x {b_c} (CAUSAL_TILES: less of the diagonal block is masked work)"
-      for t, (b_r, b_c, _) in CAUSAL_TILES.items()],
-    *[f"  causal d={t}, N_k <= {n}: B_r x B_c = {b_r} x {b_c} (CAUSAL_SHORT_TILES)"
-      for t, (n, (b_r, b_c, _)) in CAUSAL_SHORT_TILES.items()],
-    *[f"  d={t}, N_k <= {n}: B_r x B_c = {b_r} x {b_c} (SHORT_TILES: whole key blocks at N_k = {n})"
-      for t, (n, (b_r, b_c, _)) in SHORT_TILES.items()],
+    f"  the ablation (bench/ablation.py): d={FA3_ABLATION_DIM}, B_r x B_c = {FA3_ABLATION_TILE.block_q} x "
+    f"{FA3_ABLATION_TILE.block_k} (FA3's tile), one CTA per tile at every length",
     "",
-    "grid: one CTA per tile (Q block, head, batch), last Q blocks first; or, where tiles are short (kernels/fa3.py",
-    "  PERSISTENT_UP_TO: at d = 64 and d = 128 (160-key blocks there when non-causal), causal or not, at every",
-    "  length; not at d = 256), one CTA per SM whose producer takes the next tile from a global counter (atomicAdd; the last CTA",
-    "  zeroes it for the next launch) and hands it to the consumers through two shared-memory slots with",
+    "grid: one CTA per tile (Q block, head, batch), last Q blocks first; or, where the tiles above say so, the",
+    "  persistent grid: one CTA per SM whose producer takes the next tile from a global counter (atomicAdd; the",
+    "  last CTA zeroes it for the next launch) and hands it to the consumers through two shared-memory slots with",
     "  full/empty mbarriers. It loads the next tile's Q and K/V while the consumers finish this one: no CTA",
     "  start and no Q wait between tiles, and an SM that finishes early takes the next tile (heaviest first).",
     "  Where a second Q buffer fits (CROSS: not at d = 256), the pipeline runs across tiles: the next tile's",
@@ -512,13 +501,13 @@ PIPELINE = "\n".join([
     "  without a mask is an integer max of the scores' bit patterns, three at a time (sm_90's VIMNMX3): the",
     "  float max wherever a row holds a non-negative score, half the instructions of FMNMX pairs (a warp with",
     "  a row of negative scores only takes the float max). d = 64 and 128 run on the persistent grid, with",
-    "  the split last wave and O stored by TMA; d = 256 one CTA per tile. Its tiles (FP8_TILES):",
-    *[f"  d={t:<3d}  B_r x B_c = {b_r} x {b_c}, n_st = {st}: smem Q {b_r * t / 1024:g} KiB + {st} x (K+V^T) "
-      f"{2 * b_c * t / 1024:g} KiB" for t, (b_r, b_c, st) in FP8_TILES.items()],
+    "  the split last wave and O stored by TMA; d = 256 one CTA per tile. Its tiles (fa_variants/tiles.py",
+    "  FA3_FP8_TILES), at any mask and length:",
+    *[line for d, tile in FA3_FP8_TILES.items()
+      for line in _tile_text(d, tile, "any mask and N_k", operands="K+V^T", itemsize=1)],
     "",
-    "measured (the numbers live in bench/RESULTS.md; README's FA2 -> FA3 section summarizes them):",
-    "  fa3 vs fa2 TFLOP/s at d = 64, 128, 256, causal and not:  measured in bench/RESULTS.md",
-    "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): measured in bench/RESULTS.md, and printed",
-    "    below from a run's JSON (the shipped one, or --measured FILE)",
-    "  fa3_fp8 pre-quantized and quantizing, beside fa2_fp8 and the 16-bit ones: measured in bench/RESULTS.md",
+    "measured (docs/kernels/fa3.md, dated, with the card):",
+    "  fa3 vs fa2 TFLOP/s at d = 64, 128, 256, causal and not; fa3_fp8 pre-quantized and quantizing",
+    "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): printed below from a run's JSON (the shipped",
+    "    one, or --measured FILE)",
 ])
