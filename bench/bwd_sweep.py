@@ -5,7 +5,9 @@
 
 For each head dim d and mask, bf16, N = 4096, B = 4, H = 2048 // d (B * N = 16K tokens, H * d = 2048), this times
 the backward call alone (given the fa2 forward's out and lse) of:
-  - wgmma default   the launcher's tables as they are (kernels/fa2_bwd_sm90.py DKDV_TILES / DQ_TILES),
+  - wgmma default   the three passes with the launcher's tables as they are (kernels/fa2_bwd_sm90.py DKDV_TILES /
+                    DQ_TILES),
+  - fused dQ writer  at d 64 and 128, the fused dQ (the library's choice there: ``scheme="writer"``),
   - each CANDIDATE  the same launcher with one head dim's table entries swapped (``tiles()`` below) so that
                     ``fa2_bwd_sm90.backward`` runs it; a candidate changes the dK/dV pass, the dQ pass or both,
   - best combo      the fastest dK/dV-only and the fastest dQ-only candidate of that shape together (when both
@@ -77,29 +79,19 @@ MAX_CANDIDATES = 6
 
 # ------------------------------------------------------------------------------------------------ tables
 @contextlib.contextmanager
-def tiles(head_dim: int, dkdv=None, dq=None, dq_mode="separate"):
+def tiles(head_dim: int, dkdv=None, dq=None):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
-    (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
-    runs the three-pass scheme, whose tables these are; ``dq_mode`` is FA_VARIANTS_FA2_DQ within the block
-    ("separate": the three passes, or one of sm90.FUSED_KERNELS: the fused dQ; None: sm90.dq_mode's choice)."""
+    (None: left as they are); the entries (the very list objects) come back on exit, exception or not. They are
+    the three passes' tables: a candidate runs ``sm90.backward(..., scheme="separate")``."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
-    env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
         if dkdv is not None:
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
-        if dq_mode is None:  # the library's own choice
-            os.environ.pop("FA_VARIANTS_FA2_DQ", None)
-        else:
-            os.environ["FA_VARIANTS_FA2_DQ"] = dq_mode
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
-        if env is None:
-            os.environ.pop("FA_VARIANTS_FA2_DQ", None)
-        else:
-            os.environ["FA_VARIANTS_FA2_DQ"] = env
 
 
 def cfg_text(dkdv, dq) -> str:
@@ -237,25 +229,26 @@ def run_shape(shape, args, torch, rows, record) -> None:
     def time_fn(fn, rot):
         return timing.median(timing.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rot))
 
-    def ours(fn):
-        return lambda dout, q, k, v, o, lse: fn(dout, q, k, v, o, lse, causal=shape.causal, softmax_scale=scale)
+    def ours(fn, **kw):
+        return lambda dout, q, k, v, o, lse: fn(dout, q, k, v, o, lse, causal=shape.causal, softmax_scale=scale,
+                                                **kw)
 
     ref = None
 
-    def wgmma(label, dkdv, dq, dq_mode="separate"):
+    def wgmma(label, dkdv, dq, scheme="separate"):
         nonlocal ref
-        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if dq_mode != "separate"
+        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if scheme != "separate"
                   else default_text(d) if dkdv is None and dq is None else cfg_text(dkdv, dq))
-        res = dict(impl=label, config=config, kv=dkdv, q=dq, mode=dq_mode)
+        res = dict(impl=label, config=config, kv=dkdv, q=dq, mode=scheme)
         try:
-            with tiles(d, dkdv, dq, dq_mode):
-                grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale)
+            with tiles(d, dkdv, dq):
+                grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale, scheme=scheme)
                 cupy.cuda.get_current_stream().synchronize()
                 if ref is None:
                     ref = grads
                 res["errs"] = rel_errs(grads, ref)
                 del grads
-                res["ms"] = time_fn(ours(sm90.backward), rotate)
+                res["ms"] = time_fn(ours(sm90.backward, scheme=scheme), rotate)
             res["info"] = kernel_info(ctype, d, dkdv, dq)
         except Exception as e:  # noqa: BLE001 - a failing candidate is a row, not the end of the sweep
             res["error"] = f"{type(e).__name__}: {str(e)[:120]}"
@@ -268,11 +261,8 @@ def run_shape(shape, args, torch, rows, record) -> None:
     if ref is None:
         rows.append([shape.id, DEFAULT, "", "error", "", "", "", "", results[-1].get("error", "")])
         return
-    if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused, writer) beside the default
-        wgmma("fused dQ", None, None, "fused")
+    if d in sm90.FUSED_TILES:  # the fused dQ beside the three passes
         wgmma("fused dQ writer", None, None, "writer")
-        if os.environ.get("FAV_SWEEP_FUSED_SINGLE"):
-            wgmma("fused dQ single", None, None, "fused_single")
     for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):
         wgmma(label, dkdv, dq)
 
@@ -316,7 +306,7 @@ def run_shape(shape, args, torch, rows, record) -> None:
             _progress(f"  {peer}: {res.get('ms', res.get('error'))}")
 
     flash = next((r["ms"] for r in results if r["impl"] == "torch-flash" and "ms" in r), None)
-    library = sm90.default_dq(d, shape.causal)  # the row fa2's backward runs (env unset)
+    library = sm90.dq_mode(d, shape.causal)  # the row fa2's backward runs
     for r in results:
         if "error" in r:
             rows.append([shape.id, r["impl"], r["config"], "", "", "", "", "", r["error"]])

@@ -182,7 +182,7 @@ struct DkdvSmem {
 // CTA of two on the same 64 keys, with the other's gradient: the dV one (warpgroup 0) computes P^T and leaves it in
 // shared memory, the dK one takes it from there instead of computing S^T.
 template <class T, int D, int BN, int BM, bool DK, bool DV, bool NO_V = false, bool PIPE = false, bool FUSED = false,
-          int DIAG = 0, bool PAIR = false, bool WRITER = false, bool XCHG = false>
+          bool XCHG = false>
 __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, int b, DqOrder order = {},
                                            DqShares* dq = nullptr) {
     constexpr int THREADS = XCHG ? 256 : 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
@@ -208,11 +208,10 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
     float* stats = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + L::STATS);
     const u32 sdS = base + L::DS, sdQ = base + L::DQ;
-    static_assert(!WRITER || (FUSED && !PAIR), "the dQ writer serves the fused single CTAs");
     // WRITER: a warpgroup of its own does the adds, so only the 2 BN compute threads meet at the CTA's barriers.
     // XCHG: the two warpgroups run different instances of this function, which meet at barrier 3 as well.
     auto sync_cta = [&] {
-        if constexpr (WRITER || XCHG) named_sync(3, THREADS);
+        if constexpr (FUSED || XCHG) named_sync(3, THREADS);
         else __syncthreads();
     };
 
@@ -339,74 +338,15 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     // CTA's rank, stores (rank 0) or adds it to dQ's fp32 accumulator. The count is released one step later,
     // after a barrier every thread of the CTA passes after its adds (`pending`).
     constexpr int QR0 = BM == 128 ? 64 : 0, DC0 = BM == 128 ? 0 : 64;  // times wg
-    constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
-    int* pending = nullptr;
-    auto release_dq_share = [&]() {  // after a CTA barrier that follows the adds
-        if (pending != nullptr && threadIdx.x % 128 == 0) release_count(pending);
-        pending = nullptr;
-    };
     auto dq_share_issue = [&](float (&dqs)[8][4]) {  // dS_wg-half K_j: both warpgroups' keys in the reduction
         wgmma_fence();
         // (WRITER: two base descriptors stepped by constants, not BN / 8 of them held across the loop)
         const u64 a0 = TdS::desc_mn(sdS, 0, 2 * QR0 * wg), b0 = TKV::desc_mn(sK, 0, 2 * DC0 * wg);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_16_ss<T, 1, 1>(dqs, WRITER ? a0 + kk * TdS::W : TdS::desc_mn(sdS, kk * 16, 2 * QR0 * wg),
-                                 WRITER ? b0 + kk * TKV::W : TKV::desc_mn(sK, kk * 16, 2 * DC0 * wg), kk > 0);
+            wgmma_16_ss<T, 1, 1>(dqs, a0 + kk * TdS::W, b0 + kk * TKV::W, kk > 0);
         wgmma_commit();
     };
-    auto add_dq_share = [&](int h, int i) {
-        store_a_rows<TdS, NT>(sdS, kr0, ads);
-        fence_proxy_async();
-        sync_cta();  // both warpgroups' dS^T in
-        float dqs[8][4];
-        dq_share_issue(dqs);
-        const int n_q = (seqlen_q + BM - 1) / BM;
-        const int rank = order.rank<BM, (PAIR ? 2 : 1) * BN>(i, seqlen_q, seqlen_k);
-        int* count = dq->counts + ((((i64)b * p.heads + h) * n_q + i) * 2 + wg);
-        // PAIR: this CTA adds the pair's half wg == its rank and hands the other half to its peer
-        const bool owner = !PAIR || wg == (int)cluster_ctarank();
-        if (WAIT && owner && threadIdx.x % 128 == 0) wait_count_at_least(count, rank);  // (behind the wgmmas)
-        wgmma_wait<0>();
-        hold_registers(dqs);
-        if constexpr (PAIR) {
-            // through the peer's shared memory (16 KB a swap, two alternating buffers: a buffer is written again
-            // only after the barrier of the next swap, which its reader reaches after reading it)
-            const u32 buf = sdQ + (dq->exchanges++ & 1) * 128 * 8 * 16, me = (threadIdx.x % 128) * 8;
-            if (!owner) {
-                const u32 peer = peer_shared(buf, cluster_ctarank() ^ 1u);
-#pragma unroll
-                for (int n = 0; n < 8; ++n)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        st_cluster_f32x2(peer + (n * 2 + r) * 128 * 8 + me, dqs[n][2 * r], dqs[n][2 * r + 1]);
-            }
-            cluster_arrive();
-            cluster_wait();
-            if (!owner) return;
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float2 peer_half = ld_shared_f32x2(buf + (n * 2 + r) * 128 * 8 + me);
-                    dqs[n][2 * r] += peer_half.x, dqs[n][2 * r + 1] += peer_half.y;
-                }
-        }
-        named_sync(1 + wg, 128);  // the count seen by this warpgroup
-        float* at = dq->acc + ((((i64)b * p.heads + h) * n_q + i) * BM + QR0 * wg + warp * 16 + g) * D +
-                    DC0 * wg + 2 * t;
-        if constexpr (ADDS) {
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    if (rank == 0) st_global_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
-                    else red_add_f32x2(at + 8 * r * D + 8 * n, dqs[n][2 * r], dqs[n][2 * r + 1]);
-                }
-        }
-        pending = RELEASE ? count : nullptr;
-    };
-
     // WRITER: P^T goes through shared memory and dV reads it from there, so that its A fragments (32 registers)
     // are not live under the dP^T wgmma: the compute warps then fit the 240 registers that setmaxnreg leaves
     // them. Its place is this warpgroup's half of the buffer this step's share will take (`share % 2`, 16 KB; a
@@ -503,7 +443,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             fence_proxy_async();
             sync_cta();  // step s visible to the tensor cores; every warpgroup is done with step s-1's stage
             if (!LOAD_LATE && s + 1 < steps) load_q(s + 1, after(cur), stage ^ 1);
-            if constexpr (WRITER)  // the writer has read share - 2 from the buffer this step's share will take
+            if constexpr (FUSED)  // the writer has read share - 2 from the buffer this step's share will take
                 mbar_wait(base + L::DQ_BARS + 16 + 8 * (dq->exchanges % 2), ((dq->exchanges / 2) & 1) ^ 1);
             if constexpr (XCHG && DK) named_sync(5, 256);
             issue_st(stage, !(XCHG && DK), true);  // (XCHG: S^T in the dV warpgroup, dP^T in the dK one)
@@ -523,18 +463,16 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
             p_of_st(lse2, m0);
             if constexpr (XCHG) give_pt();
         }
-        if constexpr (WRITER) {
+        if constexpr (FUSED) {
             writer_step(stage, delta, h, m0 / BM);
             continue;
         }
         if constexpr (DV) issue_dv(stage);
-        if constexpr (FUSED) release_dq_share();  // the previous step's (its fence waits here, under dV and dP^T)
         if constexpr (DK) {
             wgmma_wait<DV ? 1 : 0>();  // dP^T is in (dV may still run)
             hold_registers(dpt);
             issue_dk(stage, delta);
         }
-        if constexpr (FUSED) add_dq_share(h, m0 / BM);
         if constexpr (PIPE) {
             cp_async_wait<0>();
             fence_proxy_async();
@@ -550,7 +488,6 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     }
     cp_async_wait<0>();
     sync_cta();  // every warpgroup is done with the tiles (and K_j's copies have landed with no step to run)
-    if constexpr (FUSED) release_dq_share();
 
     // dK = scale * dS^T Q and dV, each staged through shared memory (this warp's own 16 rows) for 16-byte stores
     // into contiguous (batch, seqlen_k, heads_kv, head_dim) gradients.
@@ -578,12 +515,12 @@ __global__ void __launch_bounds__((SPLIT == 2 ? 4 : 2) * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
     static_assert(SPLIT == 1 || BM_DV == BM, "BM_DV is the CTA split's");
     if constexpr (SPLIT == 2) {
-        // (template arguments: DK, DV, NO_V, PIPE, FUSED, DIAG, PAIR, WRITER, XCHG)
+        // (template arguments: DK, DV, NO_V, PIPE, FUSED, XCHG)
         if (threadIdx.x < 128)  // warpgroup 0: S^T, P^T, dV
-            fav::dkdv_block<T, D, BN, BM, false, true, false, false, false, 0, false, false, true>(
+            fav::dkdv_block<T, D, BN, BM, false, true, false, false, false, true>(
                 p, blockIdx.x, blockIdx.y, blockIdx.z);
         else  // warpgroup 1: dP^T, dS^T, dK
-            fav::dkdv_block<T, D, BN, BM, true, false, false, false, false, 0, false, false, true>(
+            fav::dkdv_block<T, D, BN, BM, true, false, false, false, false, true>(
                 p, blockIdx.x, blockIdx.y, blockIdx.z);
     } else if constexpr (SPLIT == 1) {
         if (blockIdx.x % 2 == 0)
@@ -602,35 +539,26 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 // roles (c, n_kv - 1 - c) and the visiting direction so that every CTA's two items add up to one head's work.
 // A CTA only ever waits for CTAs of its own head and group, which run beside it, for a share they add at an
 // earlier step of theirs: no cycle. fa2_bwd_dq_convert then scales dQ into the input dtype.
-// DIAG, a measurement switch (0 in use; the others give wrong dQ): 1 no wait for the turn, 2 nor the release,
-// 3 nor the adds (bench/NOTES.md, fifth session, times each).
 namespace fav {
-// PAIR: contributors are clusters of two CTAs (K/V blocks 2P and 2P + 1; the second may lie past seqlen_k, and
-// then adds zeros), n_kv counting pairs.
-template <class T, int D, int BN, int BM, int DIAG, bool PAIR, bool WRITER = false>
+template <class T, int D, int BN, int BM>
 __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, int* dq_counts, int batch) {
-    const int blocks = (p.seqlen_k + BN - 1) / BN, n_kv = PAIR ? (blocks + 1) / 2 : blocks;
+    const int n_kv = (p.seqlen_k + BN - 1) / BN;
     const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
-    const int cta = PAIR ? blockIdx.x / 2 : blockIdx.x;  // (PAIR: the cluster)
-    const int c = cta % n_kv, groups = (PAIR ? gridDim.x / 2 : gridDim.x) / n_kv;
+    const int cta = blockIdx.x;
+    const int c = cta % n_kv, groups = gridDim.x / n_kv;
     DqShares shares{dq_acc, dq_counts, 0};
-    if constexpr (PAIR) {  // the peer has started (its shared memory exists) before the first swap writes into it
-        cluster_arrive();
-        cluster_wait();
-    }
     for (int item = cta / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
         const bool down = p.causal && (m & 1);
-        const int u = down ? n_kv - 1 - c : c, j = PAIR ? 2 * u + (int)cluster_ctarank() : u;
-        const int i_first = first_q_block<BM>((PAIR ? 2 * u : u) * BN, p.seqlen_q, p.seqlen_k, p.causal);
+        const int u = down ? n_kv - 1 - c : c, j = u;
+        const int i_first = first_q_block<BM>(u * BN, p.seqlen_q, p.seqlen_k, p.causal);
         const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, u, n_kv, n_q,
                             i_first, u * n_q / n_kv};
-        dkdv_block<T, D, BN, BM, true, true, false, false, true, DIAG, PAIR, WRITER>(
-            p, j, item % heads_kv, item / heads_kv, order, &shares);
+        dkdv_block<T, D, BN, BM, true, true, false, false, true>(p, j, item % heads_kv, item / heads_kv, order,
+                                                                 &shares);
         // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
-        if constexpr (WRITER) named_sync(3, 2 * BN);
-        else __syncthreads();
+        named_sync(3, 2 * BN);
     }
-    if constexpr (WRITER) {  // the end, for the writer: a last share of rank -1
+    {  // the end, for the writer: a last share of rank -1
         using L = DkdvSmem<D, BN, BM, 2, false>;
         extern __shared__ unsigned char smem[];
         const u32 base = (smem_u32(smem) + 1023) & ~1023u, buf = shares.exchanges % 2;
@@ -645,10 +573,9 @@ __forceinline__ __device__ void fused_items(const BwdParams& p, float* dq_acc, i
 // the (batch, head, Q block) it belongs to and its rank; rank -1 ends the walk): wait for the full barrier, then
 // for the Q block's count to reach the rank, store (rank 0) or add the 16 KB half by one bulk copy, hand the
 // buffer back once it is read, and release the count once the copy is complete. The compute warps go on
-// meanwhile; they wait only when both buffers are still unread. DIAG as the kernel's.
-template <int D, int BN, int BM, int DIAG>
+// meanwhile; they wait only when both buffers are still unread.
+template <int D, int BN, int BM>
 __forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
-    constexpr bool WAIT = DIAG < 1, RELEASE = DIAG < 2, ADDS = DIAG < 3;
     using L = DkdvSmem<D, BN, BM, 2, false>;
     extern __shared__ unsigned char smem[];
     const u32 base = (smem_u32(smem) + 1023) & ~1023u;
@@ -661,44 +588,26 @@ __forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
         const int block = ld_shared(slot), rank = ld_shared(slot + 4);
         if (rank < 0) break;
         const i64 at = 2 * (i64)block + half;  // (batch, head, Q block, half)
-        if constexpr (WAIT) {
-            wait_count_at_least(dq_counts + at, rank);
-            fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
-        }
-        if constexpr (ADDS) {
-            const u32 src = base + L::DQ + buf * 2 * L::HALF + half * L::HALF;
-            if (rank == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
-            else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
-            bulk_commit();
-            bulk_wait_read<0>();
-        }
+        wait_count_at_least(dq_counts + at, rank);
+        fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
+        const u32 src = base + L::DQ + buf * 2 * L::HALF + half * L::HALF;
+        if (rank == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
+        else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
+        bulk_commit();
+        bulk_wait_read<0>();
         mbar_arrive_if(empty, true);
-        if constexpr (RELEASE) {
-            bulk_wait<0>();
-            fence_proxy_async_global();
-            release_own_count(dq_counts + at);
-        }
+        bulk_wait<0>();
+        fence_proxy_async_global();
+        release_own_count(dq_counts + at);
     }
     bulk_wait<0>();
 }
 }  // namespace fav
 
-template <class T, int D, int BN, int BM, int DIAG = 0>
-__global__ void __launch_bounds__(2 * BN, 1)
-fa2_bwd_fused_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
-    fav::fused_items<T, D, BN, BM, DIAG, false>(p, dq_acc, dq_counts, batch);
-}
-// The same with the shares of two CTAs summed on chip first: half the fp32 adds at L2.
-template <class T, int D, int BN, int BM, int DIAG = 0>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(2 * BN, 1)
-fa2_bwd_fused_pair_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
-    fav::fused_items<T, D, BN, BM, DIAG, true>(p, dq_acc, dq_counts, batch);
-}
-
 // The fused dQ with a warpgroup that only writes dQ (FA3's backward has one): the compute warpgroups leave each
 // share in shared memory and go on; the writer takes the turns and adds them by bulk copies (dq_writer). The
 // shares then lie in fragment order (fa2_bwd_dq_convert's FRAG). Registers: 240 a compute thread, 24 a writer's.
-template <class T, int D, int BN, int BM, int DIAG = 0>
+template <class T, int D, int BN, int BM>
 __global__ void __launch_bounds__(2 * BN + 128, 1)
 fa2_bwd_fused_writer_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
     using namespace fav;
@@ -714,33 +623,32 @@ fa2_bwd_fused_writer_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts,
     __syncthreads();
     if (threadIdx.x < 2 * BN) {
         setmaxnreg_inc<240>();
-        fused_items<T, D, BN, BM, DIAG, false, true>(p, dq_acc, dq_counts, batch);
+        fused_items<T, D, BN, BM>(p, dq_acc, dq_counts, batch);
     } else {
         setmaxnreg_dec<24>();
-        dq_writer<D, BN, BM, DIAG>(dq_acc, dq_counts);
+        dq_writer<D, BN, BM>(dq_acc, dq_counts);
     }
 }
 
 // dQ = scale x the fused pass's fp32 sum, into q's layout (contiguous); Q blocks that see no key get zeros (no
-// share was stored there). One thread per 8 columns of a row. FRAG: the writer's layout, (batch, heads, n_q, half,
-// 64 x 64 in fragment order: the pair of columns 8n + 2t, + 1 of row 16 w + 8 r + g at float ((n * 2 + r) * 128 +
-// 32 w + 4 g + t) * 2 of its half), so that a row's 8 columns from 8n on are again 8 consecutive floats.
-template <class T, int D, int BN, int BM, bool FRAG = false>
+// share was stored there). One thread per 8 columns of a row. The sum is in the writer's layout, (batch, heads,
+// n_q, half, 64 x 64 in fragment order: the pair of columns 8n + 2t, + 1 of row 16 w + 8 r + g at float
+// ((n * 2 + r) * 128 + 32 w + 4 g + t) * 2 of its half), so that a row's 8 columns from 8n on are again 8
+// consecutive floats. FRAG names that layout (true: the only one).
+template <class T, int D, int BN, int BM, bool FRAG>
 __global__ void __launch_bounds__(256)
 fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
     using namespace fav;
+    static_assert(FRAG && BM * D == 2 * 64 * 64, "the writer's two 64 x 64 halves");
     const int h = blockIdx.y, b = blockIdx.z, chunks = p.head_dim / 8;
     const int x = blockIdx.x * 256 + threadIdx.x;
     if (x >= p.seqlen_q * chunks) return;
     const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = (p.seqlen_q + BM - 1) / BM;
     const bool seen = kv_block_range<BM, BN>(i * BM, p.seqlen_q, p.seqlen_k, p.causal).count() > 0;
-    const float* src = dq_acc + (((i64)b * p.heads + h) * n_q * BM + q) * D + col;
-    if constexpr (FRAG) {  // halves by rows at BM 128 (d 64), by columns at BM 64 (d 128)
-        static_assert(BM * D == 2 * 64 * 64, "two 64 x 64 halves");
-        const int rq = q % BM, half = BM == 128 ? rq / 64 : col / 64, row = rq % 64, n = col % 64 / 8;
-        src = dq_acc + ((((i64)b * p.heads + h) * n_q + i) * 2 + half) * 64 * 64 +
-              ((n * 2 + row % 16 / 8) * 128 + row / 16 * 32 + row % 8 * 4) * 2;
-    }
+    // halves by rows at BM 128 (d 64), by columns at BM 64 (d 128)
+    const int rq = q % BM, half = BM == 128 ? rq / 64 : col / 64, row = rq % 64, n = col % 64 / 8;
+    const float* src = dq_acc + ((((i64)b * p.heads + h) * n_q + i) * 2 + half) * 64 * 64 +
+                       ((n * 2 + row % 16 / 8) * 128 + row / 16 * 32 + row % 8 * 4) * 2;
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = seen ? src[e] : 0.f;
