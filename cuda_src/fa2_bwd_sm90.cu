@@ -163,27 +163,25 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
 // SPLIT (d = 256) 1: blockIdx.x = 2 j + part, part 0 computes dK, part 1 dV (with BM_DV queries per step; when
 // that differs from BM the dV part leaves V out of its shared memory). 2: warpgroup 0 of the CTA computes dV and
 // P^T, warpgroup 1 dK (DkdvConfig's XCHG), on the same BN = 64 keys. PIPE: DkdvConfig's.
-// (DkdvConfig's arguments: T, D, BN, BM, DK, DV, NO_V, PIPE, FUSED, XCHG)
 template <class T, int D, int BN, int SPLIT, int BM = 64, int MINB = 1, int BM_DV = BM, bool PIPE = false>
 __global__ void __launch_bounds__((SPLIT == 2 ? 4 : 2) * BN, MINB)
 fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
     using namespace fav;
     static_assert(SPLIT == 1 || BM_DV == BM, "BM_DV is the CTA split's");
+    // DkdvConfig<T, D, BN, BM, DK, DV, NO_V, PIPE, FUSED, XCHG>
+    using Both = DkdvConfig<T, D, BN, BM, true, true, false, PIPE>;
+    using DkCta = DkdvConfig<T, D, BN, BM, true, false, false, PIPE>;
+    using DvCta = DkdvConfig<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>;
+    using DvWarpgroup = DkdvConfig<T, D, BN, BM, false, true, false, false, false, true>;
+    using DkWarpgroup = DkdvConfig<T, D, BN, BM, true, false, false, false, false, true>;
     if constexpr (SPLIT == 2) {
-        if (threadIdx.x < 128)  // warpgroup 0: S^T, P^T, dV
-            dkdv_block<DkdvConfig<T, D, BN, BM, false, true, false, false, false, true>>(p, blockIdx.x, blockIdx.y,
-                                                                                         blockIdx.z);
-        else  // warpgroup 1: dP^T, dS^T, dK
-            dkdv_block<DkdvConfig<T, D, BN, BM, true, false, false, false, false, true>>(p, blockIdx.x, blockIdx.y,
-                                                                                         blockIdx.z);
+        if (threadIdx.x < 128) dkdv_block<DvWarpgroup>(p, blockIdx.x, blockIdx.y, blockIdx.z);  // S^T, P^T, dV
+        else dkdv_block<DkWarpgroup>(p, blockIdx.x, blockIdx.y, blockIdx.z);                      // dP^T, dS^T, dK
     } else if constexpr (SPLIT == 1) {
-        if (blockIdx.x % 2 == 0)
-            dkdv_block<DkdvConfig<T, D, BN, BM, true, false, false, PIPE>>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
-        else
-            dkdv_block<DkdvConfig<T, D, BN, BM_DV, false, true, (BM_DV != BM), PIPE>>(p, blockIdx.x / 2, blockIdx.y,
-                                                                                      blockIdx.z);
+        if (blockIdx.x % 2 == 0) dkdv_block<DkCta>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
+        else dkdv_block<DvCta>(p, blockIdx.x / 2, blockIdx.y, blockIdx.z);
     } else {
-        dkdv_block<DkdvConfig<T, D, BN, BM, true, true, false, PIPE>>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+        dkdv_block<Both>(p, blockIdx.x, blockIdx.y, blockIdx.z);
     }
 }
 
@@ -212,14 +210,7 @@ __forceinline__ __device__ void fused_items(const BwdParams& p, int batch) {
         // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
         named_sync(3, 2 * BN);
     }
-    {  // the end: a last share of rank -1
-        extern __shared__ unsigned char smem[];
-        const DqBuffers<D, BN, BM> bufs{(smem_u32(smem) + 1023) & ~1023u};
-        const u32 buf = shares.sent % 2;
-        mbar_wait(bufs.empty(buf), ((shares.sent / 2) & 1) ^ 1);
-        if (threadIdx.x == 0) st_shared(bufs.slot(buf) + 4, -1);
-        mbar_arrive_if(bufs.full(buf), true);
-    }
+    end_dq_shares<D, BN, BM>(shares);
 }
 }  // namespace fav
 

@@ -6,8 +6,11 @@
 //   P^T         exp2(S^T scale_log2 - LSE[query]) where the key sees the query, else 0 (BwdMask)
 //   dV          dV_j += P^T dO_i, P^T repacked as the A operand from registers
 //   dS^T, dK    dS^T = P^T o (dP^T - D[query]), dK_j += dS^T Q_i
-//   epilogue    dK_j (times the softmax scale) and dV_j to global memory
-// The fused dQ's share of each step (dS_ij K_j for the writer warpgroup) is bwd_dq_writer.cuh's.
+// and what they share: the template arguments (DkdvConfig), the shared memory (DkdvSmem, DkdvTiles), where a warp
+// stands (DkdvCta) and the steps it takes (QSteps, in DqOrder's order for the fused dQ). The fused dQ's share of
+// each step (dS_ij K_j for the writer warpgroup) is bwd_dq_writer.cuh's; dK_j and dV_j go out in dkdv_block.
+// Where a value is formed and which function a line sits in decide what NVVM and ptxas make of the kernel; the
+// parts keep the lines of the measured kernel together as they were (docs/kernels/fa2_bwd.md).
 #pragma once
 #include "../common/backward.cuh"
 #include "../common/epilogue.cuh"

@@ -101,6 +101,17 @@ __forceinline__ __device__ void fused_dq_step(const DkdvCta<C>& cta, const DkdvR
     mbar_arrive_if(bufs.full(buf), true);
 }
 
+// (compute threads) The end of a CTA's walk: a last share of rank -1.
+template <int D, int BN, int BM>
+__forceinline__ __device__ void end_dq_shares(const DqShares& shares) {
+    extern __shared__ unsigned char smem[];
+    const DqBuffers<D, BN, BM> bufs{(smem_u32(smem) + 1023) & ~1023u};
+    const u32 buf = shares.sent % 2;
+    mbar_wait(bufs.empty(buf), ((shares.sent / 2) & 1) ^ 1);
+    if (threadIdx.x == 0) st_shared(bufs.slot(buf) + 4, -1);
+    mbar_arrive_if(bufs.full(buf), true);
+}
+
 // The writer warpgroup: lane 0 of its warps 0 and 1 each take one half of every share the compute warpgroups leave
 // (buffer k % 2 of the CTA's k-th share, with its slot; rank -1 ends the walk): wait for the full barrier, then for
 // the Q block's count to reach the rank, store (rank 0) or add the 16 KB half by one bulk copy, hand the buffer
