@@ -1,14 +1,12 @@
 """Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic backward on Hopper's wgmma (sm_90a only).
-Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then one of two schemes (``dq_mode``):
-  the three passes   dK, dV per K/V block, then dQ per Q block (recomputing S and dP: 7 products);
-  the fused dQ       at d 64 and 128 where its grid fits (FUSED_TILES, ``fused_grid``): one pass computes dK, dV
-                     per K/V block and adds each block's share of dQ into an fp32 sum in a fixed order (5
-                     products), and a second converts that sum. Deterministic. Its adds at L2 (32 per dQ element at
-                     N 4K) are what it costs; the "writer" kernel hands them to a warpgroup of their own and is the
-                     default (DEFAULT_DQ; bench/NOTES.md, sixth and seventh sessions).
-Same contract as ``fa2_bwd.backward``; head dims up to 256.
-
-fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
+Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then one of two schemes (SCHEMES; ``dq_mode``
+picks, ``backward(scheme=...)`` may name one):
+  "separate"   the three passes: dK, dV per K/V block, then dQ per Q block (recomputing S and dP: 7 products);
+  "writer"     the fused dQ, at d 64 and 128 where its grid fits (FUSED_TILES, ``fused_grid``): one pass computes
+               dK, dV per K/V block and hands each block's share of dQ to a warpgroup of its own, which adds it into
+               an fp32 sum in a fixed order (5 products); a second kernel converts that sum. Deterministic.
+Same contract as ``fa2_bwd.backward``; head dims up to 256. The choices' measurements: docs/kernels/fa2_bwd.md.
+kernels/fa2.py dispatches fa2's backward here on sm_90.
 """
 from __future__ import annotations
 
@@ -17,30 +15,27 @@ import ctypes
 from .. import jit
 from . import fa2_bwd
 from .common import CTYPE, cdiv, pick_tiles, sm_count
-from .launch import function_of, launch, max_active_clusters
+from .launch import function_of, launch
 from .params import BWD
 
 SOURCE = "fa2_bwd_sm90.cu"
 DIMS = (64, 128, 256)   # the swizzled tiles' rows of 128, 256 or 512 bytes; other d pad to the next one
 DKDV_BM = 64            # queries per step of the dK/dV pass by default (a config's third entry)
 
-# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split (d = 256, where dK and dV
-# of 64 keys would take 256 registers a thread): SPLIT_CTAS, each K/V block gets two CTAs, one per gradient (each
-# computing S^T); SPLIT_WARPGROUPS, a CTA of two warpgroups per 64 keys, one per gradient, P^T computed once.
-# A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
-# CTAs' BM, PIPE: step s+1's S^T issued behind step s's dV/dK wgmmas, three Q/dO stages); left out, they are
-# (64, 1, BM, False). bench/bwd_sweep.py times such alternatives.
-# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas) (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms, both
-# passes); d 256: the warpgroup split, 64 queries a step (the CTA split before it: 128-key CTAs of 32 queries a step,
-# the dV CTAs 64; 6.91 -> 5.38 ms; bench/NOTES.md, seventh session, for the warpgroups').
-# PIPE at d 64 and 128 (bench/bwd_sweep.py on the H200, bf16 N 4096, both passes): 5.23 -> 5.07 ms and
-# 4.18 -> 4.03 ms; at d 256 the pipelined split (its dV CTAs then BM 32) is not faster.
+# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first (pick_tiles takes the first that
+# fits the device's shared memory). split (d = 256, where dK and dV of 64 keys would take 256 registers a thread):
+# SPLIT_CTAS, each K/V block gets two CTAs, one per gradient (each computing S^T); SPLIT_WARPGROUPS, a CTA of two
+# warpgroups per 64 keys, one per gradient, P^T computed once. A config may go on: (BN, split, BM queries per step,
+# MINB CTAs per SM in the launch bounds, BM_DV the split's dV CTAs' BM, PIPE: step s+1's S^T issued behind step s's
+# dV/dK wgmmas, three Q/dO stages); left out, they are (64, 1, BM, False). bench/bwd_sweep.py times alternatives.
+# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas), PIPE; d 128: PIPE; d 256: the warpgroup split, 64 queries
+# a step, then (where 215 KB of shared memory is not there) the CTA split of 128-key CTAs of 32 queries a step, its
+# dV CTAs 64 (PIPE does not pay at d 256: its dV CTAs would have to drop to 32 queries to fit three stages).
 SPLIT_NONE, SPLIT_CTAS, SPLIT_WARPGROUPS = 0, 1, 2
 DKDV_TILES = {64: [(128, False, 128, 1, 128, True)], 128: [(128, False, 64, 1, 64, True)],
               256: [(64, SPLIT_WARPGROUPS, 64), (128, SPLIT_CTAS, 32, 1, 64)]}
 # template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
-# 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (4.38 -> 4.18 ms both passes, outputs as
-# 128 x 64's); d 256: 128 x 32 (same sweeps).
+# 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (outputs as 128 x 64's); d 256: 128 x 32.
 DQ_TILES = {64: [(64, 64, 4)], 128: [(192, 64)], 256: [(128, 32)]}
 # The fused dQ: template head_dim -> (BN keys per CTA, BM queries per step); the two warpgroups split each dQ share
 # (BM x d) into 64 x 64 halves, by rows at d 64, by columns at d 128.
