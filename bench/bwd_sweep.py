@@ -46,32 +46,31 @@ DTYPE = "bfloat16"
 REL_LIMIT = 1e-2
 DEFAULT = "wgmma default"
 
-# head dim -> [(label, dK/dV config or None = the table's, dQ config or None = the table's)], at most 6 each.
-# The notes: registers (sm_90a, bf16) and CTAs x warpgroups per SM by registers and shared memory.
+# head dim -> [(label, dK/dV config or None = the table's, dQ config or None = the table's)], at most 6 each: the
+# shipped kernels' code paths with other tiles (``--list`` prints their registers and spills).
 CANDIDATES = {
     64: [
-        ("kv BM64 (old default)", (128, False, 64), None),  # 1 x 2 WG; S^T, dP^T n64 (default BM128: n128)
-        ("kv BN64 BM128", (64, False, 128), None),  # 250 regs, 2 x 1 WG, 83 KB; n128
-        ("q 128x64 x2", None, (128, 64, 2)),        # 124 regs, 2 x 2 WG (default 128x128: 196 regs, 1 x 2 WG)
-        ("q 64x128 x2", None, (64, 128, 2)),        # 128 keys a step: half the barriers of 64x64
-        # PIPE: S^T of step s+1 issued behind step s's dV, dK; LSE/D by cp.async; three Q/dO stages
-        ("kv BM128 (old default)", (128, False, 128), None),  # 250 regs: the default without PIPE
-        ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # 183 regs, 1 x 2 WG, 82.5 KB; n64, shorter P^T
+        ("kv BM64 no pipe", (128, False, 64), None),         # S^T, dP^T as n64 wgmmas (the table's BM 128: n128)
+        ("kv BN64 BM128", (64, False, 128), None),           # one warpgroup a CTA, two CTAs an SM
+        ("q 128x64 x2", None, (128, 64, 2)),                 # two CTAs of two warpgroups an SM
+        ("q 64x128 x2", None, (64, 128, 2)),                 # 128 keys a step: half the barriers of 64x64
+        ("kv BM128 no pipe", (128, False, 128), None),       # the table's without PIPE
+        ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # PIPE with n64 products: a shorter P^T
     ],
     128: [
-        ("kv BN64", (64, False), None),             # 234 regs, 2 x 1 WG, 98 KB (default BN128: 1 x 2 WG)
-        ("q 128x128", None, (128, 128)),            # 228 regs, 1 x 2 WG, 193 KB; n128 S, dP (default 192x64)
-        ("q 64x64", None, (64, 64)),                # 165 regs, 2 x 1 WG, 97 KB
-        ("q 128x64 (old default)", None, (128, 64)),  # 164 regs, 1 x 2 WG, 129 KB (default 192x64: 154, 1 x 3 WG)
-        ("kv (old default)", (128, False), None),  # 234 regs, 130 KB: the default without PIPE (240, 162.5 KB)
+        ("kv BN64", (64, False), None),                      # one warpgroup a CTA, two CTAs an SM
+        ("q 128x128", None, (128, 128)),                     # n128 S, dP (the table's 192x64)
+        ("q 64x64", None, (64, 64)),                         # one warpgroup a CTA, two CTAs an SM
+        ("q 128x64", None, (128, 64)),                       # two warpgroups instead of three
+        ("kv no pipe", (128, False), None),                  # the table's without PIPE
     ],
     256: [
-        ("kv CTA split (old default)", (128, True, 32, 1, 64), None),  # 202 regs, 2 CTAs a block, S^T in both
-        ("kv WG split BM32", (64, 2, 32), None),            # 184 regs, 1 x 2 WG on 64 keys (default BM64: 216)
-        ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too
-        ("kv BN64 (old default)", (64, True), None),       # 1 x 1 WG (default BN128 BM32/dV64: 187 regs)
-        ("q 64x64 (old default)", None, (64, 64)),          # 1 WG (default 128x32: 202 regs, 1 x 2 WG, 193 KB)
-        ("kv pipe BM32", (128, True, 32, 1, 32, True), None),  # 224 regs, 1 x 2 WG, 225.8 KB (dV CTAs BM 32 too)
+        ("kv CTA split", (128, True, 32, 1, 64), None),      # the table's second entry: 2 CTAs a block, S^T in both
+        ("kv WG split BM32", (64, 2, 32), None),             # the warpgroup split with 32 queries a step
+        ("kv BN128 BM32", (128, True, 32), None),            # the CTA split, its dV CTAs at BM 32 too
+        ("kv BN64 split", (64, True), None),                 # the CTA split of one warpgroup a CTA
+        ("q 64x64", None, (64, 64)),                         # one warpgroup a CTA (the table's 128x32: two)
+        ("kv pipe BM32", (128, True, 32, 1, 32, True), None),  # the CTA split with PIPE (dV CTAs BM 32 too)
     ],
 }
 MAX_CANDIDATES = 6

@@ -52,7 +52,7 @@ def test_candidates_well_formed(sweep):
 
 
 def test_default_names_unchanged():
-    """The trailing template arguments are left out at their defaults: the first version's names (and cache keys)."""
+    """The trailing template arguments are left out at their defaults: adding one leaves the names (and cache keys)."""
     assert k.instances("fav::BFloat16", 128) == ("fa2_bwd_dkdv_sm90<fav::BFloat16, 128, 128, false, 64, 1, 64, true>",
                                                  "fa2_bwd_dq_sm90<fav::BFloat16, 128, 192, 64>",
                                                  "fa2_bwd_fused_writer_sm90<fav::BFloat16, 128, 128, 64>",

@@ -171,7 +171,8 @@ def fused_grid(device: int, n_kv: int, items: int) -> int:
 
 
 def _template_args(full: tuple, defaults: tuple) -> tuple:
-    """``full`` less its trailing entries equal to ``defaults``' (so the first version's names are unchanged)."""
+    """``full`` less its trailing entries equal to ``defaults``' (so that adding a template argument leaves the
+    existing instances' names, and cache keys, as they were)."""
     n = len(full)
     while n > len(full) - len(defaults) and full[n - 1] == defaults[n - 1 - (len(full) - len(defaults))]:
         n -= 1
