@@ -20,9 +20,10 @@ Timing is fa_variants.timing's (CUDA events, pad kernel, inputs rotating through
 / ||dX_default|| for dq / dk / dv on the first input set (a candidate above 1e-2 is WRONG: shown in the table).
 Registers, local memory (spills) and CTAs per SM are read off the loaded kernels (dK/dV pass | dQ pass).
 
-Candidate configs: dK/dV (BN keys per CTA, split (0 none, 1 CTAs, 2 warpgroups), BM queries per step[, MINB CTAs/SM of the launch bounds[, BM of
-the split's dV CTAs[, PIPE: the next step's S^T issued behind this step's dV/dK]]]); dQ (BM queries per CTA, BN keys per step[, MINB]). All compile for sm_90a without spills
-or ptxas's C7512 "wgmma serialized" note (``--list`` checks it again).
+Candidate configs: dK/dV (BN keys per CTA, split (0 none, 1 CTAs, 2 warpgroups), BM queries per step[, MINB
+CTAs/SM of the launch bounds[, BM of the split's dV CTAs[, PIPE: the next step's S^T issued behind this step's
+dV/dK]]]); dQ (BM queries per CTA, BN keys per step[, MINB]). ``--list`` checks that each compiles for sm_90a
+without spills or ptxas's C7512 "wgmma serialized" note.
 """
 from __future__ import annotations
 
