@@ -5,7 +5,9 @@
 
 For each head dim d and mask, bf16, N = 4096, B = 4, H = 2048 // d (B * N = 16K tokens, H * d = 2048), this times
 the backward call alone (given the fa2 forward's out and lse) of:
-  - wgmma default   the launcher's tables as they are (kernels/fa2_bwd_sm90.py DKDV_TILES / DQ_TILES),
+  - wgmma default   the three passes with the launcher's tables as they are (kernels/fa2_bwd_sm90.py DKDV_TILES /
+                    DQ_TILES),
+  - fused dQ writer  at d 64 and 128, the fused dQ (the library's choice there: ``scheme="writer"``),
   - each CANDIDATE  the same launcher with one head dim's table entries swapped (``tiles()`` below) so that
                     ``fa2_bwd_sm90.backward`` runs it; a candidate changes the dK/dV pass, the dQ pass or both,
   - best combo      the fastest dK/dV-only and the fastest dQ-only candidate of that shape together (when both
@@ -18,9 +20,10 @@ Timing is fa_variants.timing's (CUDA events, pad kernel, inputs rotating through
 / ||dX_default|| for dq / dk / dv on the first input set (a candidate above 1e-2 is WRONG: shown in the table).
 Registers, local memory (spills) and CTAs per SM are read off the loaded kernels (dK/dV pass | dQ pass).
 
-Candidate configs: dK/dV (BN keys per CTA, split (0 none, 1 CTAs, 2 warpgroups), BM queries per step[, MINB CTAs/SM of the launch bounds[, BM of
-the split's dV CTAs[, PIPE: the next step's S^T issued behind this step's dV/dK]]]); dQ (BM queries per CTA, BN keys per step[, MINB]). All compile for sm_90a without spills
-or ptxas's C7512 "wgmma serialized" note (``--list`` checks it again).
+Candidate configs: dK/dV (BN keys per CTA, split (0 none, 1 CTAs, 2 warpgroups), BM queries per step[, MINB
+CTAs/SM of the launch bounds[, BM of the split's dV CTAs[, PIPE: the next step's S^T issued behind this step's
+dV/dK]]]); dQ (BM queries per CTA, BN keys per step[, MINB]). ``--list`` checks that each compiles for sm_90a
+without spills or ptxas's C7512 "wgmma serialized" note.
 """
 from __future__ import annotations
 
@@ -44,32 +47,31 @@ DTYPE = "bfloat16"
 REL_LIMIT = 1e-2
 DEFAULT = "wgmma default"
 
-# head dim -> [(label, dK/dV config or None = the table's, dQ config or None = the table's)], at most 6 each.
-# The notes: registers (sm_90a, bf16) and CTAs x warpgroups per SM by registers and shared memory.
+# head dim -> [(label, dK/dV config or None = the table's, dQ config or None = the table's)], at most 6 each: the
+# shipped kernels' code paths with other tiles (``--list`` prints their registers and spills).
 CANDIDATES = {
     64: [
-        ("kv BM64 (old default)", (128, False, 64), None),  # 1 x 2 WG; S^T, dP^T n64 (default BM128: n128)
-        ("kv BN64 BM128", (64, False, 128), None),  # 250 regs, 2 x 1 WG, 83 KB; n128
-        ("q 128x64 x2", None, (128, 64, 2)),        # 124 regs, 2 x 2 WG (default 128x128: 196 regs, 1 x 2 WG)
-        ("q 64x128 x2", None, (64, 128, 2)),        # 128 keys a step: half the barriers of 64x64
-        # PIPE: S^T of step s+1 issued behind step s's dV, dK; LSE/D by cp.async; three Q/dO stages
-        ("kv BM128 (old default)", (128, False, 128), None),  # 250 regs: the default without PIPE
-        ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # 183 regs, 1 x 2 WG, 82.5 KB; n64, shorter P^T
+        ("kv BM64 no pipe", (128, False, 64), None),         # S^T, dP^T as n64 wgmmas (the table's BM 128: n128)
+        ("kv BN64 BM128", (64, False, 128), None),           # one warpgroup a CTA, two CTAs an SM
+        ("q 128x64 x2", None, (128, 64, 2)),                 # two CTAs of two warpgroups an SM
+        ("q 64x128 x2", None, (64, 128, 2)),                 # 128 keys a step: half the barriers of 64x64
+        ("kv BM128 no pipe", (128, False, 128), None),       # the table's without PIPE
+        ("kv pipe BM64", (128, False, 64, 1, 64, True), None),  # PIPE with n64 products: a shorter P^T
     ],
     128: [
-        ("kv BN64", (64, False), None),             # 234 regs, 2 x 1 WG, 98 KB (default BN128: 1 x 2 WG)
-        ("q 128x128", None, (128, 128)),            # 228 regs, 1 x 2 WG, 193 KB; n128 S, dP (default 192x64)
-        ("q 64x64", None, (64, 64)),                # 165 regs, 2 x 1 WG, 97 KB
-        ("q 128x64 (old default)", None, (128, 64)),  # 164 regs, 1 x 2 WG, 129 KB (default 192x64: 154, 1 x 3 WG)
-        ("kv (old default)", (128, False), None),  # 234 regs, 130 KB: the default without PIPE (240, 162.5 KB)
+        ("kv BN64", (64, False), None),                      # one warpgroup a CTA, two CTAs an SM
+        ("q 128x128", None, (128, 128)),                     # n128 S, dP (the table's 192x64)
+        ("q 64x64", None, (64, 64)),                         # one warpgroup a CTA, two CTAs an SM
+        ("q 128x64", None, (128, 64)),                       # two warpgroups instead of three
+        ("kv no pipe", (128, False), None),                  # the table's without PIPE
     ],
     256: [
-        ("kv CTA split (old default)", (128, True, 32, 1, 64), None),  # 202 regs, 2 CTAs a block, S^T in both
-        ("kv WG split BM32", (64, 2, 32), None),            # 184 regs, 1 x 2 WG on 64 keys (default BM64: 216)
-        ("kv BN128 BM32", (128, True, 32), None),           # 186 regs, 1 x 2 WG, 194 KB, dV CTAs BM 32 too
-        ("kv BN64 (old default)", (64, True), None),       # 1 x 1 WG (default BN128 BM32/dV64: 187 regs)
-        ("q 64x64 (old default)", None, (64, 64)),          # 1 WG (default 128x32: 202 regs, 1 x 2 WG, 193 KB)
-        ("kv pipe BM32", (128, True, 32, 1, 32, True), None),  # 224 regs, 1 x 2 WG, 225.8 KB (dV CTAs BM 32 too)
+        ("kv CTA split", (128, True, 32, 1, 64), None),      # the table's second entry: 2 CTAs a block, S^T in both
+        ("kv WG split BM32", (64, 2, 32), None),             # the warpgroup split with 32 queries a step
+        ("kv BN128 BM32", (128, True, 32), None),            # the CTA split, its dV CTAs at BM 32 too
+        ("kv BN64 split", (64, True), None),                 # the CTA split of one warpgroup a CTA
+        ("q 64x64", None, (64, 64)),                         # one warpgroup a CTA (the table's 128x32: two)
+        ("kv pipe BM32", (128, True, 32, 1, 32, True), None),  # the CTA split with PIPE (dV CTAs BM 32 too)
     ],
 }
 MAX_CANDIDATES = 6
@@ -77,29 +79,19 @@ MAX_CANDIDATES = 6
 
 # ------------------------------------------------------------------------------------------------ tables
 @contextlib.contextmanager
-def tiles(head_dim: int, dkdv=None, dq=None, dq_mode="separate"):
+def tiles(head_dim: int, dkdv=None, dq=None):
     """Within the block, the wgmma launcher's tables for template dim ``head_dim`` hold just ``dkdv`` / ``dq``
-    (None: left as they are); the entries (the very list objects) come back on exit, exception or not. A candidate
-    runs the three-pass scheme, whose tables these are; ``dq_mode`` is FA_VARIANTS_FA2_DQ within the block
-    ("separate": the three passes, or one of sm90.FUSED_KERNELS: the fused dQ; None: sm90.dq_mode's choice)."""
+    (None: left as they are); the entries (the very list objects) come back on exit, exception or not. They are
+    the three passes' tables: a candidate runs ``sm90.backward(..., scheme="separate")``."""
     saved = sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim]
-    env = os.environ.get("FA_VARIANTS_FA2_DQ")
     try:
         if dkdv is not None:
             sm90.DKDV_TILES[head_dim] = [tuple(dkdv)]
         if dq is not None:
             sm90.DQ_TILES[head_dim] = [tuple(dq)]
-        if dq_mode is None:  # the library's own choice
-            os.environ.pop("FA_VARIANTS_FA2_DQ", None)
-        else:
-            os.environ["FA_VARIANTS_FA2_DQ"] = dq_mode
         yield
     finally:
         sm90.DKDV_TILES[head_dim], sm90.DQ_TILES[head_dim] = saved
-        if env is None:
-            os.environ.pop("FA_VARIANTS_FA2_DQ", None)
-        else:
-            os.environ["FA_VARIANTS_FA2_DQ"] = env
 
 
 def cfg_text(dkdv, dq) -> str:
@@ -149,12 +141,12 @@ def list_candidates(dims) -> int:
             with tiles(d, dkdv, dq):
                 kv, qc = sm90.DKDV_TILES[d][0], sm90.DQ_TILES[d][0]
                 smem = (sm90.dkdv_smem(d, kv), sm90.dq_smem(d, qc))
-            r_kv, r_q = reps[exprs[0]], reps[exprs[1]]
+            r_kv, r_q = reps[sm90.dkdv_instance(ctype, d, kv)], reps[sm90.dq_instance(ctype, d, qc)]
             spills = r_kv.spill_stores + r_kv.spill_loads + r_q.spill_stores + r_q.spill_loads
             bad += bool(spills or notes)
-            rows.append([d, label, cfg_text(kv, None), cfg_text(None, qc), f"{r_kv.registers} | {r_q.registers}",
-                         f"{smem[0] / 1024:.1f} | {smem[1] / 1024:.1f}", spills, " ".join(notes)])
-    print(tabulate(rows, headers=["d", "candidate", "dK/dV", "dQ", "regs kv | q", "smem KB kv | q", "spill B",
+            rows.append([d, label, cfg_text(kv, None), cfg_text(None, qc), f"{r_kv.registers} / {r_q.registers}",
+                         f"{smem[0] / 1024:.1f} / {smem[1] / 1024:.1f}", spills, " ".join(notes)])
+    print(tabulate(rows, headers=["d", "candidate", "dK/dV", "dQ", "regs kv / q", "smem KB kv / q", "spill B",
                                   "ptxas"], tablefmt="github", disable_numparse=True))
     return 1 if bad else 0
 
@@ -203,8 +195,8 @@ def kernel_info(ctype: str, d: int, dkdv=None, dq=None) -> str:
     exprs = modules(ctype, d, dkdv, dq)
     with tiles(d, dkdv, dq):
         kv, qc = sm90.DKDV_TILES[d][0], sm90.DQ_TILES[d][0]
-    launches = ((exprs[0], sm90.dkdv_threads(kv), sm90.dkdv_smem(d, kv)),
-                (exprs[1], 2 * sm90.dq_config(qc)[0], sm90.dq_smem(d, qc)))
+    launches = ((sm90.dkdv_instance(ctype, d, kv), sm90.dkdv_threads(kv), sm90.dkdv_smem(d, kv)),
+                (sm90.dq_instance(ctype, d, qc), 2 * sm90.dq_config(qc)[0], sm90.dq_smem(d, qc)))
     regs, local, ctas = [], [], []
     for expr, block, smem in launches:
         k = jit.kernel(sm90.SOURCE, expr, exprs)
@@ -237,26 +229,28 @@ def run_shape(shape, args, torch, rows, record) -> None:
     def time_fn(fn, rot):
         return timing.median(timing.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rot))
 
-    def ours(fn):
-        return lambda dout, q, k, v, o, lse: fn(dout, q, k, v, o, lse, causal=shape.causal, softmax_scale=scale)
+    def ours(fn, **kw):
+        return lambda dout, q, k, v, o, lse: fn(dout, q, k, v, o, lse, causal=shape.causal, softmax_scale=scale,
+                                                **kw)
 
     ref = None
 
-    def wgmma(label, dkdv, dq, dq_mode="separate"):
+    def wgmma(label, dkdv, dq, scheme="separate"):
         nonlocal ref
-        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if dq_mode != "separate"
+        config = ("fused dQ " + ",".join(map(str, sm90.FUSED_TILES[d])) if scheme != "separate"
                   else default_text(d) if dkdv is None and dq is None else cfg_text(dkdv, dq))
-        res = dict(impl=label, config=config, kv=dkdv, q=dq, mode=dq_mode)
+        res = dict(impl=label, config=config, kv=dkdv, q=dq, mode=scheme)
         try:
-            with tiles(d, dkdv, dq, dq_mode):
-                grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale)
+            with tiles(d, dkdv, dq):
+                grads = sm90.backward(*rotate[0], causal=shape.causal, softmax_scale=scale, scheme=scheme)
                 cupy.cuda.get_current_stream().synchronize()
                 if ref is None:
                     ref = grads
                 res["errs"] = rel_errs(grads, ref)
                 del grads
-                res["ms"] = time_fn(ours(sm90.backward), rotate)
-            res["info"] = kernel_info(ctype, d, dkdv, dq)
+                res["ms"] = time_fn(ours(sm90.backward, scheme=scheme), rotate)
+            if scheme == "separate":  # (the three passes' kernels; the writer row reports none)
+                res["info"] = kernel_info(ctype, d, dkdv, dq)
         except Exception as e:  # noqa: BLE001 - a failing candidate is a row, not the end of the sweep
             res["error"] = f"{type(e).__name__}: {str(e)[:120]}"
         results.append(res)
@@ -268,11 +262,8 @@ def run_shape(shape, args, torch, rows, record) -> None:
     if ref is None:
         rows.append([shape.id, DEFAULT, "", "error", "", "", "", "", results[-1].get("error", "")])
         return
-    if d in sm90.FUSED_TILES:  # the fused dQ (FA_VARIANTS_FA2_DQ=fused, writer) beside the default
-        wgmma("fused dQ", None, None, "fused")
+    if d in sm90.FUSED_TILES:  # the fused dQ beside the three passes
         wgmma("fused dQ writer", None, None, "writer")
-        if os.environ.get("FAV_SWEEP_FUSED_SINGLE"):
-            wgmma("fused dQ single", None, None, "fused_single")
     for label, dkdv, dq in ([] if args.no_candidates else CANDIDATES[d]):
         wgmma(label, dkdv, dq)
 
@@ -316,7 +307,7 @@ def run_shape(shape, args, torch, rows, record) -> None:
             _progress(f"  {peer}: {res.get('ms', res.get('error'))}")
 
     flash = next((r["ms"] for r in results if r["impl"] == "torch-flash" and "ms" in r), None)
-    library = sm90.default_dq(d, shape.causal)  # the row fa2's backward runs (env unset)
+    library = sm90.dq_mode(d, shape.causal)  # the row fa2's backward runs
     for r in results:
         if "error" in r:
             rows.append([shape.id, r["impl"], r["config"], "", "", "", "", "", r["error"]])

@@ -100,13 +100,10 @@ def fa2_dq_mode(shape: Shape) -> str:
     if gpu.available() and gpu.compute_capability() != 90:
         return "separate"
     d = template_dim(shape.head_dim, sm90.DIMS)
-    mode = sm90.dq_mode(d, shape.causal)
-    if d not in sm90.FUSED_TILES or mode not in sm90.FUSED_KERNELS:
+    if sm90.dq_mode(d, shape.causal) == "separate":
         return "separate"
     sms = sm_count() if gpu.available() else H200_SMS
-    # ("fused": clusters of two; fused_grid asks the driver how many fit, about half the SMs)
-    fits = sms // 2 if mode == "fused" else sms
-    return "atomic" if sm90.fused_contributors(d, shape.nk, mode) <= fits else "separate"
+    return "atomic" if sm90.fused_contributors(d, shape.nk) <= sms else "separate"
 
 
 def flops_of(impl: Impl, shape: Shape) -> int:

@@ -47,8 +47,7 @@ def test_tiles_fit_the_h200():
         assert (1 if split else 2) * bn * (d + 8) * 2 <= k.dkdv_smem(d, k.DKDV_TILES[d][0]) - 1024
         assert k.DQ_TILES[d][0][0] * (d + 8) * 2 <= k.dq_smem(d, k.DQ_TILES[d][0]) - 1024
     for d in k.FUSED_TILES:
-        for mode in k.FUSED_KERNELS:
-            assert k.fused_smem(d, mode) <= common.SM90_SMEM
+        assert k.fused_smem(d) <= common.SM90_SMEM
 
 
 # ------------------------------------------------------------------------------------------- the fused dQ's order
@@ -93,24 +92,38 @@ def test_fused_dq_order_is_a_fixed_order_in_arrival_order(causal, seqlen_q, seql
                 assert roles == sorted(roles, reverse=not odd), (odd, i, roles)
 
 
-def test_dq_mode_defaults_and_override(monkeypatch):
-    """The scheme by shape where FA_VARIANTS_FA2_DQ is unset (DEFAULT_DQ: only kernels that exist, at head dims
-    the fused pass serves), and the variable naming one overrides it."""
-    monkeypatch.delenv("FA_VARIANTS_FA2_DQ", raising=False)
+def test_dq_mode_defaults():
+    """The scheme by shape: the fused dQ (its writer kernel) at the head dims it serves, the three passes elsewhere;
+    both are shipped instances, and only those."""
     for (d, causal), mode in k.DEFAULT_DQ.items():
-        assert d in k.FUSED_TILES and mode in k.FUSED_KERNELS and k.dq_mode(d, causal) == mode
+        assert d in k.FUSED_TILES and mode in k.SCHEMES and k.dq_mode(d, causal) == mode
     assert k.dq_mode(256, True) == "separate" and k.dq_mode(256, False) == "separate"
     assert k.dq_mode(128, False) == "writer" and k.dq_mode(64, True) == "writer"
-    monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "separate")
-    assert k.dq_mode(128, True) == "separate"
-    monkeypatch.setenv("FA_VARIANTS_FA2_DQ", "writer")
-    assert k.dq_mode(64, False) == "writer"
+    assert set(k.SCHEMES) == {"separate", "writer"}
+    for d in k.DIMS:
+        names = k.instances("fav::Half", d)
+        assert names[0] == k.dkdv_instance("fav::Half", d, k.DKDV_TILES[d][0])
+        assert any(n.startswith(k.FUSED_KERNEL + "<") for n in names) == (d in k.FUSED_TILES)
+
+
+@pytest.mark.parametrize("scheme", ["fused", "fused_single", "Writer", ""])
+def test_backward_refuses_an_unknown_scheme(scheme):
+    """Before any array is looked at (no GPU needed): the scheme is named in the error."""
+    with pytest.raises(ValueError, match="scheme"):
+        k.backward(None, None, None, None, None, None, causal=False, softmax_scale=1.0, scheme=scheme)
 
 
 def test_fused_pass_sizes():
     """The fused pass's contributors per head and its buffers, as the launcher and bench/recompute.py use them."""
-    assert k.fused_contributors(128, 1000, "writer") == 8 and k.fused_contributors(128, 1000, "fused") == 4
-    assert k.fused_contributors(64, 16384, "fused_single") == 128
+    assert k.fused_contributors(128, 1000) == 8 and k.fused_contributors(64, 16384) == 128
     # d 128: 64-query blocks; d 64: 128-query blocks; the counts hold one int per half of a Q block
     assert k.fused_buffers(2, 3, 1000, 128) == ((2, 3, 16 * 64, 128), (2, 3, 16, 2))
     assert k.fused_buffers(1, 4, 300, 64) == ((1, 4, 3 * 128, 64), (1, 4, 3, 2))
+    assert k.fused_threads(64) == k.fused_threads(128) == 384
+
+
+def test_fused_grid_needs_a_head_resident(monkeypatch):
+    """Groups of a head's n_kv CTAs, as many as fit the SMs (at most one per item); 0 where one head does not fit."""
+    monkeypatch.setitem(k._SMS, 99, 132)
+    assert k.fused_grid(99, 8, 1000) == 16 * 8 and k.fused_grid(99, 8, 3) == 3 * 8
+    assert k.fused_grid(99, 132, 5) == 132 and k.fused_grid(99, 133, 5) == 0 and k.fused_grid(99, 0, 5) == 0

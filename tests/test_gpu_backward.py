@@ -26,10 +26,10 @@ from fa_variants import registry
 pytestmark = pytest.mark.gpu
 
 BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.directions]
-# fa2 on Hopper: each scheme of FA_VARIANTS_FA2_DQ on every shape (the default picks by shape): the three passes
-# ("separate") and the fused dQ's kernels, "..._few_sms" with the grid cut to 8 SMs, so that each group of CTAs
-# takes several heads (causal: both directions)
-SCHEMES = ["separate", "fused", "fused_single", "writer", "fused_few_sms", "writer_few_sms"]
+# fa2 on Hopper: each scheme of kernels/fa2_bwd_sm90.py on every shape (the default picks by shape): the three
+# passes ("separate") and the fused dQ ("writer"), "writer_few_sms" with the grid cut to 8 SMs, so that each group
+# of CTAs takes several heads (causal: both directions)
+SCHEMES = ["separate", "writer", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations
@@ -74,13 +74,12 @@ def _variant(impl: str, monkeypatch) -> str:
             monkeypatch.setattr(fa2, "uses_wgmma", lambda: False)
             return name
         mode, _, few = kernel.partition("_few")
-        monkeypatch.setenv("FA_VARIANTS_FA2_DQ", mode)
-        if few:  # 8 SMs (pairs: 4 clusters of two)
+        from fa_variants.kernels import fa2_bwd_sm90
+        monkeypatch.setattr(fa2_bwd_sm90, "dq_mode", lambda d, causal: mode if d in fa2_bwd_sm90.FUSED_TILES
+                            else "separate")
+        if few:  # 8 SMs
             import cupy
-            from fa_variants.kernels import fa2_bwd_sm90
-            device = cupy.cuda.Device().id
-            monkeypatch.setitem(fa2_bwd_sm90._SMS, (device, "pair") if mode == "fused" else device,
-                                4 if mode == "fused" else 8)
+            monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 8)
     return name
 
 

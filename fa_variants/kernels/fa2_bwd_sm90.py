@@ -1,47 +1,41 @@
 """Launcher of cuda_src/fa2_bwd_sm90.cu: fa2_bwd.py's deterministic backward on Hopper's wgmma (sm_90a only).
-Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then one of two schemes (``dq_mode``):
-  the three passes   dK, dV per K/V block, then dQ per Q block (recomputing S and dP: 7 products);
-  the fused dQ       at d 64 and 128 where its grid fits (FUSED_TILES, ``fused_grid``): one pass computes dK, dV
-                     per K/V block and adds each block's share of dQ into an fp32 sum in a fixed order (5
-                     products), and a second converts that sum. Deterministic. Its adds at L2 (32 per dQ element at
-                     N 4K) are what it costs; the "writer" kernel hands them to a warpgroup of their own and is the
-                     default (DEFAULT_DQ; bench/NOTES.md, sixth and seventh sessions).
-Same contract as ``fa2_bwd.backward``; head dims up to 256.
-
-fa2.backward dispatches here on sm_90 unless FA_VARIANTS_FA2_KERNEL=mma_sync.
+Pass 1 (D = rowsum(dO * O)) is fa2_bwd.delta (fa2_bwd.cu's kernel). Then one of two schemes (SCHEMES; ``dq_mode``
+picks, ``backward(scheme=...)`` may name one):
+  "separate"   the three passes: dK, dV per K/V block, then dQ per Q block (recomputing S and dP: 7 products);
+  "writer"     the fused dQ, at d 64 and 128 where its grid fits (FUSED_TILES, ``fused_grid``): one pass computes
+               dK, dV per K/V block and hands each block's share of dQ to a warpgroup of its own, which adds it into
+               an fp32 sum in a fixed order (5 products); a second kernel converts that sum. Deterministic.
+Same contract as ``fa2_bwd.backward``; head dims up to 256. The choices' measurements: docs/kernels/fa2_bwd.md.
+kernels/fa2.py dispatches fa2's backward here on sm_90.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 from .. import jit
 from . import fa2_bwd
 from .common import CTYPE, cdiv, pick_tiles, sm_count
-from .launch import function_of, launch, max_active_clusters
+from .launch import function_of, launch
 from .params import BWD
 
 SOURCE = "fa2_bwd_sm90.cu"
 DIMS = (64, 128, 256)   # the swizzled tiles' rows of 128, 256 or 512 bytes; other d pad to the next one
 DKDV_BM = 64            # queries per step of the dK/dV pass by default (a config's third entry)
 
-# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first. split (d = 256, where dK and dV
-# of 64 keys would take 256 registers a thread): SPLIT_CTAS, each K/V block gets two CTAs, one per gradient (each
-# computing S^T); SPLIT_WARPGROUPS, a CTA of two warpgroups per 64 keys, one per gradient, P^T computed once.
-# A config may go on: (BN, split, BM queries per step, MINB CTAs per SM in the launch bounds, BM_DV the split's dV
-# CTAs' BM, PIPE: step s+1's S^T issued behind step s's dV/dK wgmmas, three Q/dO stages); left out, they are
-# (64, 1, BM, False). bench/bwd_sweep.py times such alternatives.
-# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas) (bench/bwd_sweep.py, bf16 N 4096: 6.34 -> 5.18 ms, both
-# passes); d 256: the warpgroup split, 64 queries a step (the CTA split before it: 128-key CTAs of 32 queries a step,
-# the dV CTAs 64; 6.91 -> 5.38 ms; bench/NOTES.md, seventh session, for the warpgroups').
-# PIPE at d 64 and 128 (bench/bwd_sweep.py on the H200, bf16 N 4096, both passes): 5.23 -> 5.07 ms and
-# 4.18 -> 4.03 ms; at d 256 the pipelined split (its dV CTAs then BM 32) is not faster.
+# template head_dim -> [(BN keys per CTA: 64 per warpgroup, split)], fastest first (pick_tiles takes the first that
+# fits the device's shared memory). split (d = 256, where dK and dV of 64 keys would take 256 registers a thread):
+# SPLIT_CTAS, each K/V block gets two CTAs, one per gradient (each computing S^T); SPLIT_WARPGROUPS, a CTA of two
+# warpgroups per 64 keys, one per gradient, P^T computed once. A config may go on: (BN, split, BM queries per step,
+# MINB CTAs per SM in the launch bounds, BM_DV the split's dV CTAs' BM, PIPE: step s+1's S^T issued behind step s's
+# dV/dK wgmmas, three Q/dO stages); left out, they are (64, 1, BM, False). bench/bwd_sweep.py times alternatives.
+# d 64: 128 queries a step (S^T and dP^T as n128 wgmmas), PIPE; d 128: PIPE; d 256: the warpgroup split, 64 queries
+# a step, then (where 215 KB of shared memory is not there) the CTA split of 128-key CTAs of 32 queries a step, its
+# dV CTAs 64 (PIPE does not pay at d 256: its dV CTAs would have to drop to 32 queries to fit three stages).
 SPLIT_NONE, SPLIT_CTAS, SPLIT_WARPGROUPS = 0, 1, 2
 DKDV_TILES = {64: [(128, False, 128, 1, 128, True)], 128: [(128, False, 64, 1, 64, True)],
               256: [(64, SPLIT_WARPGROUPS, 64), (128, SPLIT_CTAS, 32, 1, 64)]}
 # template head_dim -> [(BM queries per CTA: 64 per warpgroup, BN keys per step)], may go on with MINB (default
-# 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (4.38 -> 4.18 ms both passes, outputs as
-# 128 x 64's); d 256: 128 x 32 (same sweeps).
+# 1). d 64: four 64 x 64 CTAs per SM; d 128: three warpgroups of 64 x 64 (outputs as 128 x 64's); d 256: 128 x 32.
 DQ_TILES = {64: [(64, 64, 4)], 128: [(192, 64)], 256: [(128, 32)]}
 # The fused dQ: template head_dim -> (BN keys per CTA, BM queries per step); the two warpgroups split each dQ share
 # (BM x d) into 64 x 64 halves, by rows at d 64, by columns at d 128.
@@ -96,44 +90,38 @@ def dq_smem(d: int, cfg) -> int:
     return 1024 + 2 * bm * 2 * d + 4 * bn * 2 * d  # align; Q, dO; two stages of K, V
 
 
-# The fused pass's kernels (FA_VARIANTS_FA2_DQ): CTAs that add their own shares ("fused_single"), pairs of CTAs
-# that sum theirs on chip first ("fused"), and CTAs with a warpgroup that does nothing but the adds ("writer")
-FUSED_KERNELS = {"fused": "fa2_bwd_fused_pair_sm90", "fused_single": "fa2_bwd_fused_sm90",
-                 "writer": "fa2_bwd_fused_writer_sm90"}
-# The scheme used where FA_VARIANTS_FA2_DQ does not name one ("separate": the three passes), by (template head
-# dim, causal): the writer wherever it exists. Sixth session: faster on causal shapes only (d 128 -4 to -9 %); since
-# its loads go behind the step's first products (LOAD_LATE, seventh session, bf16 N 1K-16K): d 64 -3 to -10 %,
-# d 128 -8 to -18 % against the three passes, causal or not (bench/NOTES.md).
+# The fused dQ's kernel: the dK/dV CTAs hand each share to a warpgroup of their own that does nothing but the adds
+FUSED_KERNEL = "fa2_bwd_fused_writer_sm90"
+# The backward's schemes: the three passes ("separate") and the fused dQ ("writer", at FUSED_TILES' head dims).
+SCHEMES = ("separate", "writer")
+# The scheme by (template head dim, causal): the fused dQ wherever it exists (faster than the three passes, causal
+# or not: docs/kernels/fa2_bwd.md).
 DEFAULT_DQ = {(d, causal): "writer" for d in FUSED_TILES for causal in (False, True)}
 
 
-def default_dq(d: int, causal: bool) -> str:
-    """The scheme DEFAULT_DQ picks for template head dim d (where FA_VARIANTS_FA2_DQ is unset)."""
+def dq_mode(d: int, causal: bool) -> str:
+    """The backward's scheme for template head dim d (one of SCHEMES), by DEFAULT_DQ."""
     return DEFAULT_DQ.get((d, causal), "separate")
 
 
-def dq_mode(d: int, causal: bool) -> str:
-    """The backward's scheme for template head dim d: FA_VARIANTS_FA2_DQ if set, else ``default_dq``'s."""
-    return os.environ.get("FA_VARIANTS_FA2_DQ") or default_dq(d, causal)
+def fused_threads(d: int) -> int:
+    """Threads of a fused dQ CTA: two compute warpgroups on 64 keys each and the writer warpgroup."""
+    return 2 * FUSED_TILES[d][0] + 128
 
 
-def fused_threads(d: int, mode: str) -> int:
-    return 2 * FUSED_TILES[d][0] + (128 if mode == "writer" else 0)
-
-
-def fused_smem(d: int, mode: str = "fused") -> int:
+def fused_smem(d: int) -> int:
     bn, bm = FUSED_TILES[d]
     stats = _padded_stats(2, bm)
-    # align; K, V; Q, dO stages; dS^T; the pair's two buffers of the peer's 64 x 64 fp32 half, or the writer's two
-    # of a whole share, their four mbarriers and two slots (DkdvSmem's END)
-    buffers = 2 * 2 * 64 * 64 * 4 + 4 * 8 + 2 * 8 if mode == "writer" else 2 * 64 * 64 * 4
+    # align; K, V; Q, dO stages; dS^T; two shares of both 64 x 64 fp32 halves, their four mbarriers and two slots
+    # (DkdvSmem's END)
+    buffers = 2 * 2 * 64 * 64 * 4 + 4 * 8 + 2 * 8
     return 1024 + 2 * bn * 2 * d + 2 * 2 * bm * 2 * d + stats + bn * 2 * bm + buffers
 
 
-def fused_contributors(d: int, seqlen_k: int, mode: str) -> int:
-    """The fused pass's contributors to one head's dQ: its K/V blocks of FUSED_TILES[d]'s BN keys ("fused": pairs
-    of them, each pair a cluster). fused_grid needs them all resident at once."""
-    return cdiv(cdiv(seqlen_k, FUSED_TILES[d][0]), 2 if mode == "fused" else 1)
+def fused_contributors(d: int, seqlen_k: int) -> int:
+    """The fused pass's contributors to one head's dQ: its K/V blocks of FUSED_TILES[d]'s BN keys. fused_grid
+    needs them all resident at once."""
+    return cdiv(seqlen_k, FUSED_TILES[d][0])
 
 
 def fused_buffers(batch: int, heads: int, seqlen_q: int, d: int) -> tuple[tuple, tuple]:
@@ -144,17 +132,13 @@ def fused_buffers(batch: int, heads: int, seqlen_q: int, d: int) -> tuple[tuple,
     return (batch, heads, n_q * bm, d), (batch, heads, n_q, 2)
 
 
-def fused_instance(ctype: str, d: int, mode: str = "fused") -> str:
-    # FA_VARIANTS_FA2_DQ_DIAG: the kernel's DIAG, a measurement switch that leaves out the ordering or the adds
-    # (so its dQ is WRONG): what bench/NOTES.md's breakdown of the fused pass ran; 0 (unset) in use
-    diag = os.environ.get("FA_VARIANTS_FA2_DQ_DIAG", "0")
-    return (f"{FUSED_KERNELS[mode]}<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}"
-            f"{'' if diag == '0' else ', ' + diag}>")
+def fused_instance(ctype: str, d: int) -> str:
+    return f"{FUSED_KERNEL}<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}>"
 
 
-def convert_instance(ctype: str, d: int, frag: bool = False) -> str:
-    """The conversion of the fused pass's fp32 sum; frag: the writer's layout (shares in fragment order)."""
-    return f"fa2_bwd_dq_convert<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}{', true' if frag else ''}>"
+def convert_instance(ctype: str, d: int) -> str:
+    """The conversion of the fused pass's fp32 sum (shares in the writer's fragment order: FRAG, true)."""
+    return f"fa2_bwd_dq_convert<{ctype}, {d}, {', '.join(map(str, FUSED_TILES[d]))}, true>"
 
 
 def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block, kv_blocks_seen):
@@ -173,24 +157,22 @@ def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block
     return blocks, {i: kv_blocks_seen(i) - 1 - j for i in blocks}
 
 
-# device (pairs: (device, "pair")) -> how many CTAs (clusters of two) the fused pass can have resident at once; both
-# fused kernels hold one CTA an SM at d 64 and 128 alike, so one count serves both
+# device -> its SMs: the fused pass holds one CTA an SM at d 64 and 128
 _SMS = {}
 
 
-def fused_grid(device: int, n_kv: int, items: int, pair: bool = False, func: int = 0, smem: int = 0) -> int:
-    """CTAs of the fused pass: groups x n_kv contributors (pair: clusters of two CTAs, n_kv of them counting pairs),
-    every one resident at once (one CTA a SM); 0 where it does not apply (a head's contributors could not all run
-    side by side)."""
-    key = device if not pair else (device, "pair")
-    if key not in _SMS:
-        _SMS[key] = max_active_clusters(func, 2, 256, smem) if pair else sm_count(device)
-    groups = min(_SMS[key] // n_kv, items) if n_kv else 0
-    return groups * n_kv * (2 if pair else 1)
+def fused_grid(device: int, n_kv: int, items: int) -> int:
+    """CTAs of the fused pass: groups x n_kv contributors, every one resident at once (one CTA an SM); 0 where it
+    does not apply (a head's contributors could not all run side by side)."""
+    if device not in _SMS:
+        _SMS[device] = sm_count(device)
+    groups = min(_SMS[device] // n_kv, items) if n_kv else 0
+    return groups * n_kv
 
 
 def _template_args(full: tuple, defaults: tuple) -> tuple:
-    """``full`` less its trailing entries equal to ``defaults``' (so the first version's names are unchanged)."""
+    """``full`` less its trailing entries equal to ``defaults``' (so that adding a template argument leaves the
+    existing instances' names, and cache keys, as they were)."""
     n = len(full)
     while n > len(full) - len(defaults) and full[n - 1] == defaults[n - 1 - (len(full) - len(defaults))]:
         n -= 1
@@ -212,8 +194,7 @@ def dq_instance(ctype: str, d: int, cfg) -> str:
 
 
 def instances(ctype: str, d: int):
-    fused = (tuple(fused_instance(ctype, d, mode) for mode in FUSED_KERNELS)
-             + (convert_instance(ctype, d), convert_instance(ctype, d, frag=True)) if d in FUSED_TILES else ())
+    fused = (fused_instance(ctype, d), convert_instance(ctype, d)) if d in FUSED_TILES else ()
     return (tuple(dkdv_instance(ctype, d, cfg) for cfg in DKDV_TILES[d])
             + tuple(dq_instance(ctype, d, cfg) for cfg in DQ_TILES[d]) + fused)
 
@@ -227,12 +208,19 @@ def supports(head_dim: int) -> bool:
     return 0 < head_dim <= DIMS[-1] and head_dim % 8 == 0
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
-    """(dq, dk, dv) of validated CuPy arrays on the current stream; head_dim a multiple of 8 up to 256."""
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, scheme: str | None = None):
+    """(dq, dk, dv) of validated CuPy arrays on the current stream; head_dim a multiple of 8 up to 256. ``scheme``:
+    one of SCHEMES, or None for ``dq_mode``'s; the fused dQ falls back to the three passes where its grid cannot
+    hold a head's K/V blocks at once."""
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES} or None, got {scheme!r}")
     import cupy
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     D, (dout, q, k, v, out, lse) = fa2_bwd.prepare("fa2's wgmma backward", DIMS, dout, q, k, v, out, lse)
+    mode = dq_mode(D, causal) if scheme is None else scheme
+    if mode == "writer" and D not in FUSED_TILES:
+        raise ValueError(f"scheme 'writer' (the fused dQ) serves head dims up to {max(FUSED_TILES)}, got {d}")
     ctype = CTYPE[q.dtype.name]
     delta = fa2_bwd.delta(dout, out)  # pass 1: fa2_bwd.cu's kernel, independent of the MMA
     dq = cupy.empty(q.shape, q.dtype)
@@ -246,18 +234,16 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     def run(kern, grid, block, smem):
         launch(function_of(kern, smem), grid, block, smem, stream, template, BWD.pointers_format, *ptrs)
 
-    grid, mode = 0, dq_mode(D, causal)
-    if D in FUSED_TILES and mode in FUSED_KERNELS:
-        pair, smem = mode == "fused", fused_smem(D, mode)
-        func = function_of(jit.kernel(SOURCE, fused_instance(ctype, D, mode), exprs), smem)
-        grid = fused_grid(q.device.id, fused_contributors(D, nk, mode), b * hkv, pair, func, smem)
+    grid = fused_grid(q.device.id, fused_contributors(D, nk), b * hkv) if mode == "writer" else 0
     if grid:  # the fused dQ: two launches instead of two passes
+        smem = fused_smem(D)
         acc_shape, counts_shape = fused_buffers(b, h, nq, D)
         acc = cupy.empty(acc_shape, cupy.float32)
         counts = cupy.zeros(counts_shape, cupy.int32)
-        launch(func, (grid, 1, 1), fused_threads(D, mode), smem, stream, template, BWD.pointers_format, *ptrs,
+        launch(function_of(jit.kernel(SOURCE, fused_instance(ctype, D), exprs), smem), (grid, 1, 1),
+               fused_threads(D), smem, stream, template, BWD.pointers_format, *ptrs,
                extra=(ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr), ctypes.c_int(b)))
-        launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D, frag=mode == "writer"), exprs), 0),
+        launch(function_of(jit.kernel(SOURCE, convert_instance(ctype, D), exprs), 0),
                (cdiv(nq * (d // 8), 256), h, b), 256, 0, stream, template, BWD.pointers_format, *ptrs,
                extra=(ctypes.c_uint64(acc.data.ptr),))
         return dq, dk, dv

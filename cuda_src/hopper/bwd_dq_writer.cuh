@@ -1,0 +1,150 @@
+// The fused dQ of the Hopper backward (fa2_bwd_fused_writer_sm90): the two compute warpgroups of a dK/dV CTA
+// leave each step's share dS_ij K_j of dQ_i in shared memory and go on; a third warpgroup, the writer, adds the
+// shares into an fp32 dQ sum in global memory by bulk copies, each Q block's shares in DqOrder's fixed order (so
+// the sum is the same bit for bit on every run). Two share buffers alternate, each with a full and an empty
+// mbarrier and a slot naming the share's Q block and rank; a share of rank -1 ends the writer's walk.
+#pragma once
+#include "bwd_dkdv.cuh"
+
+namespace fav {
+
+// The shares a compute thread has handed over so far: share k goes to buffer k % 2.
+struct DqShares {
+    int sent;
+};
+
+// The two share buffers (DkdvSmem's DQ on): each holds both warpgroups' 64 x 64 fp32 halves of a share.
+template <int D, int BN, int BM>
+struct DqBuffers {
+    using L = DkdvSmem<D, BN, BM, 2, false>;
+    u32 base;  // the CTA's 1024-aligned shared base
+    __forceinline__ __device__ u32 half(int buf, int h) const { return base + L::DQ + buf * 2 * L::HALF + h * L::HALF; }
+    __forceinline__ __device__ u32 full(int buf) const { return base + L::DQ_BARS + 8 * buf; }
+    __forceinline__ __device__ u32 empty(int buf) const { return base + L::DQ_BARS + 16 + 8 * buf; }
+    __forceinline__ __device__ u32 slot(int buf) const { return base + L::DQ_SLOTS + 8 * buf; }
+    // (compute threads) until the writer has read the share two before `share` from the buffer `share` will take
+    __forceinline__ __device__ void wait_free(int share) const { mbar_wait(empty(share % 2), ((share / 2) & 1) ^ 1); }
+};
+
+// dS_wg-half K_j, with dS^T already in shared memory (both warpgroups' keys make up the reduction): n64 wgmmas
+// with A (dS) and B (K_j) both read MN-major, from two base descriptors stepped by constants (not BN / 8 of them
+// held across the loop). The two warpgroups split dQ_i (BM x D) in halves of 64 x 64: by rows at BM 128, by columns
+// at BM 64.
+template <class C>
+__forceinline__ __device__ void issue_dq_share(const DkdvCta<C>& cta, float (&dqs)[8][4]) {
+    using TdS = typename C::TdS;
+    using TKV = typename C::TKV;
+    constexpr int QR0 = C::BM == 128 ? 64 : 0, DC0 = C::BM == 128 ? 0 : 64;  // times wg
+    wgmma_fence();
+    const u64 a0 = TdS::desc_mn(cta.smem.ds, 0, 2 * QR0 * cta.wg), b0 = TKV::desc_mn(cta.smem.k(), 0, 2 * DC0 * cta.wg);
+#pragma unroll
+    for (int kk = 0; kk < C::BN / 16; ++kk)
+        wgmma_16_ss<typename C::T, 1, 1>(dqs, a0 + kk * TdS::W, b0 + kk * TKV::W, kk > 0);
+    wgmma_commit();
+}
+
+// A compute warpgroup's step of the fused dQ once P^T is in: dV_j += P^T dO_i, dS^T and dK_j += dS^T Q_i, then dQ_i's
+// share dS_ij K_j to the writer (share k of the CTA into buffer k % 2).
+// dV reads P^T from shared memory at BM 128, so that its A fragments (32 registers) are not live under the dP^T
+// wgmma: the compute warps then fit the 240 registers that setmaxnreg leaves them. Its place is this warpgroup's
+// half of the buffer this step's share will take (a SwizzledTile of 64 keys x BM queries): only this warpgroup's dV
+// reads it, and the share overwrites it once every wgmma of the step is done. (At BM 64 its 16 registers fit.
+// Issuing dP^T only behind dV instead does not help at BM 128: P^T stays live for dS^T, and ptxas serializes the
+// wgmmas all the same.)
+// The share then goes into the buffer in fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128 +
+// x) * 2 of the warpgroup's half (8-byte pairs contiguous by thread: conflict-free; fa2_bwd_dq_convert reads this
+// layout), with its slot: where it goes (an int: batch x heads x Q blocks < 2^31) and its rank in Q block i's order.
+template <class C>
+__forceinline__ __device__ void fused_dq_step(const DkdvCta<C>& cta, const DkdvRegs<C>& r, DqShares& shares,
+                                              const DqOrder& order, int stage, const float* delta, int h, int i) {
+    using TP = SwizzledTile<64, 2 * C::BM>;
+    const DqBuffers<C::D, C::BN, C::BM> bufs{cta.smem.base};
+    const int share = shares.sent++, buf = share % 2;
+    const u32 half = cta.smem.dq + buf * 2 * C::Smem::HALF + cta.wg * C::Smem::HALF;  // (bufs.half)
+    if constexpr (C::BM == 128) {
+        {
+            u32 a[C::NT / 2][4];
+            repack_all<typename C::T>(a, r.pt);
+            store_a_rows<TP, C::NT>(half, cta.warp * 16, a);
+        }
+        fence_proxy_async();
+        named_sync(1 + cta.wg, 128);  // this warpgroup's P^T in
+        wgmma_fence();
+        wgmma_ss_rows<typename C::T, TP, typename C::TQ, C::D, C::BM / 16>(r.dv[0], half, 0, cta.smem.dout(stage));
+        wgmma_commit();
+    } else {
+        issue_dv(cta, r, stage);
+    }
+    wgmma_wait<1>();  // dP^T is in (dV may still run)
+    hold_registers(r.dpt);
+    issue_dk(cta, r, stage, delta);
+    store_a_rows<typename C::TdS, C::NT>(cta.smem.ds, cta.kr0, r.ads);
+    fence_proxy_async();
+    sync_cta<C>();  // both warpgroups' dS^T in
+    float dqs[8][4];
+    issue_dq_share(cta, dqs);
+    wgmma_wait<0>();  // dV, dK, the share: P^T and dS^T are read
+    hold_registers(dqs);
+    hold_registers(r.dv[0]);
+    hold_registers(r.dk[0]);
+    const u32 mine = half + (threadIdx.x % 128) * 8;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) st_shared_f32x2(mine + (n * 2 + k) * 128 * 8, dqs[n][2 * k], dqs[n][2 * k + 1]);
+    fence_proxy_async();  // visible to the bulk copy that reads it
+    if (threadIdx.x == 0) {
+        const int n_q = (cta.mask.seqlen_q + C::BM - 1) / C::BM;
+        st_shared(bufs.slot(buf), ((cta.b * cta.p.heads + h) * n_q + i));
+        st_shared(bufs.slot(buf) + 4, order.rank<C::BM, C::BN>(i, cta.mask.seqlen_q, cta.mask.seqlen_k));
+    }
+    mbar_arrive_if(bufs.full(buf), true);
+}
+
+// (compute threads) The end of a CTA's walk: a last share of rank -1.
+template <int D, int BN, int BM>
+__forceinline__ __device__ void end_dq_shares(const DqShares& shares) {
+    extern __shared__ unsigned char smem[];
+    const DqBuffers<D, BN, BM> bufs{(smem_u32(smem) + 1023) & ~1023u};
+    const u32 buf = shares.sent % 2;
+    mbar_wait(bufs.empty(buf), ((shares.sent / 2) & 1) ^ 1);
+    if (threadIdx.x == 0) st_shared(bufs.slot(buf) + 4, -1);
+    mbar_arrive_if(bufs.full(buf), true);
+}
+
+// The writer warpgroup: lane 0 of its warps 0 and 1 each take one half of every share the compute warpgroups leave
+// (buffer k % 2 of the CTA's k-th share, with its slot; rank -1 ends the walk): wait for the full barrier, then for
+// the Q block's count to reach the rank, store (rank 0) or add the 16 KB half by one bulk copy, hand the buffer
+// back once it is read, and release the count once the copy is complete. The compute warps go on meanwhile; they
+// wait only when both buffers are still unread. dq_acc: (batch, heads, n_q, half, 64 x 64) fp32; dq_counts
+// (batch, heads, n_q, 2): the shares added so far to each half of each Q block.
+template <int D, int BN, int BM>
+__forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
+    using L = DkdvSmem<D, BN, BM, 2, false>;
+    extern __shared__ unsigned char smem[];
+    const DqBuffers<D, BN, BM> bufs{(smem_u32(smem) + 1023) & ~1023u};
+    const int half = threadIdx.x / 32 % 4;
+    if (half >= 2 || threadIdx.x % 32 != 0) return;
+    for (int share = 0;; ++share) {
+        const int buf = share % 2;
+        const u32 full = bufs.full(buf), empty = full + 16, slot = bufs.slot(buf);
+        mbar_wait(full, (share / 2) & 1);
+        const int block = ld_shared(slot), rank = ld_shared(slot + 4);
+        if (rank < 0) break;
+        const i64 at = 2 * (i64)block + half;  // (batch, head, Q block, half)
+        wait_count_at_least(dq_counts + at, rank);
+        fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
+        const u32 src = bufs.half(buf, half);
+        if (rank == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
+        else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
+        bulk_commit();
+        bulk_wait_read<0>();
+        mbar_arrive_if(empty, true);
+        bulk_wait<0>();
+        fence_proxy_async_global();
+        release_own_count(dq_counts + at);
+    }
+    bulk_wait<0>();
+}
+
+}  // namespace fav
