@@ -26,7 +26,8 @@ import ml_dtypes
 import numpy as np
 from tabulate import tabulate
 
-from . import __version__, arrays, gpu, iomodel, jit, timing
+from . import __version__, arrays, gpu, iomodel, jit
+from .timing import events, inputs, memory, shapes, torch_peers
 from .api import BackendUnavailable, attention
 from .backward import attention_backward
 from .reference.common import DEFAULT_SRAM, paper_blocks
@@ -193,10 +194,10 @@ def _default_heads(heads_kv: int | None) -> int:
     return base if heads_kv is None else heads_kv * math.ceil(base / heads_kv)
 
 
-def _shape_from_args(args: argparse.Namespace) -> timing.Shape:
+def _shape_from_args(args: argparse.Namespace) -> shapes.Shape:
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else SHAPE_DEFAULTS[name]  # noqa: E731
     heads = args.heads if args.heads is not None else _default_heads(args.heads_kv)
-    return timing.Shape(batch=pick("batch"), heads=heads, seqlen_q=pick("seqlen"), head_dim=pick("head_dim"),
+    return shapes.Shape(batch=pick("batch"), heads=heads, seqlen_q=pick("seqlen"), head_dim=pick("head_dim"),
                         dtype=args.dtype, causal=bool(args.causal), heads_kv=args.heads_kv, seqlen_k=args.seqlen_k)
 
 
@@ -204,7 +205,7 @@ def _explicit_shape(args: argparse.Namespace) -> bool:
     return any(getattr(args, n, None) is not None for n in ("batch", "heads", "heads_kv", "seqlen", "seqlen_k", "head_dim"))
 
 
-def _describe(shape: timing.Shape) -> str:
+def _describe(shape: shapes.Shape) -> str:
     s = f"B={shape.batch}, H={shape.heads}, N={shape.seqlen_q}, d={shape.head_dim}"
     if shape.hkv != shape.heads:
         s += f", H_kv={shape.hkv}"
@@ -213,7 +214,7 @@ def _describe(shape: timing.Shape) -> str:
     return s
 
 
-def refusal(entry: Variant, shape: timing.Shape) -> str:
+def refusal(entry: Variant, shape: shapes.Shape) -> str:
     """'' when ``fav.attention`` takes ``shape`` for ``entry``, else its own error message.
 
     The check is attention()'s: ``arrays.check_shapes`` on zero-stride NumPy stand-ins of q, k, v (no memory)."""
@@ -238,7 +239,7 @@ def refusal(entry: Variant, shape: timing.Shape) -> str:
     return ""
 
 
-def _validate(command: str, chosen: list[Variant], shape: timing.Shape, explicit: bool) -> tuple[list[Variant], list[str]]:
+def _validate(command: str, chosen: list[Variant], shape: shapes.Shape, explicit: bool) -> tuple[list[Variant], list[str]]:
     """The variants that take ``shape``, and notes on those left out. A variant named with --variants that
     ``fav.attention`` would refuse ends the command (one line, non-zero exit); from the default list it is
     left out with a note, unless none is left."""
@@ -260,17 +261,17 @@ def _validate(command: str, chosen: list[Variant], shape: timing.Shape, explicit
     return kept, notes
 
 
-def _cost(shape: timing.Shape) -> tuple[int, int]:
+def _cost(shape: shapes.Shape) -> tuple[int, int]:
     scores = shape.batch * shape.heads * shape.seqlen_q * shape.nk
     return scores * shape.head_dim, scores
 
 
-def _fits_cpu(shape: timing.Shape) -> bool:
+def _fits_cpu(shape: shapes.Shape) -> bool:
     work, scores = _cost(shape)
     return work <= CPU_WORK_BUDGET and scores <= CPU_SCORES_BUDGET
 
 
-def cpu_sized(shape: timing.Shape) -> timing.Shape:
+def cpu_sized(shape: shapes.Shape) -> shapes.Shape:
     """``shape`` when the NumPy models can run it in about a second, else a smaller problem of the same kind:
     batch 1, a few heads (GQA kept as GQA), Nq and Nk halved together; head_dim, dtype and causality kept."""
     if _fits_cpu(shape):
@@ -290,7 +291,7 @@ def cpu_sized(shape: timing.Shape) -> timing.Shape:
 
 
 # ------------------------------------------------------------------------------------------------ compare
-def _modeled_hbm(entry: Variant, shape: timing.Shape, blocks) -> float | None:
+def _modeled_hbm(entry: Variant, shape: shapes.Shape, blocks) -> float | None:
     try:
         bq, bk = blocks
         return entry.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
@@ -327,7 +328,7 @@ def _compare_numpy(args: argparse.Namespace, chosen: list[Variant], why: str) ->
               f"{_describe(asked)} (--full-size runs that, slowly){reason}")
     print(f"dtype {shape.dtype}, {'causal (bottom-right)' if shape.causal else 'not causal'}; "
           f"the models compute in float64 on the CPU")
-    q, k, v = timing.random_inputs(shape, np, seed=args.seed)
+    q, k, v = inputs.random_inputs(shape, np, seed=args.seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
     pairs = pick_pairs(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim, REF_FLOP_BUDGET_CPU)
     ref, _ = attention64(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
@@ -371,7 +372,7 @@ def _compare_numpy(args: argparse.Namespace, chosen: list[Variant], why: str) ->
     return 1 if failed else 0
 
 
-def _subset_note(pairs, shape: timing.Shape) -> str:
+def _subset_note(pairs, shape: shapes.Shape) -> str:
     total = shape.batch * shape.heads
     if len(pairs) == total:
         return ""
@@ -397,9 +398,9 @@ def _compare_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
           f"{shape.flops / 1e12:.3f} TFLOP per call by the 4BHNqNkd{'/2' if shape.causal else ''} convention")
 
     scale = 1.0 / math.sqrt(shape.head_dim)
-    sets = timing.gpu_input_sets(shape, seed=args.seed)
+    sets = inputs.gpu_input_sets(shape, seed=args.seed)
     q, k, v = sets[0]
-    l2 = timing.l2_bytes()
+    l2 = inputs.l2_bytes()
     pairs = pick_pairs(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim, REF_FLOP_BUDGET_GPU)
     _progress(f"float64 reference on {len(pairs)} (batch, head) pairs ...")
     ref, _ = attention64(q, k, v, causal=shape.causal, scale=scale, pairs=pairs)
@@ -423,7 +424,7 @@ def _compare_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
             rows.append([r["variant"], "", "", "", f"error: {r['error']}", ""] + [""] * model_col + [""]
                         + [""] * len(ratio_cols))
             continue
-        row = [r["variant"], r.get("tiles", "—"), f"{r['ms']:.3f}", f"{timing.tflops(shape.flops, r['ms']):.1f}",
+        row = [r["variant"], r.get("tiles", "—"), f"{r['ms']:.3f}", f"{shapes.tflops(shape.flops, r['ms']):.1f}",
                f"{r['err']:.1e}", _fmt(None if r.get("hbm") is None else r["hbm"] / 1e9, ".3f", "—")]
         row += [r.get("model_blocks", "—")] if model_col else []
         row += [_fmt(None if r.get("extra") is None else r["extra"] / 2**20, ".1f", "—") + r.get("extra_how", "")]
@@ -461,11 +462,11 @@ def _run_rows(chosen, shape, args, what: str, run_torch, run_ours, skippable=())
     variants with why, whether one of ours failed, the torch peers that ran, why torch did not)."""
     import cupy
     results, unavailable, failed = [], [], False
-    torch, torch_why = (None, "--no-torch") if args.no_torch else timing.torch_status()
-    if torch is not None and timing.torch_sdpa_unsupported(shape):
-        torch_why = timing.torch_sdpa_unsupported(shape)
+    torch, torch_why = (None, "--no-torch") if args.no_torch else torch_peers.torch_status()
+    if torch is not None and torch_peers.torch_sdpa_unsupported(shape):
+        torch_why = torch_peers.torch_sdpa_unsupported(shape)
         torch = None
-    peers = timing.peer_names(getattr(args, "flex", False)) if torch is not None else []
+    peers = torch_peers.peer_names(getattr(args, "flex", False)) if torch is not None else []
     todo = list(chosen) + peers
     for i, item in enumerate(todo, 1):
         label = item if isinstance(item, str) else item.name
@@ -496,10 +497,10 @@ def _run_variant(entry: Variant, shape, scale, sets, ref, pairs, args, blocks: B
     q, k, v = sets[0]
     extra, how = None, ""
     try:
-        with timing.PeakMemory() as pm:
+        with memory.PeakMemory() as pm:
             out, lse = attention(q, k, v, variant=entry.name, causal=shape.causal, softmax_scale=scale, return_lse=True, backend="cuda")
             cupy.cuda.get_current_stream().synchronize()
-        extra = max(0, pm.peak - timing.nbytes_rounded(out, lse))
+        extra = max(0, pm.peak - memory.nbytes_rounded(out, lse))
     except MemoryError:
         raise
     except Exception:  # noqa: BLE001 - a memory hook that will not install: fall back to the launcher's number
@@ -515,21 +516,21 @@ def _run_variant(entry: Variant, shape, scale, sets, ref, pairs, args, blocks: B
     def call(q, k, v):
         return attention(q, k, v, variant=entry.name, causal=shape.causal, softmax_scale=scale, backend="cuda")
 
-    times = timing.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=sets)
+    times = events.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=sets)
     try:
         tiles = tuple(entry.launcher.tiles(shape.head_dim, shape.causal))
     except Exception:  # noqa: BLE001
         tiles = (None, None)
     used, source = blocks.pick(entry, shape.head_dim, shape.causal)
-    return dict(variant=entry.name, ms=timing.median(times), err=err, hbm=_modeled_hbm(entry, shape, used),
+    return dict(variant=entry.name, ms=shapes.median(times), err=err, hbm=_modeled_hbm(entry, shape, used),
                 extra=extra, extra_how=how, tiles=_blocks_text(tiles),
                 model_blocks=_blocks_text(used) + _SOURCE_TAG[source])
 
 
 def _run_torch(torch, peer, shape, scale, sets, ref, pairs, args) -> dict:
     import cupy
-    fn = timing.torch_sdpa_fn(torch, peer, shape, scale)
-    tsets = [tuple(timing.as_torch_bhnd(torch, a) for a in s) for s in sets]
+    fn = torch_peers.torch_sdpa_fn(torch, peer, shape, scale)
+    tsets = [tuple(torch_peers.as_torch_bhnd(torch, a) for a in s) for s in sets]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -540,8 +541,8 @@ def _run_torch(torch, peer, shape, scale, sets, ref, pairs, args) -> dict:
         cupy.from_dlpack(out.transpose(1, 2).contiguous().view(torch.int16)).view(sets[0][0].dtype)
     err = rel_error(out_c, ref, pairs)
     del out, out_c
-    times = timing.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets)
-    return dict(variant=peer, ms=timing.median(times), err=err, hbm=None, extra=extra)
+    times = events.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets)
+    return dict(variant=peer, ms=shapes.median(times), err=err, hbm=None, extra=extra)
 
 
 # ------------------------------------------------------------------------------------------------ compare --backward
@@ -570,12 +571,12 @@ def _compare_backward(args: argparse.Namespace) -> int:
     return _compare_backward_gpu(args, chosen, notes)
 
 
-def _kv_pairs(shape: timing.Shape, budget: float):
+def _kv_pairs(shape: shapes.Shape, budget: float):
     """(batch, kv head) pairs for the float64 reference backward, all of them if they fit ``budget`` FLOPs, else an
     evenly spaced subset. A pair covers its group's query heads (a kv head's dk, dv sum over all of them), each
     costing about 2.5x the forward's 4 Nq Nk d."""
     group = shape.heads // shape.hkv
-    per_pair_dim = math.ceil(timing.FLOPS_FACTOR["bwd"] * group * shape.head_dim)  # pick_pairs: 4 Nq Nk x this
+    per_pair_dim = math.ceil(shapes.FLOPS_FACTOR["bwd"] * group * shape.head_dim)  # pick_pairs: 4 Nq Nk x this
     return pick_pairs(shape.batch, shape.hkv, shape.seqlen_q, shape.nk, per_pair_dim, budget)
 
 
@@ -608,7 +609,7 @@ def grad_errors(grads, refs: dict, kv_pairs, group: int) -> tuple[float, float, 
     return tuple(errs)
 
 
-def _kv_subset_note(kv_pairs, shape: timing.Shape) -> str:
+def _kv_subset_note(kv_pairs, shape: shapes.Shape) -> str:
     total = shape.batch * shape.hkv
     if len(kv_pairs) == total:
         return ""
@@ -640,8 +641,8 @@ def _compare_backward_numpy(args: argparse.Namespace, chosen: list[Variant], not
     print(f"dtype {shape.dtype}, {'causal (bottom-right)' if shape.causal else 'not causal'}; the models compute "
           f"in float64 on the CPU; out and lse handed to them are the float64 forward's")
     b, nq, h, d = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim
-    q, k, v = timing.random_inputs(shape, np, seed=args.seed)
-    dout = timing.random_dout(shape, np, seed=args.seed + 10_000)
+    q, k, v = inputs.random_inputs(shape, np, seed=args.seed)
+    dout = inputs.random_dout(shape, np, seed=args.seed + 10_000)
     scale = 1.0 / math.sqrt(d)
     out64, lse64 = attention64(q, k, v, causal=shape.causal, scale=scale)
     out = out64.reshape(b, h, nq, d).transpose(0, 2, 1, 3)
@@ -707,7 +708,7 @@ def _compare_backward_gpu(args: argparse.Namespace, chosen: list[Variant], notes
     chosen, more = _validate("compare", chosen, shape, explicit=bool(args.variants))
     notes = notes + more
     dev = cupy.cuda.Device()
-    bwd_flops = timing.direction_flops(shape, "bwd")
+    bwd_flops = shapes.direction_flops(shape, "bwd")
     print(f"GPU: {gpu.probe().name} (compute capability {dev.compute_capability}), CuPy {cupy.__version__}, "
           f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}")
     print(f"backward, shape {_describe(shape)}, {shape.dtype}, "
@@ -715,9 +716,9 @@ def _compare_backward_gpu(args: argparse.Namespace, chosen: list[Variant], notes
           f"the 2.5 x 4BHNqNkd{'/2' if shape.causal else ''} convention")
 
     scale = 1.0 / math.sqrt(shape.head_dim)
-    sets = timing.gpu_input_sets(shape, seed=args.seed)
-    douts = timing.gpu_dout_sets(shape, len(sets), seed=args.seed + 10_000)
-    l2 = timing.l2_bytes()
+    sets = inputs.gpu_input_sets(shape, seed=args.seed)
+    douts = inputs.gpu_dout_sets(shape, len(sets), seed=args.seed + 10_000)
+    l2 = inputs.l2_bytes()
     group = shape.heads // shape.hkv
     kv_pairs = _kv_pairs(shape, REF_FLOP_BUDGET_GPU)
     _progress(f"float64 reference backward on {len(kv_pairs)} (batch, kv head) pairs ...")
@@ -765,7 +766,7 @@ def _compare_backward_gpu(args: argparse.Namespace, chosen: list[Variant], notes
         if "error" in r:
             rows.append([r["variant"], "", "", f"error: {r['error']}", "", "", ""] + [""] * len(ratio_cols))
             continue
-        row = [r["variant"], f"{r['ms']:.3f}", f"{timing.tflops(bwd_flops, r['ms']):.1f}", *_errs_text(r["errs"]),
+        row = [r["variant"], f"{r['ms']:.3f}", f"{shapes.tflops(bwd_flops, r['ms']):.1f}", *_errs_text(r["errs"]),
                _fmt(None if r.get("extra") is None else r["extra"] / 2**20, ".1f", "—")]
         row += [f"{ref_ms[p] / r['ms']:.2f}" for p in ratio_cols]
         rows.append(row)
@@ -790,16 +791,16 @@ def _run_variant_backward(entry: Variant, args, *, shape, scale, sets, douts, re
 
     q, k, v = sets[0]
     out, lse = fwd(q, k, v)
-    with timing.PeakMemory() as pm:     # BackendUnavailable (no GPU backward yet) leaves from here: skipped row
+    with memory.PeakMemory() as pm:     # BackendUnavailable (no GPU backward yet) leaves from here: skipped row
         grads = call(douts[0], q, k, v, out, lse)
         cupy.cuda.get_current_stream().synchronize()
-    extra = max(0, pm.peak - timing.nbytes_rounded(*grads))
+    extra = max(0, pm.peak - memory.nbytes_rounded(*grads))
     errs = grad_errors(grads, refs, kv_pairs, group)
     del grads
     saved = [(out, lse)] + [fwd(*s) for s in sets[1:]]
     rotate = [(d, q, k, v, o, lse) for (q, k, v), d, (o, lse) in zip(sets, douts, saved)]
-    times = timing.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rotate)
-    return dict(variant=entry.name, ms=timing.median(times), errs=errs, extra=extra)
+    times = events.time_cuda(call, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rotate)
+    return dict(variant=entry.name, ms=shapes.median(times), errs=errs, extra=extra)
 
 
 def torch_grads_to_cupy(torch, grads, dtype):
@@ -817,8 +818,8 @@ def torch_grads_to_cupy(torch, grads, dtype):
 
 
 def _run_torch_backward(torch, peer, args, *, shape, scale, sets, douts, refs, kv_pairs, group) -> dict:
-    fn = timing.torch_grad_fn(torch)
-    tsets = timing.torch_sdpa_grad_sets(torch, peer, shape, scale, sets, douts)   # forward once, not timed
+    fn = torch_peers.torch_grad_fn(torch)
+    tsets = torch_peers.torch_sdpa_grad_sets(torch, peer, shape, scale, sets, douts)   # forward once, not timed
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -827,8 +828,8 @@ def _run_torch_backward(torch, peer, args, *, shape, scale, sets, douts, refs, k
     extra = max(0, torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads))
     errs = grad_errors(torch_grads_to_cupy(torch, grads, sets[0][0].dtype), refs, kv_pairs, group)
     del grads
-    times = timing.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets)
-    return dict(variant=peer, ms=timing.median(times), errs=errs, extra=extra)
+    times = events.time_cuda(fn, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets)
+    return dict(variant=peer, ms=shapes.median(times), errs=errs, extra=extra)
 
 
 # ------------------------------------------------------------------------------------------------ explain

@@ -33,8 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from .timing import inputs, shapes, torch_peers
+
 if TYPE_CHECKING:  # no import of cli at run time: cli imports this module
-    from . import timing
     from .cli import Blocks
     from .registry import Variant
 
@@ -162,8 +163,8 @@ def ncu_command(ncu: str, log_file: str, metrics: Sequence[str] = METRICS) -> li
             "--csv", "--log-file", log_file]
 
 
-def shape_args(shape: "timing.Shape") -> list[str]:
-    """The child's command-line flags for a ``timing.Shape``."""
+def shape_args(shape: "shapes.Shape") -> list[str]:
+    """The child's command-line flags for a ``shapes.Shape``."""
     a = ["--batch", str(shape.batch), "--heads", str(shape.heads), "--heads-kv", str(shape.hkv),
          "--seqlen", str(shape.seqlen_q), "--seqlen-k", str(shape.nk), "--head-dim", str(shape.head_dim),
          "--dtype", shape.dtype]
@@ -187,9 +188,9 @@ def _why_failed(*texts: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def measure(ncu: str, target: str, shape: "timing.Shape", *, seed: int = 0, timeout: float = 900,
+def measure(ncu: str, target: str, shape: "shapes.Shape", *, seed: int = 0, timeout: float = 900,
             python: str = sys.executable, verbose: bool = False) -> NcuResult:
-    """Run the child for ``target`` (a variant name or a key of ``timing.TORCH_BACKENDS``) under ncu and return
+    """Run the child for ``target`` (a variant name or a key of ``torch_peers.TORCH_BACKENDS``) under ncu and return
     the summed bytes; ProfileError (one line) when ncu or the child fails or nothing was measured."""
     with tempfile.TemporaryDirectory(prefix="fa-variants-ncu-") as tmp:
         log = os.path.join(tmp, "ncu.csv")
@@ -222,12 +223,11 @@ def ncu_version(ncu: str) -> str:
     return m.group(1) if m else (out.strip().splitlines() or ["?"])[-1]
 
 
-def _torch_peers(shape: "timing.Shape") -> tuple[list[str], str]:
-    from . import timing
+def _torch_peers(shape: "shapes.Shape") -> tuple[list[str], str]:
     if importlib.util.find_spec("torch") is None:
         return [], "torch is not importable"
-    why = timing.torch_sdpa_unsupported(shape)
-    return ([], why) if why else (list(timing.TORCH_BACKENDS), "")
+    why = torch_peers.torch_sdpa_unsupported(shape)
+    return ([], why) if why else (list(torch_peers.TORCH_BACKENDS), "")
 
 
 def _short(names: Iterable[str], limit: int = 110) -> str:
@@ -239,7 +239,7 @@ def _short(names: Iterable[str], limit: int = 110) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def run(shape: "timing.Shape", chosen: Sequence["Variant"], blocks: "Blocks", *, ncu: str = "ncu",
+def run(shape: "shapes.Shape", chosen: Sequence["Variant"], blocks: "Blocks", *, ncu: str = "ncu",
         torch_peers: bool = True, seed: int = 0, timeout: float = 900, verbose: bool = False,
         notes: Sequence[str] = ()) -> int:
     """Profile ``chosen`` registry entries (and torch SDPA) at ``shape``; print one table; the exit status."""
@@ -326,17 +326,16 @@ def child_main(argv: Sequence[str]) -> int:
 
     import cupy
 
-    from . import timing
     from .api import attention
 
-    shape = timing.Shape(batch=a.batch, heads=a.heads, seqlen_q=a.seqlen, head_dim=a.head_dim, dtype=a.dtype,
+    shape = shapes.Shape(batch=a.batch, heads=a.heads, seqlen_q=a.seqlen, head_dim=a.head_dim, dtype=a.dtype,
                          causal=a.causal, heads_kv=a.heads_kv, seqlen_k=a.seqlen_k)
-    q, k, v = timing.random_inputs(shape, cupy, seed=a.seed)
+    q, k, v = inputs.random_inputs(shape, cupy, seed=a.seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    if a.target in timing.TORCH_BACKENDS:
+    if a.target in torch_peers.TORCH_BACKENDS:
         import torch
-        fn = timing.torch_sdpa_fn(torch, a.target, shape, scale)
-        tq, tk, tv = (timing.as_torch_bhnd(torch, x) for x in (q, k, v))
+        fn = torch_peers.torch_sdpa_fn(torch, a.target, shape, scale)
+        tq, tk, tv = (torch_peers.as_torch_bhnd(torch, x) for x in (q, k, v))
 
         def call():
             return fn(tq, tk, tv)

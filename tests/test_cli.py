@@ -14,7 +14,10 @@ import pytest
 
 import fa_variants
 from conftest import TOL
-from fa_variants import cli, gpu, registry, timing
+from fa_variants import cli, gpu, registry
+from fa_variants.timing.inputs import MAX_SETS, random_dout, random_inputs, rotation_count
+from fa_variants.timing.shapes import Shape, attention_flops, tflops
+from fa_variants.timing.torch_peers import torch_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,26 +137,26 @@ def test_build_rejects_bad_arch():
 
 
 def test_flops_convention():
-    assert timing.attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
-    assert timing.attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
-    assert timing.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    assert attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    assert tflops(1e12, 1000.0) == pytest.approx(1.0)
 
 
 def test_shape_ids_round_trip():
-    for s in (timing.Shape(4, 16, 4096, 128, "bfloat16", True),
-              timing.Shape(2, 8, 100, 64, "float16", False, heads_kv=2, seqlen_k=300)):
-        assert timing.Shape.parse(s.id) == timing.Shape.parse(timing.Shape.parse(s.id).id)
-        p = timing.Shape.parse(s.id)
+    for s in (Shape(4, 16, 4096, 128, "bfloat16", True),
+              Shape(2, 8, 100, 64, "float16", False, heads_kv=2, seqlen_k=300)):
+        assert Shape.parse(s.id) == Shape.parse(Shape.parse(s.id).id)
+        p = Shape.parse(s.id)
         assert (p.batch, p.heads, p.hkv, p.seqlen_q, p.nk, p.head_dim, p.dtype, p.causal) == \
                (s.batch, s.heads, s.hkv, s.seqlen_q, s.nk, s.head_dim, s.dtype, s.causal)
 
 
 def test_rotation_spans_several_l2():
     l2 = 60_000_000
-    n = timing.rotation_count(10_000_000, l2)
-    assert n * 10_000_000 >= 3 * l2 or n == timing.MAX_SETS
-    assert timing.rotation_count(500_000_000, l2) == 2
-    assert timing.rotation_count(500_000_000, l2, free_bytes=1_000_000_000) == 1
+    n = rotation_count(10_000_000, l2)
+    assert n * 10_000_000 >= 3 * l2 or n == MAX_SETS
+    assert rotation_count(500_000_000, l2) == 2
+    assert rotation_count(500_000_000, l2, free_bytes=1_000_000_000) == 1
 
 
 def test_readme_names_every_variant_and_the_two_commands():
@@ -282,13 +285,13 @@ def test_default_heads_follow_heads_kv():
 
 
 def test_cpu_sized_keeps_what_matters_and_fits():
-    big = timing.Shape(2, 16, 8192, 128, "float16", True, heads_kv=4, seqlen_k=16384)
+    big = Shape(2, 16, 8192, 128, "float16", True, heads_kv=4, seqlen_k=16384)
     s = cli.cpu_sized(big)
     assert (s.head_dim, s.dtype, s.causal) == (128, "float16", True)
     assert s.heads % s.hkv == 0 and s.heads // s.hkv > 1          # GQA stays GQA
     assert s.nk == 2 * s.seqlen_q                                 # the N_k / N_q ratio is kept
     assert cli._fits_cpu(s) and s.batch == 1
-    small = timing.Shape(2, 4, 33, 32, "float16", True, heads_kv=2, seqlen_k=70)
+    small = Shape(2, 4, 33, 32, "float16", True, heads_kv=2, seqlen_k=70)
     assert cli.cpu_sized(small) == small
 
 
@@ -329,7 +332,7 @@ def test_compare_default_list_leaves_out_a_variant_that_refuses(no_gpu, capsys):
 def test_refusal_is_exactly_attention_s(d, heads, heads_kv):
     """compare refuses a shape for a variant exactly when fav.attention does."""
     rng = np.random.default_rng(0)
-    shape = timing.Shape(1, heads, 5, d, "float16", False, heads_kv=heads_kv, seqlen_k=7)
+    shape = Shape(1, heads, 5, d, "float16", False, heads_kv=heads_kv, seqlen_k=7)
     q = rng.standard_normal((1, 5, heads, d)).astype(np.float16)
     k = rng.standard_normal((1, 7, heads_kv, d)).astype(np.float16)
     for entry in registry.variants():
@@ -498,7 +501,7 @@ def test_ncu_command_is_the_documented_one():
     text = " ".join(cmd)
     assert "--profile-from-start off" in text and "--clock-control none" in text and "--csv" in text
     assert "--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum" in text
-    shape = timing.Shape(1, 4, 256, 64, "float16", True, heads_kv=2)
+    shape = Shape(1, 4, 256, 64, "float16", True, heads_kv=2)
     args = profile.shape_args(shape)
     assert args[args.index("--heads-kv") + 1] == "2" and "--causal" in args
 
@@ -616,12 +619,12 @@ def test_kv_pairs_and_gradient_errors():
     """The reference's subset is of (batch, kv head) pairs, each with all its query heads; grad_errors is
     ||g - ref|| / ||ref|| over exactly those pairs."""
     from fa_variants.reference.dense import reference_backward
-    s = timing.Shape(2, 8, 24, 16, "float16", True, heads_kv=2, seqlen_k=40)
+    s = Shape(2, 8, 24, 16, "float16", True, heads_kv=2, seqlen_k=40)
     assert cli._kv_pairs(s, 1e12) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     few = cli._kv_pairs(s, 2.5 * 4 * 24 * 40 * 16 * 4 * 2)     # two pairs' worth (a group of 4 query heads)
     assert len(few) == 2 and few[0] == (0, 0) and few[-1] == (1, 1)
-    q, k, v = timing.random_inputs(s, np, seed=3)
-    dout = timing.random_dout(s, np, seed=4)
+    q, k, v = random_inputs(s, np, seed=3)
+    dout = random_dout(s, np, seed=4)
     full = reference_backward(dout, q, k, v, causal=True, scale=0.25)
     refs = cli._reference_grads(dout, q, k, v, causal=True, scale=0.25, kv_pairs=few, group=4)
     assert np.array_equal(refs["dq"][1], full[0][1, :, 4:8]) and np.array_equal(refs["dk"][1], full[1][1, :, 1:2])
@@ -647,7 +650,7 @@ def test_compare_takes_flex(no_gpu, capsys):
 def test_compare_flex_row_on_the_gpu(backward, capsys):
     """compare --flex adds a torch-flex row (FlexAttention under torch.compile) with its ratio column, forward and
     backward, and its error in the same bounds as SDPA's (it computes the same attention)."""
-    torch, why = timing.torch_status()
+    torch, why = torch_status()
     if torch is None:
         pytest.skip(why)
     argv = ["compare", "--variants", "fa2", "--batch", "1", "--heads", "4", "--seqlen", "512", "--head-dim", "64",
