@@ -72,7 +72,8 @@ class NcuResult:
         return self.bytes.get(L2, math.nan)
 
     def kernel_summary(self, limit: int = 110) -> str:
-        """The profiled kernels by name without template arguments, repeats counted: 'gemmSN_NN_kernel x2, row_softmax'."""
+        """The profiled kernels by name without template arguments, repeats counted: 'gemmSN_NN_kernel x2,
+        row_softmax'."""
         counts: dict[str, int] = {}
         for n in self.kernels:
             base = re.split(r"[<(]", n, maxsplit=1)[0].strip().removeprefix("void ") or n

@@ -32,7 +32,8 @@ def cuobjdump() -> str | None:
 # where a CUDA toolkit puts cuobjdump when it is installed but not on PATH
 _TOOLKIT_HOME_VARS = ("CUDA_HOME", "CUDA_PATH")
 _TOOLKIT_DEFAULT = "/usr/local/cuda"
-_GET_IT = 'the test extra installs it: pip install -e ".[test]" (or pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)'
+_GET_IT = ('the test extra installs it: pip install -e ".[test]" (or pip install nvidia-cuda-cuobjdump '
+           'nvidia-cuda-nvdisasm)')
 
 
 def cuobjdump_missing() -> str:

@@ -81,7 +81,7 @@ def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
 @pytest.mark.parametrize("expr", [e for e in fa3_fp8.specializations() if e.split(",")[1].strip() == "128"])
 def test_fa3_fp8_turns_bracket_the_exponentials(expr):
     """The consumers' turns at the SFU hold their exponentials: ptxas moves a plain bar.arrive above every MUFU (the
-    turn then passes at once and the consumers' exponentials interleave again, 8-11 % slower on the H200). Between
+    turn then passes at once and the consumers' exponentials interleave again, which is slower). Between
     each such BAR.ARV and the BAR.SYNC before it lie at least a narrow tail block's exponentials (64 rows x 128 keys
     over 128 threads): MUFU.EX2s, and those on the FMA units (EXP_FMA), each marked by its FMNMX.NAN clamp."""
     ins = fa3_instructions(expr)
@@ -101,7 +101,7 @@ def test_fa3_fp8_turns_bracket_the_exponentials(expr):
 @pytest.mark.parametrize("expr", [e for e in fa3_fp8.specializations() if int(e.split(",")[1]) <= 128])
 def test_fa3_fp8_row_max_by_three_input_integer_max(expr):
     """fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX: FP8 && D <= 128) takes a mask-free block's row maxima as an
-    integer max of the scores' bit patterns, three at a time (+3-4 % on the H200): VIMNMX3 in the machine code, at
+    integer max of the scores' bit patterns, three at a time (faster than float max): VIMNMX3 in the machine code, at
     least one row's worth (a thread holds BN / 4 scores of a row: BN / 8 three-input maxima reduce them)."""
     ins = fa3_instructions(expr)
     bn = int(expr.split(",")[2])

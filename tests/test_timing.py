@@ -42,7 +42,7 @@ def test_heads_and_padding():
     assert [headdims.heads_for(d) for d in (64, 128, 256)] == [32, 16, 8]          # exact where d divides 2048
     assert [headdims.heads_for(d) for d in (80, 111, 160, 192, 224)] == [26, 18, 13, 11, 9]   # rounded
     assert [headdims.padded_dim(d) for d in (80, 111, 160, 192, 224)] == [96, 128, 160, 192, 224]
-    assert headdims.padded_dim(160, (32, 64, 96, 128, 256)) == 256               # today's fa2 tile table
+    assert headdims.padded_dim(160, (32, 64, 96, 128, 256)) == 256               # fa2's tile dims
     with pytest.raises(ValueError):
         headdims.padded_dim(257)
 
@@ -321,7 +321,7 @@ def test_parse_directions():
 
 
 def test_bench_groups_keep_a_shapes_directions_together():
-    assert bench_group(B1.id) == f"shape={B1.id}"                    # the forward's name, as before
+    assert bench_group(B1.id) == f"shape={B1.id}"                    # the forward's name: no suffix
     assert bench_group(B1.id, "bwd") == f"shape={B1.id} bwd"
     assert bench_group(B1.id, "fwdbwd") == f"shape={B1.id} fwd+bwd"
     ids = [Shape(16384 // n, 16, n, 128, "bfloat16", c).id for n in (1024, 2048) for c in (False, True)]

@@ -39,12 +39,13 @@ def run(args: argparse.Namespace) -> int:
     if args.flex:
         _check_flex(args)
     why_no_gpu = "forced by --numpy" if args.numpy else gpu.reason()
-    notes = [f"torch-flex not run: the NumPy models run without torch's peers ({why_no_gpu})"] \
-        if why_no_gpu and args.flex else []
+    notes = []
+    if why_no_gpu and args.flex:
+        notes.append(f"torch-flex not run: the NumPy models run without torch's peers ({why_no_gpu})")
     if args.backward:
         chosen, lacking = compare_backward.chosen_variants(args)
         if why_no_gpu:
-            return compare_backward.on_numpy(args, chosen, lacking + notes, why_no_gpu)
+            return compare_backward.on_numpy(args, chosen, why_no_gpu, lacking + notes)
         return compare_backward.on_gpu(args, chosen, lacking)
     chosen = parse_variants(args.variants)
     if why_no_gpu:

@@ -48,7 +48,7 @@ def chosen_variants(args: argparse.Namespace) -> tuple[list[Variant], list[str]]
     return [v for v in chosen if v.reference_backward is not None], notes
 
 
-def on_numpy(args: argparse.Namespace, chosen: list[Variant], notes: list[str], why: str) -> int:
+def on_numpy(args: argparse.Namespace, chosen: list[Variant], why: str, notes: list[str]) -> int:
     """The NumPy backward models on the CPU: wall time, dq/dk/dv errors, counted HBM accesses and FLOPs beside the
     formulas."""
     asked = shape_from_args(args)

@@ -78,7 +78,7 @@ def on_numpy(args: argparse.Namespace, chosen: list[Variant], why: str, notes: l
     return 1 if failed else 0
 
 
-def on_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
+def on_gpu(args: argparse.Namespace, chosen: list[Variant], notes: list[str] = ()) -> int:
     """Our kernels and torch's peers on the GPU: CUDA-event medians over inputs rotating past the L2."""
     import cupy
 
@@ -125,7 +125,7 @@ def on_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
 
     nset = len(sets)
-    notes = [
+    lines = [
         f"time: median of {args.repeats} CUDA-event timings after {args.warmup} warm-up calls; calls rotate among "
         f"{nset} input sets ({nset * shape.input_bytes / 1e6:.0f} MB together, L2 {l2 / 1e6:.0f} MB) so no call "
         f"finds its inputs in L2; a pad kernel before each call keeps host launch overhead out of the events",
@@ -138,13 +138,10 @@ def on_gpu(args: argparse.Namespace, chosen: list[Variant]) -> int:
         "extra_bytes() where no measurement was possible",
     ]
     if ratio_cols:
-        notes.append("x torch-...: speed relative to that torch peer on the same inputs (> 1 is faster; torch-flex: FlexAttention)")
+        lines.append("x torch-...: speed relative to that torch peer on the same inputs (> 1 is faster; torch-flex: FlexAttention)")
     if not peers:
-        notes.append(f"torch SDPA rows not run: {torch_why}")
-    notes += skipped
-    for label, why in unavailable:
-        notes.append(f"{label} not run here: {why}")
-    print_notes(notes)
+        lines.append(f"torch SDPA rows not run: {torch_why}")
+    print_notes(lines + skipped + list(notes) + [f"{label} not run here: {why}" for label, why in unavailable])
     return 1 if failed or not results else 0
 
 
