@@ -386,13 +386,13 @@ def memory_lines(res: dict) -> list[str]:
                          f"{'O(N)' if extra <= 4 * own + MIB else 'MORE THAN O(N): look'}")
         if "fa2_kernel_peak_bytes" in res:
             extra = res["fa2_kernel_extra_bytes"]
-            lines.append(f"  fa2 GPU backward kernel (UNVALIDATED, called directly): pool peak "
+            lines.append(f"  fa2's mma.sync backward kernel (called directly): pool peak "
                          f"{res['fa2_kernel_peak_bytes'] / MIB:,.1f} MiB = dq + dk + dv {res['grads_bytes'] / MIB:,.1f}"
                          f" MiB + {extra / MIB:,.1f} MiB beyond them (D: {res['delta_bytes'] / MIB:.1f} MiB): "
                          f"{'O(N)' if extra <= 4 * res['delta_bytes'] + MIB else 'MORE THAN O(N): look'}; "
                          f"gradients finite: {res['fa2_kernel_finite']}")
         else:
-            lines.append("  fa2 GPU backward kernel: not run (--unvalidated-kernel runs it)")
+            lines.append("  fa2's mma.sync backward kernel: not run (--unvalidated-kernel runs it)")
         lines.append(f"  naive backward: {res['naive_backward']}")
         lines.append(f"  naive forward (a stored-P backward needs at least its S/P): {res['naive_forward']}")
         if "torch_flash_held_bytes" in res:
@@ -429,8 +429,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true", help="leave out the torch rows")
     ap.add_argument("--unvalidated-kernel", action="store_true",
-                    help="also time fa2's GPU backward kernel (kernels.fa2_bwd.backward) directly: NOT VALIDATED, "
-                    "run only after tests/test_gpu_backward.py passes")
+                    help="also time fa2's mma.sync backward kernel (kernels.fa2_bwd.backward) called directly, "
+                    "outside the API's checks")
     ap.add_argument("--no-memory-check", action="store_true", help="leave out the N = 131072 memory check")
     ap.add_argument("--json", help="write the rows and the memory check here")
     return ap
