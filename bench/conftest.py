@@ -1,10 +1,10 @@
-"""pytest-benchmark suite: configuration, GPU gate, shared inputs and the end-of-session summary.
+"""pytest-benchmark suite: configuration, GPU gate, shared inputs and the summary printed at the end.
 
 Run it with ``pytest bench`` (the root pyproject's ``testpaths`` keeps it out of a plain ``pytest``). Every
 statistic pytest-benchmark prints is a CUDA-event time (see ``fa_variants.timing``). Benchmarks of one shape
 are grouped together, so ``pytest bench --benchmark-compare`` puts naive, fa1, fa2 and torch side by side.
 
-Each case is also timed "as a user sees it" by ``triton.testing.do_bench`` (``timing.user_view_ms``); the
+Each case is also timed "as a user sees it" by ``triton.testing.do_bench`` (``timing.user_view.user_view_ms``); the
 summary shows fa2 over torch's flash and cuDNN backends by both timers, for the forward and, in tables of their
 own, the backward ("bwd": the backward alone) and forward+backward ("fwdbwd"). Backward groups are named like the
 forward's with a direction suffix ('shape=<id> bwd', 'shape=<id> fwd+bwd').
@@ -12,13 +12,11 @@ forward's with a direction suffix ('shape=<id> bwd', 'shape=<id> fwd+bwd').
 Environment: FAV_BENCH_ROUNDS (timed calls per case, default 20), FAV_BENCH_WARMUP (default 5),
 FAV_BENCH_DO_BENCH=0 (leave out the do_bench timer), FAV_BENCH_DIRECTIONS=fwd,bwd,fwdbwd (which directions to
 collect, default all; the others are deselected), FAV_BENCH_UNVALIDATED=1 (run the fa2_bwd_kernel cases: fa2's
-GPU backward kernel timed directly, before the API calls it), FAV_BENCH_FLEX=0 (leave out FlexAttention, the
-third torch peer, compiled by torch.compile per shape and direction: about 2 s each on the H200),
-FAV_TIMING_REST_S (seconds the GPU idles before each case's warm-up, ``timing.rest_seconds``): 0.2 here unless set
-(the library's timers default to 0). On the H200 a case timed right after a heavy one started at the clock the power
-cap had left, and the fp8 variants' quantizing rows read 10-18 % low; with the rest every case starts from the same
-idle card and the suite reads as devcheck's matrices do, for ~80 s more over its 414 forward cases (bench/NOTES.md,
-nineteenth and twenty-first sessions). FAV_TIMING_REST_S=0 runs the cases back to back.
+mma.sync backward kernel timed directly, bypassing the API), FAV_BENCH_FLEX=0 (leave out FlexAttention, the third
+torch peer, compiled by torch.compile once per shape and direction), FAV_TIMING_REST_S (seconds the GPU idles
+before each case's warm-up, ``timing.events.rest_seconds``): 0.2 here unless set (the library's timers default to
+0). A card at its power cap starts a case timed right after a heavy one at the clock that one left; with the rest
+every case starts from the same idle card. FAV_TIMING_REST_S=0 runs the cases back to back.
 """
 from __future__ import annotations
 
@@ -29,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from fa_variants import timing
+from fa_variants.timing.inputs import gpu_dout_sets, gpu_input_sets
+from fa_variants.timing.shapes import DIRECTIONS, Shape, bench_group, parse_directions
+from fa_variants.timing.tables import Skipped, Timed, peer_ratios, skip_lines, summary_tables
 
 BENCH_DIR = Path(__file__).resolve().parent
 _RESULTS = pytest.StashKey[list]()
@@ -52,7 +52,7 @@ def pytest_configure(config):
     config.stash[_RESULTS] = []
     config.stash[_SKIPPED] = []
     try:
-        config.stash[_DIRECTIONS] = timing.parse_directions(os.environ.get("FAV_BENCH_DIRECTIONS"))
+        config.stash[_DIRECTIONS] = parse_directions(os.environ.get("FAV_BENCH_DIRECTIONS"))
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
@@ -71,8 +71,8 @@ def case_direction(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    wanted = config.stash.get(_DIRECTIONS, timing.DIRECTIONS)
-    if wanted != timing.DIRECTIONS:      # FAV_BENCH_DIRECTIONS: the other directions' cases are deselected
+    wanted = config.stash.get(_DIRECTIONS, DIRECTIONS)
+    if wanted != DIRECTIONS:      # FAV_BENCH_DIRECTIONS: the other directions' cases are deselected
         keep, drop = [], []
         for item in items:
             d = case_direction(item) if _in_bench(item) else None
@@ -99,7 +99,7 @@ def pytest_benchmark_group_stats(config, benchmarks, group_by):
         return None
     groups = collections.defaultdict(list)
     for b in benchmarks:
-        groups[timing.bench_group(b["params"]["shape"], b["params"].get("direction", "fwd"))].append(b)
+        groups[bench_group(b["params"]["shape"], b["params"].get("direction", "fwd"))].append(b)
     for g in groups.values():
         g.sort(key=lambda b: b["name"])
     return sorted(groups.items())
@@ -111,12 +111,12 @@ def gpu_inputs():
     """get(shape) -> list of (q, k, v) CuPy input sets for L2-busting rotation; only the last shape is kept."""
     cache = {}
 
-    def get(shape: timing.Shape):
+    def get(shape: Shape):
         if shape.id not in cache:
             cache.clear()
             import cupy
             cupy.get_default_memory_pool().free_all_blocks()
-            cache[shape.id] = timing.gpu_input_sets(shape)
+            cache[shape.id] = gpu_input_sets(shape)
         return cache[shape.id]
 
     yield get
@@ -128,11 +128,11 @@ def gpu_douts():
     """get(shape, n) -> n CuPy output gradients for ``shape`` (one per input set); only the last shape is kept."""
     cache = {}
 
-    def get(shape: timing.Shape, n: int):
+    def get(shape: Shape, n: int):
         key = (shape.id, n)
         if key not in cache:
             cache.clear()
-            cache[key] = timing.gpu_dout_sets(shape, n)
+            cache[key] = gpu_dout_sets(shape, n)
         return cache[key]
 
     yield get
@@ -142,15 +142,15 @@ def gpu_douts():
 @pytest.fixture
 def bench_record(request):
     """record(shape, variant, median_ms, median_ms_do_bench=None, direction="fwd") -> ratios to the torch peers
-    measured so far on the same shape and direction (``timing.peer_ratios``); every record also feeds the
-    end-of-session summary."""
+    measured so far on the same shape and direction (``timing.tables.peer_ratios``); every record also feeds the
+    summary printed at the end."""
     results = request.config.stash[_RESULTS]
 
-    def record(shape: timing.Shape, variant: str, ms: float, ms_do_bench: float | None = None,
+    def record(shape: Shape, variant: str, ms: float, ms_do_bench: float | None = None,
                direction: str = "fwd") -> dict:
-        case = timing.Timed(shape, variant, ms, ms_do_bench, direction)
+        case = Timed(shape, variant, ms, ms_do_bench, direction)
         results.append(case)
-        return timing.peer_ratios(results, case)
+        return peer_ratios(results, case)
 
     yield record
     try:  # give memory back between cases: naive's S at N = 16K is tens of GB
@@ -166,8 +166,8 @@ def bench_skip(request):
     ``pytest.skip(reason)``."""
     skipped = request.config.stash[_SKIPPED]
 
-    def skip(shape: timing.Shape, variant: str, direction: str, reason: str):
-        skipped.append(timing.Skipped(shape, variant, direction, reason))
+    def skip(shape: Shape, variant: str, direction: str, reason: str):
+        skipped.append(Skipped(shape, variant, direction, reason))
         pytest.skip(reason)
 
     return skip
@@ -176,8 +176,8 @@ def bench_skip(request):
 # ------------------------------------------------------------------------------------------------ summary
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     results = config.stash.get(_RESULTS, [])
-    tables = timing.summary_tables(results)
-    skipped = timing.skip_lines(config.stash.get(_SKIPPED, []))
+    tables = summary_tables(results)
+    skipped = skip_lines(config.stash.get(_SKIPPED, []))
     if not tables and not skipped:
         return
     from tabulate import tabulate

@@ -31,9 +31,12 @@ import time
 
 from tabulate import tabulate
 
-from fa_variants import registry, timing
+from fa_variants import registry
+from fa_variants.timing.inputs import random_inputs
+from fa_variants.timing.shapes import Shape, median
+from fa_variants.timing.torch_peers import torch_status
 
-SHAPE = timing.Shape(batch=1, heads=2, seqlen_q=16, head_dim=64, dtype="float16", causal=False)
+SHAPE = Shape(batch=1, heads=2, seqlen_q=16, head_dim=64, dtype="float16", causal=False)
 PREQUANT = "fa2_fp8_prequant"
 SDPA, SDPA_FLASH = "torch-sdpa", "torch-sdpa-flash"
 TARGET_US = {"cupy": 15.0, "torch": 25.0}
@@ -54,7 +57,7 @@ class Row:
 
     @property
     def median_us(self) -> float | None:
-        return timing.median(self.us) if self.us else None
+        return median(self.us) if self.us else None
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -102,7 +105,7 @@ def report(rows, meta: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ the cases
 def _cupy_inputs():
     import cupy
-    return timing.random_inputs(SHAPE, cupy, seed=0)
+    return random_inputs(SHAPE, cupy, seed=0)
 
 
 def _torch_inputs(torch):
@@ -240,7 +243,7 @@ def count_kernels(torch, measured):
 def _meta(args) -> dict:
     import cupy
     from fa_variants import gpu
-    torch, _ = timing.torch_status()
+    torch, _ = torch_status()
     return {"shape": SHAPE.id, "calls": args.calls, "repeats": args.repeats, "warmup_calls": WARMUP_CALLS,
             "device": gpu.probe().name, "python": platform.python_version(), "cupy": cupy.__version__,
             "torch": getattr(torch, "__version__", None), "timer": "wall clock / calls, one sync per repeat"}
@@ -262,7 +265,7 @@ def main(argv=None):
     from fa_variants import gpu
     if not gpu.available():
         sys.exit(f"launch_cost needs a CUDA GPU: {gpu.reason()}")
-    torch, torch_why = timing.torch_status()
+    torch, torch_why = torch_status()
     meta = _meta(args)
     measured = measure(list(cases(torch, torch_why)), args.calls, args.repeats)
     rows = [r for r, _ in measured]

@@ -18,8 +18,8 @@ import glob
 import json
 import os
 import sys
+from fa_variants.timing.shapes import Shape
 
-from fa_variants.timing import Shape
 
 TIMER_KEYS = {"events": "tflops", "do_bench": "tflops_do_bench"}
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}

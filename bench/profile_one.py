@@ -11,7 +11,8 @@ import argparse
 import cupy
 
 from fa_variants import attention, attention_backward
-from fa_variants.timing import Shape, random_inputs
+from fa_variants.timing.inputs import random_inputs
+from fa_variants.timing.shapes import Shape
 
 
 def main():

@@ -47,8 +47,12 @@ import sys
 
 from tabulate import tabulate
 
-from fa_variants import gpu, iomodel, timing
-from fa_variants.timing import Shape
+from fa_variants import gpu, iomodel
+from fa_variants.timing.events import time_cuda
+from fa_variants.timing.inputs import gpu_dout_sets, gpu_input_sets, random_dout, random_inputs
+from fa_variants.timing.memory import PeakMemory, nbytes_rounded
+from fa_variants.timing.shapes import Shape, direction_flops, median, tflops
+from fa_variants.timing.torch_peers import torch_grad_fn, torch_leaf_sets, torch_sdpa_fn, torch_status
 
 SEQLENS = (2048, 4096, 8192, 16384)
 MEMORY_SHAPE = Shape(1, 16, 131072, 128, "bfloat16", False)
@@ -65,7 +69,7 @@ class Impl:
     dq_mode: str = "separate"  # ("kernels": the one fa2_dq_mode picks for the shape)
     stores_p: bool = False
     forward: str = ""      # the variant whose forward gives out and lse (ours)
-    torch_backend: str = ""  # a key of timing.TORCH_BACKENDS / OTHER_TORCH_BACKENDS
+    torch_backend: str = ""  # a key of timing.torch_peers.TORCH_BACKENDS / OTHER_TORCH_BACKENDS
 
 
 IMPLS = (
@@ -139,11 +143,11 @@ def delta_bytes(shape: Shape) -> int:
 def row_values(impl: Impl, shape: Shape, ms=None, held=None, bwd_peak=None, status: str = "") -> dict:
     """One row of the table (and of the JSON): FLOPs, time, both TFLOP/s, memory, status ('' = measured)."""
     fl = flops_of(impl, shape)
-    conv = timing.direction_flops(shape, "bwd")
+    conv = direction_flops(shape, "bwd")
     return dict(impl=impl.name, what=impl.what, shape=shape.id, seqlen=shape.seqlen_q, stores_p=impl.stores_p,
                 flops=fl, flops_over_forward=fl / shape.flops, flops_convention=conv, ms=ms,
-                tflops_convention=timing.tflops(conv, ms) if ms else None,
-                tflops_actual=timing.tflops(fl, ms) if ms else None,
+                tflops_convention=tflops(conv, ms) if ms else None,
+                tflops_actual=tflops(fl, ms) if ms else None,
                 held_bytes=held, bwd_peak_bytes=bwd_peak, p_fp32_bytes=p_bytes(shape), status=status)
 
 
@@ -205,29 +209,29 @@ def measure_ours(impl: Impl, shape: Shape, sets, douts, args) -> dict:
     try:
         out, lse = fwd(q, k, v)
         _sync()
-        held = timing.nbytes_rounded(lse)       # all the API's backward is handed beyond out
-        with timing.PeakMemory() as pm:
+        held = nbytes_rounded(lse)       # all the API's backward is handed beyond out
+        with PeakMemory() as pm:
             grads = bwd(douts[0], q, k, v, out, lse)
             _sync()
     except fav.BackendUnavailable as e:
         return row_values(impl, shape, status=f"skipped: {e}")
     except MemoryError as e:
         return row_values(impl, shape, status=f"refused: {type(e).__name__}: {e}")
-    peak = max(0, pm.peak - timing.nbytes_rounded(*grads))
+    peak = max(0, pm.peak - nbytes_rounded(*grads))
     del grads
     use = sets[:1] if impl.stores_p else sets      # P dominates the traffic: one set, and memory for one P
     saved = [(out, lse)] + [fwd(*s) for s in use[1:]]
     rotate = [(d, q, k, v, o, l) for (q, k, v), d, (o, l) in zip(use, douts, saved)]
-    ms = timing.median(timing.time_cuda(bwd, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rotate))
+    ms = median(time_cuda(bwd, warmup=args.warmup, repeats=args.repeats, rotate_inputs=rotate))
     return row_values(impl, shape, ms, held, peak)
 
 
 def measure_torch(impl: Impl, torch, shape: Shape, sets, douts, args) -> dict:
     scale = 1.0 / math.sqrt(shape.head_dim)
-    fwd = timing.torch_sdpa_fn(torch, impl.torch_backend, shape, scale)
-    grad = timing.torch_grad_fn(torch)
+    fwd = torch_sdpa_fn(torch, impl.torch_backend, shape, scale)
+    grad = torch_grad_fn(torch)
     use = sets[:1] if impl.stores_p else sets
-    leaves = timing.torch_leaf_sets(torch, use, douts)
+    leaves = torch_leaf_sets(torch, use, douts)
     try:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -242,7 +246,7 @@ def measure_torch(impl: Impl, torch, shape: Shape, sets, douts, args) -> dict:
         peak = max(0, torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads))
         del grads
         tsets = [(out, q, k, v, dout)] + [(fwd(*s[:3]),) + s for s in leaves[1:]]
-        ms = timing.median(timing.time_cuda(grad, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets))
+        ms = median(time_cuda(grad, warmup=args.warmup, repeats=args.repeats, rotate_inputs=tsets))
     except torch.cuda.OutOfMemoryError as e:
         return row_values(impl, shape, status=f"out of memory: {' '.join(str(e).split())[:200]}")
     return row_values(impl, shape, ms, held, peak)
@@ -253,8 +257,8 @@ def measure_all(args, torch) -> tuple[list[dict], bool]:
     rows, failed = [], False
     for shape in shapes(args.seqlens, args.batch, args.heads, args.head_dim, args.dtype, args.causal):
         print(f"{shape.id} ...", file=sys.stderr, flush=True)
-        sets = timing.gpu_input_sets(shape)
-        douts = timing.gpu_dout_sets(shape, len(sets))
+        sets = gpu_input_sets(shape)
+        douts = gpu_dout_sets(shape, len(sets))
         for impl in IMPLS:
             if impl.kind == "kernel" and not args.unvalidated_kernel:
                 rows.append(row_values(impl, shape, status="not run: pass --unvalidated-kernel (fa2's mma.sync "
@@ -290,22 +294,22 @@ def memory_check(args, torch) -> dict:
     shape = MEMORY_SHAPE
     scale = 1.0 / math.sqrt(shape.head_dim)
     res = dict(shape=shape.id, p_fp32_bytes=p_bytes(shape), delta_bytes=delta_bytes(shape))
-    q, k, v = timing.random_inputs(shape, cupy, 0)
-    dout = timing.random_dout(shape, cupy)
-    res["input_bytes"] = timing.nbytes_rounded(q, k, v, dout)
-    with timing.PeakMemory() as pm:
+    q, k, v = random_inputs(shape, cupy, 0)
+    dout = random_dout(shape, cupy)
+    res["input_bytes"] = nbytes_rounded(q, k, v, dout)
+    with PeakMemory() as pm:
         out, lse = fav.attention(q, k, v, variant="fa2", causal=shape.causal, softmax_scale=scale, return_lse=True,
                                  backend="cuda")
         _sync()
     res["fa2_forward_peak_bytes"] = pm.peak
-    res["out_lse_bytes"] = timing.nbytes_rounded(out, lse)
+    res["out_lse_bytes"] = nbytes_rounded(out, lse)
     res["fused_dq_bytes"] = fused_dq_bytes(shape)
     try:
-        with timing.PeakMemory() as pm:
+        with PeakMemory() as pm:
             grads = fav.attention_backward(dout, q, k, v, out, lse, variant="fa2", causal=shape.causal,
                                            softmax_scale=scale, backend="cuda")
             _sync()
-        gb = timing.nbytes_rounded(*grads)
+        gb = nbytes_rounded(*grads)
         res.update(fa2_api="ran", fa2_api_peak_bytes=pm.peak, fa2_api_extra_bytes=max(0, pm.peak - gb))
         del grads
     except fav.BackendUnavailable as e:
@@ -314,10 +318,10 @@ def memory_check(args, torch) -> dict:
     if args.unvalidated_kernel:
         from fa_variants.kernels import fa2_bwd
         from fa_variants.reference.dense import to_float64
-        with timing.PeakMemory() as pm:
+        with PeakMemory() as pm:
             grads = fa2_bwd.backward(dout, q, k, v, out, lse, causal=shape.causal, softmax_scale=scale)
             _sync()
-        gb = timing.nbytes_rounded(*grads)
+        gb = nbytes_rounded(*grads)
         res.update(fa2_kernel_peak_bytes=pm.peak, grads_bytes=gb, fa2_kernel_extra_bytes=max(0, pm.peak - gb),
                    fa2_kernel_finite=all(bool(cupy.isfinite(to_float64(g)).all()) for g in grads))
         del grads
@@ -338,8 +342,8 @@ def memory_check(args, torch) -> dict:
     _free()
     if torch is not None:
         try:
-            fwd = timing.torch_sdpa_fn(torch, "torch-flash", shape, scale)
-            (tq, tk, tv, tdo), = timing.torch_leaf_sets(torch, [(q, k, v)], [dout])
+            fwd = torch_sdpa_fn(torch, "torch-flash", shape, scale)
+            (tq, tk, tv, tdo), = torch_leaf_sets(torch, [(q, k, v)], [dout])
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             tout = fwd(tq, tk, tv)
@@ -348,7 +352,7 @@ def memory_check(args, torch) -> dict:
                                                  - tout.numel() * tout.element_size())
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            grads = timing.torch_grad_fn(torch)(tout, tq, tk, tv, tdo)
+            grads = torch_grad_fn(torch)(tout, tq, tk, tv, tdo)
             torch.cuda.synchronize()
             res["torch_flash_bwd_peak_bytes"] = max(0, torch.cuda.max_memory_allocated() - base
                                                      - sum(g.numel() * g.element_size() for g in grads))
@@ -379,13 +383,13 @@ def memory_lines(res: dict) -> list[str]:
                          f"{'O(N)' if extra <= 4 * own + MIB else 'MORE THAN O(N): look'}")
         if "fa2_kernel_peak_bytes" in res:
             extra = res["fa2_kernel_extra_bytes"]
-            lines.append(f"  fa2 GPU backward kernel (UNVALIDATED, called directly): pool peak "
+            lines.append(f"  fa2's mma.sync backward kernel (called directly): pool peak "
                          f"{res['fa2_kernel_peak_bytes'] / MIB:,.1f} MiB = dq + dk + dv {res['grads_bytes'] / MIB:,.1f}"
                          f" MiB + {extra / MIB:,.1f} MiB beyond them (D: {res['delta_bytes'] / MIB:.1f} MiB): "
                          f"{'O(N)' if extra <= 4 * res['delta_bytes'] + MIB else 'MORE THAN O(N): look'}; "
                          f"gradients finite: {res['fa2_kernel_finite']}")
         else:
-            lines.append("  fa2 GPU backward kernel: not run (--unvalidated-kernel runs it)")
+            lines.append("  fa2's mma.sync backward kernel: not run (--unvalidated-kernel runs it)")
         lines.append(f"  naive backward: {res['naive_backward']}")
         lines.append(f"  naive forward (a stored-P backward needs at least its S/P): {res['naive_forward']}")
         if "torch_flash_held_bytes" in res:
@@ -422,8 +426,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true", help="leave out the torch rows")
     ap.add_argument("--unvalidated-kernel", action="store_true",
-                    help="also time fa2's GPU backward kernel (kernels.fa2_bwd.backward) directly: NOT VALIDATED, "
-                    "run only after tests/test_gpu_backward.py passes")
+                    help="also time fa2's mma.sync backward kernel (kernels.fa2_bwd.backward) called directly, "
+                    "outside the API's checks")
     ap.add_argument("--no-memory-check", action="store_true", help="leave out the N = 131072 memory check")
     ap.add_argument("--json", help="write the rows and the memory check here")
     return ap
@@ -435,7 +439,7 @@ def main(argv=None) -> int:
     torch = None
     args.torch_why = "--no-torch"
     if not why and not args.no_torch:
-        torch, args.torch_why = timing.torch_status()
+        torch, args.torch_why = torch_status()
     if why:
         rows = [row_values(impl, s, status=f"not run: no CUDA GPU ({why})")
                 for s in shapes(args.seqlens, args.batch, args.heads, args.head_dim, args.dtype, args.causal)

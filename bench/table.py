@@ -27,8 +27,9 @@ import sys
 
 from tabulate import tabulate
 
-from fa_variants import registry, timing
-from fa_variants.timing import Shape
+from fa_variants import registry
+from fa_variants.timing.shapes import Shape
+from fa_variants.timing.torch_peers import peer_names
 from plot import forward_records  # (bench/, beside this script)
 
 PREQUANT = "_prequant"
@@ -59,7 +60,7 @@ def columns(rows: dict) -> list:
     """The variants present, this library's first (registry order, then other names such as fa2_mma_sync), then
     the pre-quantized fp8 calls, then torch's peers."""
     seen = {v for r in rows.values() for v in r}
-    peers = [p for p in timing.peer_names(True) if p in seen]
+    peers = [p for p in peer_names(True) if p in seen]
     ours = [v.name for v in registry.variants() if v.name in seen]
     pre = [f"{v}{PREQUANT}" for v in fp8_names() if f"{v}{PREQUANT}" in seen]
     rest = sorted(seen - set(ours) - set(pre) - set(peers))

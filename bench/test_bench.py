@@ -7,38 +7,35 @@ one-CTA-per-head grid) is the matrix's N = 16K, d = 128 row. Plus d = 256 in bf1
 the registry's variants, ``fa2_fp8_prequant`` (``fa3_fp8_prequant``) times fa2_fp8 (fa3_fp8) on operands quantized
 before the timed call.
 
-Each round is one call bracketed by CUDA events (``timing.EventTimer.once``) after a pad kernel that hides the
-host's launch overhead; calls rotate among input sets larger than L2 together. pytest-benchmark's timer is
-``timing.event_clock``, which advances only by those event times, so its min/median/mean are GPU times.
-A second timer, as a user sees it: ``triton.testing.do_bench`` (``timing.user_view_ms``; L2 flushed before each
-call, no pad kernel), recorded beside it in extra_info (``tflops_do_bench``; empty without triton). The torch
-peers of a shape run before the other variants, so each case also records its ratios to them by both timers
-(``over_torch_flash``, ``over_torch_flash_do_bench``, ``over_torch_cudnn``, ...).
+Each round is one call bracketed by CUDA events (``timing.events.EventTimer.once``) after a pad kernel that hides
+the host's launch overhead; calls rotate among input sets larger than L2 together. pytest-benchmark's timer is
+``timing.events.event_clock``, which advances only by those event times, so its min/median/mean are GPU times.
+A second timer, as a user sees it: ``triton.testing.do_bench`` (``timing.user_view.user_view_ms``; L2 flushed
+before each call, no pad kernel), recorded beside it in extra_info (``tflops_do_bench``; empty without triton).
+The torch peers of a shape run before the other variants, so each case also records its ratios to them by both
+timers (``over_torch_flash``, ``over_torch_flash_do_bench``, ``over_torch_cudnn``, ...).
 
 Backward (``test_backward``), on the forward's shapes, in two directions: "bwd", the backward alone (given q,
 k, v, out, lse and dout, the backward call is timed; out and lse come from the variant's own forward, run
 outside the timed region) and "fwdbwd" (forward then backward in the timed call). Variants: torch SDPA's flash
 and cuDNN backwards (``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` of an SDPA forward run
-once beforehand with that backend forced and q, k, v requiring grad; "fwdbwd" runs both), then ours, fa2, fa1
-and naive, through ``fav.attention_backward(..., backend="cuda")``: while that raises BackendUnavailable (the
-GPU backward kernels are not validated yet) each of our cases is skipped with its message, and the summary
-lists those skips. TFLOP/s of a backward = 2.5 x the forward's FLOPs / time (3.5x for "fwdbwd"), halved for
+once beforehand with that backend forced and q, k, v requiring grad; "fwdbwd" runs both), then ours with a
+backward (naive, fa1, fa2), through ``fav.attention_backward(..., backend="cuda")``: a case that raises
+BackendUnavailable (no GPU backward for that variant here) or MemoryError is skipped with its message, and the
+summary lists those skips. TFLOP/s of a backward = 2.5 x the forward's FLOPs / time (3.5x for "fwdbwd"), halved for
 causal, as in anchors/h200-peers.md; ratios to torch are taken in the same direction, by both timers.
 
-``fa2_bwd_kernel`` is an UNVALIDATED case: it times fa2's GPU backward kernel (``kernels.fa2_bwd.backward``)
-directly, bypassing the API's BackendUnavailable, at head dims up to 128. It runs only with
-``FAV_BENCH_UNVALIDATED=1``, meant for right after tests/test_gpu_backward.py has passed on the GPU: a kernel
-that faults would end the CUDA context, and every later case with it.
+``fa2_bwd_kernel`` times fa2's mma.sync backward (``kernels.fa2_bwd.backward``, the kernels sm_80-89 run)
+directly, bypassing the API, at head dims up to 128: on Hopper, where the API runs the wgmma backward, it shows
+that instruction's share, as ``fa2_mma_sync`` does for the forward. It runs only with ``FAV_BENCH_UNVALIDATED=1``
+(a kernel called outside the API's checks that faults would end the CUDA context, and every later case with it).
 
 Directions: ``FAV_BENCH_DIRECTIONS=fwd,bwd,fwdbwd`` (default all) collects only the named ones; the others are
-deselected. The forward cases and their time are as before. The backward cases come on top: per shape, four
-timed torch cases now (flash and cuDNN, two directions; ours skip after one forward call), against the
-forward's eight, and six to eight once ours run on the GPU, so a default run takes roughly twice as long as the
-forward alone.
-``FAV_BENCH_DIRECTIONS=fwd`` gives the forward-only run (and its time) of before.
+deselected. The backward cases come on top of the forward's (per shape and direction the torch peers and ours
+with a backward), so a default run takes roughly twice as long as ``FAV_BENCH_DIRECTIONS=fwd``.
 
     pytest bench                                   # everything (forward, then backward)
-    FAV_BENCH_DIRECTIONS=fwd pytest bench          # the forward only (as before)
+    FAV_BENCH_DIRECTIONS=fwd pytest bench          # the forward only
     FAV_BENCH_DIRECTIONS=bwd pytest bench          # the backward alone, nothing else
     pytest bench -k "fa2 and d128 and N4096"       # a slice (of every direction collected)
     pytest bench --benchmark-autosave              # save, then later: pytest bench --benchmark-compare
@@ -55,8 +52,14 @@ import os
 import pytest
 
 import fa_variants as fav
-from fa_variants import registry, timing
-from fa_variants.timing import Shape
+from fa_variants import registry
+from fa_variants.timing.events import EventTimer, event_clock
+from fa_variants.timing.inputs import l2_bytes
+from fa_variants.timing.shapes import DIRECTION_TAGS, FLOPS_FACTOR, Shape, direction_flops, tflops
+from fa_variants.timing.torch_peers import (as_torch_bhnd, peer_names, torch_grad_fn, torch_leaf_sets, torch_sdpa_fn,
+                                           torch_sdpa_fwdbwd_fn, torch_sdpa_grad_sets, torch_sdpa_unsupported,
+                                           torch_status)
+from fa_variants.timing.user_view import user_view_ms
 
 TOKENS = 16 * 1024
 HIDDEN = 2048
@@ -90,14 +93,14 @@ PREQUANTS = {f"{v.name}_prequant": v.name for v in registry.variants() if v.oper
 # inputs: the instruction's share of fa2's speed, and FA1 against FA2 on one instruction.
 MMA_SYNC = "fa2_mma_sync"
 # The torch peers first: each later case of the shape then finds them measured, for its ratios (extra_info).
-# FlexAttention is the third torch peer (torch.compile per shape and direction: about 2 s each on the H200, 13 s
-# for the first); FAV_BENCH_FLEX=0 leaves it out.
-PEERS = timing.peer_names(os.environ.get("FAV_BENCH_FLEX", "1") not in ("", "0"))
+# FlexAttention is the third torch peer (torch.compile once per shape and direction); FAV_BENCH_FLEX=0 leaves it
+# out.
+PEERS = peer_names(os.environ.get("FAV_BENCH_FLEX", "1") not in ("", "0"))
 VARIANTS = PEERS + [v.name for v in registry.variants()] + [MMA_SYNC, *PREQUANTS]
 CASES = [(s.id, v) for s in SHAPES for v in VARIANTS]   # shape-major: one set of inputs serves every variant
 
-# The backward: torch peers first (ratios), then ours with a backward model, then fa2's kernel timed directly.
-BWD_KERNEL = "fa2_bwd_kernel"        # UNVALIDATED: kernels.fa2_bwd.backward, bypassing the API (opt-in)
+# The backward: torch peers first (ratios), then ours with a backward, then fa2's mma.sync kernel timed directly.
+BWD_KERNEL = "fa2_bwd_kernel"        # kernels.fa2_bwd.backward (mma.sync), bypassing the API (opt-in)
 BWD_KERNEL_MAX_DIM = 128
 BWD_DIRECTIONS = ("bwd", "fwdbwd")
 BWD_VARIANTS = (PEERS + [v.name for v in registry.variants() if v.reference_backward]
@@ -134,17 +137,17 @@ def _ours(variant: str, shape: Shape, scale: float):
 
 
 def _torch(peer: str, shape: Shape, scale: float):
-    torch, why = timing.torch_status()
+    torch, why = torch_status()
     if torch is None:
         pytest.skip(why)
-    why = timing.torch_sdpa_unsupported(shape)
+    why = torch_sdpa_unsupported(shape)
     if why:
         pytest.skip(why)
-    return torch, timing.torch_sdpa_fn(torch, peer, shape, scale)
+    return torch, torch_sdpa_fn(torch, peer, shape, scale)
 
 
 @pytest.mark.gpu
-@pytest.mark.benchmark(timer=timing.event_clock)
+@pytest.mark.benchmark(timer=event_clock)
 @pytest.mark.parametrize("shape,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
 def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
     shp = Shape.parse(shape)
@@ -152,7 +155,7 @@ def test_forward(benchmark, gpu_inputs, bench_record, shape, variant):
     hbm = None
     if variant in PEERS:
         torch, fn = _torch(variant, shp, scale)
-        sets = [tuple(timing.as_torch_bhnd(torch, a) for a in s) for s in gpu_inputs(shp)]
+        sets = [tuple(as_torch_bhnd(torch, a) for a in s) for s in gpu_inputs(shp)]
     elif variant == MMA_SYNC:
         from fa_variants.kernels import fa2 as fa2_kernels
         _ours("fa2", shp, scale)  # skips where fa2 cannot run
@@ -178,7 +181,7 @@ def _measure(benchmark, bench_record, shp: Shape, variant: str, fn, sets, *, dir
     """Warm up, time ``fn(*set)`` over the rotating ``sets`` under pytest-benchmark (CUDA-event clock), time it
     once more by do_bench, record extra_info and the ratios to the torch peers of the same shape and direction.
     ``skip(reason)`` (default pytest.skip) is called where warm-up meets a MemoryError."""
-    timer = timing.EventTimer()
+    timer = EventTimer()
     try:
         timer.warmup(fn, sets, WARMUP)
     except MemoryError as e:          # naive refusing an S that does not fit: a fact about the size, not a bug
@@ -194,23 +197,23 @@ def _measure(benchmark, bench_record, shp: Shape, variant: str, fn, sets, *, dir
     if benchmark.stats is None:       # --benchmark-disable: ran once, nothing measured
         return
     med_ms = benchmark.stats.stats.median * 1e3
-    db_ms, db_why = timing.user_view_ms(fn, sets[0]) if DO_BENCH else (None, "FAV_BENCH_DO_BENCH=0")
-    flops = timing.direction_flops(shp, direction)
+    db_ms, db_why = user_view_ms(fn, sets[0]) if DO_BENCH else (None, "FAV_BENCH_DO_BENCH=0")
+    flops = direction_flops(shp, direction)
     info = dict(
         variant=variant, shape=shp.id, dtype=shp.dtype, batch=shp.batch, heads=shp.heads, heads_kv=shp.hkv,
         seqlen_q=shp.seqlen_q, seqlen_k=shp.nk, head_dim=shp.head_dim, causal=shp.causal,
-        median_ms=med_ms, tflops=timing.tflops(flops, med_ms), flops=flops,
-        median_ms_do_bench=db_ms, tflops_do_bench=timing.tflops(flops, db_ms) if db_ms else None,
+        median_ms=med_ms, tflops=tflops(flops, med_ms), flops=flops,
+        median_ms_do_bench=db_ms, tflops_do_bench=tflops(flops, db_ms) if db_ms else None,
         do_bench_note=db_why or None,
-        hbm_bytes_model=hbm, input_sets=len(sets), l2_bytes=timing.l2_bytes(),
+        hbm_bytes_model=hbm, input_sets=len(sets), l2_bytes=l2_bytes(),
         timer="CUDA events (fa_variants.timing.event_clock)", timer_do_bench="triton.testing.do_bench median",
         device=_device_name(),
     )
     if direction != "fwd":
         # 'variant' carries the direction so that readers keyed by variant and shape (bench/plot.py) keep the
         # backward's points apart from the forward's; 'base_variant' is the plain name.
-        info.update(variant=f"{variant} {timing.DIRECTION_TAGS[direction]}", base_variant=variant,
-                    direction=direction, flops_convention=f"{timing.FLOPS_FACTOR[direction]} x 4BHNqNkd"
+        info.update(variant=f"{variant} {DIRECTION_TAGS[direction]}", base_variant=variant,
+                    direction=direction, flops_convention=f"{FLOPS_FACTOR[direction]} x 4BHNqNkd"
                     f"{' / 2 (causal)' if shp.causal else ''}")
     info.update(extra or {})
     benchmark.extra_info.update(info)
@@ -249,18 +252,18 @@ def _our_backward(variant: str, fwd_variant: str, bwd, shp: Shape, scale: float,
 
 
 def _torch_backward(peer: str, shp: Shape, scale: float, qkv, douts, direction: str, skip):
-    torch, why = timing.torch_status()
+    torch, why = torch_status()
     if torch is None:
         skip(why)
-    why = timing.torch_sdpa_unsupported(shp)
+    why = torch_sdpa_unsupported(shp)
     if why:
         skip(why)
     try:
         if direction == "bwd":
-            sets = timing.torch_sdpa_grad_sets(torch, peer, shp, scale, qkv, douts)   # the forward runs here
-            return timing.torch_grad_fn(torch), sets
-        fn = timing.torch_sdpa_fwdbwd_fn(torch, peer, shp, scale)
-        sets = timing.torch_leaf_sets(torch, qkv, douts)
+            sets = torch_sdpa_grad_sets(torch, peer, shp, scale, qkv, douts)   # the forward runs here
+            return torch_grad_fn(torch), sets
+        fn = torch_sdpa_fwdbwd_fn(torch, peer, shp, scale)
+        sets = torch_leaf_sets(torch, qkv, douts)
         fn(*sets[0])                  # a backend that refuses the shape says so here, as a skip
         return fn, sets
     except torch.cuda.OutOfMemoryError as e:
@@ -272,7 +275,7 @@ def _torch_backward(peer: str, shp: Shape, scale: float, qkv, douts, direction: 
 
 
 @pytest.mark.gpu
-@pytest.mark.benchmark(timer=timing.event_clock)
+@pytest.mark.benchmark(timer=event_clock)
 @pytest.mark.parametrize("shape,direction,variant", BWD_CASES, ids=[f"{s}-{d}-{v}" for s, d, v in BWD_CASES])
 def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, shape, direction, variant):
     shp = Shape.parse(shape)
@@ -284,8 +287,8 @@ def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, sh
     extra = {}
     if variant == BWD_KERNEL:
         if not UNVALIDATED:
-            skip("fa2_bwd_kernel times fa2's unvalidated GPU backward kernel directly: set FAV_BENCH_UNVALIDATED=1 "
-                 "(after tests/test_gpu_backward.py passes on this GPU)")
+            skip("fa2_bwd_kernel times fa2's mma.sync backward kernel directly, bypassing the API: opt-in, "
+                 "FAV_BENCH_UNVALIDATED=1")
         if shp.head_dim > BWD_KERNEL_MAX_DIM or shp.head_dim % 8:
             skip(f"fa2's GPU backward kernel takes head_dim a multiple of 8 up to {BWD_KERNEL_MAX_DIM}, "
                  f"got {shp.head_dim}")
@@ -306,7 +309,7 @@ def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, sh
     torch_mod = None
     try:
         if variant in PEERS:
-            torch_mod = timing.torch_status()[0]
+            torch_mod = torch_status()[0]
             fn, sets = _torch_backward(variant, shp, scale, qkv, douts, direction, skip)
             extra = dict(torch_backward="torch.autograd.grad(out, (q, k, v), dout"
                          + (", retain_graph=True), forward excluded" if direction == "bwd" else "), after SDPA"))
@@ -317,8 +320,8 @@ def test_backward(benchmark, gpu_inputs, gpu_douts, bench_record, bench_skip, sh
                 return fa2_bwd.backward(dout, q, k, v, out, lse, causal=shp.causal, softmax_scale=scale)
 
             fn, sets = _our_backward(variant, "fa2", bwd, shp, scale, qkv, douts, direction, skip)
-            extra = dict(unvalidated=True, note="kernels.fa2_bwd.backward called directly, not through the API "
-                         "(its GPU backward is not validated yet)")
+            extra = dict(unvalidated=True, note="kernels.fa2_bwd.backward (mma.sync) called directly, not through "
+                         "the API")
         else:
             def bwd(dout, q, k, v, out, lse):
                 return fav.attention_backward(dout, q, k, v, out, lse, variant=variant, causal=shp.causal,

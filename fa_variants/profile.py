@@ -1,5 +1,5 @@
-"""``fa-variants profile``: DRAM and L2 bytes of ONE attention call, measured by Nsight Compute, beside the IO
-model's HBM bytes.
+"""DRAM and L2 bytes of ONE attention call, measured by Nsight Compute: what ``fa-variants profile`` puts beside
+the IO model's HBM bytes.
 
 Method. For each variant (and torch SDPA's flash and cuDNN backends when torch is importable) the parent runs
 
@@ -14,14 +14,14 @@ printed. ncu flushes the caches before each kernel (its default ``--cache-contro
 counted from a cold L2, the IO model's assumption; within a kernel L2 still serves K/V re-reads, which is
 why DRAM/modeled falls below 1 where the model counts re-reads.
 
-``python -m fa_variants.profile [flags]`` without ``--child`` is ``fa-variants profile [flags]``.
+``fa-variants profile`` (fa_variants/cli/profile.py) runs ``measure`` per variant and prints the table; this
+module imports nothing of the command line.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import dataclasses
-import importlib.util
 import io
 import math
 import os
@@ -31,12 +31,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:  # no import of cli at run time: cli imports this module
-    from . import timing
-    from .cli import Blocks
-    from .registry import Variant
+from .timing.inputs import random_inputs
+from .timing.shapes import Shape
+from .timing.torch_peers import TORCH_BACKENDS, as_torch_bhnd, torch_sdpa_fn
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum")
 READ, WRITE, L2 = METRICS
@@ -71,6 +70,16 @@ class NcuResult:
     @property
     def l2(self) -> float:
         return self.bytes.get(L2, math.nan)
+
+    def kernel_summary(self, limit: int = 110) -> str:
+        """The profiled kernels by name without template arguments, repeats counted: 'gemmSN_NN_kernel x2,
+        row_softmax'."""
+        counts: dict[str, int] = {}
+        for n in self.kernels:
+            base = re.split(r"[<(]", n, maxsplit=1)[0].strip().removeprefix("void ") or n
+            counts[base] = counts.get(base, 0) + 1
+        text = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in counts.items())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def to_bytes(value: str, unit: str) -> float:
@@ -162,8 +171,8 @@ def ncu_command(ncu: str, log_file: str, metrics: Sequence[str] = METRICS) -> li
             "--csv", "--log-file", log_file]
 
 
-def shape_args(shape: "timing.Shape") -> list[str]:
-    """The child's command-line flags for a ``timing.Shape``."""
+def shape_args(shape: Shape) -> list[str]:
+    """The child's command-line flags for a ``shapes.Shape``."""
     a = ["--batch", str(shape.batch), "--heads", str(shape.heads), "--heads-kv", str(shape.hkv),
          "--seqlen", str(shape.seqlen_q), "--seqlen-k", str(shape.nk), "--head-dim", str(shape.head_dim),
          "--dtype", shape.dtype]
@@ -187,9 +196,9 @@ def _why_failed(*texts: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def measure(ncu: str, target: str, shape: "timing.Shape", *, seed: int = 0, timeout: float = 900,
+def measure(ncu: str, target: str, shape: Shape, *, seed: int = 0, timeout: float = 900,
             python: str = sys.executable, verbose: bool = False) -> NcuResult:
-    """Run the child for ``target`` (a variant name or a key of ``timing.TORCH_BACKENDS``) under ncu and return
+    """Run the child for ``target`` (a variant name or a key of ``TORCH_BACKENDS``) under ncu and return
     the summed bytes; ProfileError (one line) when ncu or the child fails or nothing was measured."""
     with tempfile.TemporaryDirectory(prefix="fa-variants-ncu-") as tmp:
         log = os.path.join(tmp, "ncu.csv")
@@ -222,95 +231,6 @@ def ncu_version(ncu: str) -> str:
     return m.group(1) if m else (out.strip().splitlines() or ["?"])[-1]
 
 
-def _torch_peers(shape: "timing.Shape") -> tuple[list[str], str]:
-    from . import timing
-    if importlib.util.find_spec("torch") is None:
-        return [], "torch is not importable"
-    why = timing.torch_sdpa_unsupported(shape)
-    return ([], why) if why else (list(timing.TORCH_BACKENDS), "")
-
-
-def _short(names: Iterable[str], limit: int = 110) -> str:
-    counts: dict[str, int] = {}
-    for n in names:
-        base = re.split(r"[<(]", n, maxsplit=1)[0].strip().removeprefix("void ") or n
-        counts[base] = counts.get(base, 0) + 1
-    text = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in counts.items())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def run(shape: "timing.Shape", chosen: Sequence["Variant"], blocks: "Blocks", *, ncu: str = "ncu",
-        torch_peers: bool = True, seed: int = 0, timeout: float = 900, verbose: bool = False,
-        notes: Sequence[str] = ()) -> int:
-    """Profile ``chosen`` registry entries (and torch SDPA) at ``shape``; print one table; the exit status."""
-    from tabulate import tabulate
-
-    from . import gpu
-
-    exe = find_ncu(ncu)
-    probe = gpu.probe()
-    missing = []
-    if exe is None:
-        missing.append(f"Nsight Compute's ncu ({ncu!r} is not on PATH; --ncu or $NCU names another)")
-    if not probe.ok:
-        missing.append(f"a CUDA GPU ({probe.reason})")
-    if missing:
-        print(f"fa-variants profile: needs {' and '.join(missing)}; nothing measured", file=sys.stderr)
-        return 1
-
-    peers, peer_why = _torch_peers(shape) if torch_peers else ([], "--no-torch")
-    print(f"GPU: {probe.name} (compute capability {probe.cc / 10:.1f}); ncu {ncu_version(exe)}; shape "
-          f"B={shape.batch}, H={shape.heads}, H_kv={shape.hkv}, N={shape.seqlen_q}, N_k={shape.nk}, "
-          f"d={shape.head_dim}, {shape.dtype}, {'causal' if shape.causal else 'not causal'}; one call each")
-    rows, lines, failed = [], list(notes), False
-    todo = list(chosen) + peers
-    for i, item in enumerate(todo, 1):
-        name = item if isinstance(item, str) else item.name
-        modeled = None
-        if not isinstance(item, str):
-            ok, why = item.available()
-            if not ok:
-                lines.append(f"{name} not run here: {why}")
-                continue
-            (b_r, b_c), _ = blocks.pick(item, shape.head_dim, shape.causal)
-            try:
-                modeled = item.hbm_bytes(shape.batch, shape.heads, shape.seqlen_q, shape.nk, shape.head_dim,
-                                         b_r, b_c, shape.causal, shape.itemsize)
-            except Exception:  # noqa: BLE001 - no model for this variant: the cell stays empty
-                modeled = None
-        print(f"[{i}/{len(todo)}] {name}: ncu ...", file=sys.stderr, flush=True)
-        try:
-            r = measure(exe, name, shape, seed=seed, timeout=timeout, verbose=verbose)
-        except ProfileError as e:
-            failed |= not isinstance(item, str)
-            rows.append([name, _gb(modeled), f"error: {e}", "", "", "", ""])
-            continue
-        total = r.read + r.write
-        rows.append([name, _gb(modeled), _gb(r.read), _gb(r.write), _gb(total), _gb(r.l2),
-                     "—" if not modeled else f"{total / modeled:.2f}"])
-        lines.append(f"{name}: {len(r.kernels)} kernel{'s' if len(r.kernels) != 1 else ''} in the call "
-                     f"({_short(r.kernels)})")
-    print(tabulate(rows, headers=["variant", "modeled HBM GB", "DRAM read GB", "DRAM write GB", "DRAM total GB",
-                                  "L2 GB", "DRAM/modeled"], tablefmt="github", disable_numparse=True))
-    head = [
-        "DRAM read/write, L2: ncu's dram__bytes_read.sum, dram__bytes_write.sum, lts__t_bytes.sum, summed over "
-        "every kernel of one call; ncu flushes the caches before each kernel (cold L2) and leaves the clocks "
-        "alone (--clock-control none); L2 counts every byte between the SMs and L2; DRAM write stays below the "
-        "output's size where the output is still in L2 (write-back) when the kernel ends",
-        f"modeled HBM: the registry's hbm_bytes (fa_variants.iomodel) with {blocks.describe()}; fa2_fp8's model "
-        "counts the attention kernel's e4m3 operands, not the quantization kernels the call also runs",
-    ]
-    if not peers:
-        head.append(f"torch SDPA rows not run: {peer_why}")
-    for j, n in enumerate(head + lines, 1):
-        print(f"  [{j}] {n}")
-    return 1 if failed or not rows else 0
-
-
-def _gb(x) -> str:
-    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x / 1e9:.4f}"
-
-
 # ------------------------------------------------------------------------------------------------ the child
 def child_main(argv: Sequence[str]) -> int:
     """Under ncu: inputs, one warm-up call, then exactly one call between cudaProfilerStart and Stop."""
@@ -326,17 +246,16 @@ def child_main(argv: Sequence[str]) -> int:
 
     import cupy
 
-    from . import timing
     from .api import attention
 
-    shape = timing.Shape(batch=a.batch, heads=a.heads, seqlen_q=a.seqlen, head_dim=a.head_dim, dtype=a.dtype,
+    shape = Shape(batch=a.batch, heads=a.heads, seqlen_q=a.seqlen, head_dim=a.head_dim, dtype=a.dtype,
                          causal=a.causal, heads_kv=a.heads_kv, seqlen_k=a.seqlen_k)
-    q, k, v = timing.random_inputs(shape, cupy, seed=a.seed)
+    q, k, v = random_inputs(shape, cupy, seed=a.seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    if a.target in timing.TORCH_BACKENDS:
+    if a.target in TORCH_BACKENDS:
         import torch
-        fn = timing.torch_sdpa_fn(torch, a.target, shape, scale)
-        tq, tk, tv = (timing.as_torch_bhnd(torch, x) for x in (q, k, v))
+        fn = torch_sdpa_fn(torch, a.target, shape, scale)
+        tq, tk, tv = (as_torch_bhnd(torch, x) for x in (q, k, v))
 
         def call():
             return fn(tq, tk, tv)
@@ -358,10 +277,11 @@ def child_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--child" in argv:
-        return child_main(argv)
-    from . import cli
-    return cli.main(["profile", *argv])
+    if "--child" not in argv:
+        raise SystemExit("python -m fa_variants.profile is the program `fa-variants profile` runs under ncu "
+                         "(with --child); to profile, run `fa-variants profile ...` (or python -m fa_variants.cli "
+                         "profile ...)")
+    return child_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The machine code (SASS) of a cubin, read by cuobjdump: no GPU needed. Serves the Hopper kernels' instruction
 checks (tests/test_sass.py) and bench/sass_diff.py (the same kernels in two trees, instruction for instruction).
-cuobjdump comes with the ``test`` extra (nvidia-cuda-cuobjdump; it calls nvdisasm, which comes beside it)."""
+cuobjdump comes with the ``test`` extra (nvidia-cuda-cuobjdump; it calls nvdisasm, which comes beside it), or with a
+CUDA toolkit on PATH."""
 from __future__ import annotations
 
 import functools
@@ -28,10 +29,31 @@ def cuobjdump() -> str | None:
     return None
 
 
+# where a CUDA toolkit puts cuobjdump when it is installed but not on PATH
+_TOOLKIT_HOME_VARS = ("CUDA_HOME", "CUDA_PATH")
+_TOOLKIT_DEFAULT = "/usr/local/cuda"
+_GET_IT = ('the test extra installs it: pip install -e ".[test]" (or pip install nvidia-cuda-cuobjdump '
+           'nvidia-cuda-nvdisasm)')
+
+
+def cuobjdump_missing() -> str:
+    """'' when ``cuobjdump()`` finds cuobjdump, else the reason in words and how to get it (a skipped SASS test says
+    this): not on PATH and no nvidia-cuda-cuobjdump wheel; or a toolkit's copy that is not on PATH."""
+    if cuobjdump() is not None:
+        return ""
+    homes = [os.environ[v] for v in _TOOLKIT_HOME_VARS if os.environ.get(v)] + [_TOOLKIT_DEFAULT]
+    for home in homes:
+        exe = Path(home) / "bin" / "cuobjdump"
+        if exe.is_file() and os.access(exe, os.X_OK):
+            return (f"cuobjdump is not on PATH (a CUDA toolkit's is at {exe}: add {exe.parent} to PATH), and the "
+                    f"nvidia-cuda-cuobjdump wheel is not installed; {_GET_IT}")
+    return f"cuobjdump is not installed: not on PATH, and no nvidia-cuda-cuobjdump wheel; {_GET_IT}"
+
+
 def _dump(cubin: Path) -> str:
     exe = cuobjdump()
     if exe is None:
-        raise RuntimeError("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+        raise RuntimeError(cuobjdump_missing())
     env = dict(os.environ, PATH=f"{Path(exe).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     return subprocess.run([exe, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True,
                           env=env).stdout

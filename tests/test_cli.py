@@ -1,6 +1,8 @@
 """The ``fa-variants`` command line and the README, on the CPU (no GPU needed; a GPU is hidden where present)."""
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import re
 import shlex
@@ -14,7 +16,14 @@ import pytest
 
 import fa_variants
 from conftest import TOL
-from fa_variants import cli, gpu, registry, timing
+from fa_variants import cli, gpu, registry
+from fa_variants.cli import reference as cli_reference
+from fa_variants.cli import shapes as cli_shapes
+from fa_variants.cli.blocks import Blocks
+from fa_variants.timing.inputs import MAX_SETS, random_dout, random_inputs, rotation_count
+from fa_variants.timing.shapes import Shape, attention_flops, tflops
+from fa_variants.timing import torch_peers
+from fa_variants.timing.torch_peers import torch_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,26 +143,26 @@ def test_build_rejects_bad_arch():
 
 
 def test_flops_convention():
-    assert timing.attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
-    assert timing.attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
-    assert timing.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    assert attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    assert tflops(1e12, 1000.0) == pytest.approx(1.0)
 
 
 def test_shape_ids_round_trip():
-    for s in (timing.Shape(4, 16, 4096, 128, "bfloat16", True),
-              timing.Shape(2, 8, 100, 64, "float16", False, heads_kv=2, seqlen_k=300)):
-        assert timing.Shape.parse(s.id) == timing.Shape.parse(timing.Shape.parse(s.id).id)
-        p = timing.Shape.parse(s.id)
+    for s in (Shape(4, 16, 4096, 128, "bfloat16", True),
+              Shape(2, 8, 100, 64, "float16", False, heads_kv=2, seqlen_k=300)):
+        assert Shape.parse(s.id) == Shape.parse(Shape.parse(s.id).id)
+        p = Shape.parse(s.id)
         assert (p.batch, p.heads, p.hkv, p.seqlen_q, p.nk, p.head_dim, p.dtype, p.causal) == \
                (s.batch, s.heads, s.hkv, s.seqlen_q, s.nk, s.head_dim, s.dtype, s.causal)
 
 
 def test_rotation_spans_several_l2():
     l2 = 60_000_000
-    n = timing.rotation_count(10_000_000, l2)
-    assert n * 10_000_000 >= 3 * l2 or n == timing.MAX_SETS
-    assert timing.rotation_count(500_000_000, l2) == 2
-    assert timing.rotation_count(500_000_000, l2, free_bytes=1_000_000_000) == 1
+    n = rotation_count(10_000_000, l2)
+    assert n * 10_000_000 >= 3 * l2 or n == MAX_SETS
+    assert rotation_count(500_000_000, l2) == 2
+    assert rotation_count(500_000_000, l2, free_bytes=1_000_000_000) == 1
 
 
 def test_readme_names_every_variant_and_the_two_commands():
@@ -272,24 +281,24 @@ def test_readme_gqa_compare_runs_without_gpu_at_a_cpu_sized_shape(no_gpu, capsys
 
 
 def test_default_heads_follow_heads_kv():
-    args = cli._parser().parse_args(["compare", "--heads-kv", "32"])
-    assert cli._shape_from_args(args).heads == 32
-    args = cli._parser().parse_args(["compare", "--heads-kv", "3"])
-    assert cli._shape_from_args(args).heads == 18
-    args = cli._parser().parse_args(["compare"])
-    s = cli._shape_from_args(args)
+    args = cli.make_parser().parse_args(["compare", "--heads-kv", "32"])
+    assert cli_shapes.shape_from_args(args).heads == 32
+    args = cli.make_parser().parse_args(["compare", "--heads-kv", "3"])
+    assert cli_shapes.shape_from_args(args).heads == 18
+    args = cli.make_parser().parse_args(["compare"])
+    s = cli_shapes.shape_from_args(args)
     assert (s.batch, s.heads, s.hkv, s.seqlen_q, s.head_dim) == (4, 16, 16, 4096, 128)
 
 
 def test_cpu_sized_keeps_what_matters_and_fits():
-    big = timing.Shape(2, 16, 8192, 128, "float16", True, heads_kv=4, seqlen_k=16384)
-    s = cli.cpu_sized(big)
+    big = Shape(2, 16, 8192, 128, "float16", True, heads_kv=4, seqlen_k=16384)
+    s = cli_shapes.cpu_sized(big)
     assert (s.head_dim, s.dtype, s.causal) == (128, "float16", True)
     assert s.heads % s.hkv == 0 and s.heads // s.hkv > 1          # GQA stays GQA
     assert s.nk == 2 * s.seqlen_q                                 # the N_k / N_q ratio is kept
-    assert cli._fits_cpu(s) and s.batch == 1
-    small = timing.Shape(2, 4, 33, 32, "float16", True, heads_kv=2, seqlen_k=70)
-    assert cli.cpu_sized(small) == small
+    assert cli_shapes.fits_cpu(s) and s.batch == 1
+    small = Shape(2, 4, 33, 32, "float16", True, heads_kv=2, seqlen_k=70)
+    assert cli_shapes.cpu_sized(small) == small
 
 
 def test_full_size_runs_the_requested_shape(no_gpu, capsys):
@@ -329,7 +338,7 @@ def test_compare_default_list_leaves_out_a_variant_that_refuses(no_gpu, capsys):
 def test_refusal_is_exactly_attention_s(d, heads, heads_kv):
     """compare refuses a shape for a variant exactly when fav.attention does."""
     rng = np.random.default_rng(0)
-    shape = timing.Shape(1, heads, 5, d, "float16", False, heads_kv=heads_kv, seqlen_k=7)
+    shape = Shape(1, heads, 5, d, "float16", False, heads_kv=heads_kv, seqlen_k=7)
     q = rng.standard_normal((1, 5, heads, d)).astype(np.float16)
     k = rng.standard_normal((1, 7, heads_kv, d)).astype(np.float16)
     for entry in registry.variants():
@@ -338,20 +347,20 @@ def test_refusal_is_exactly_attention_s(d, heads, heads_kv):
             refused_by_attention = ""
         except (TypeError, ValueError) as e:
             refused_by_attention = str(e)
-        assert cli.refusal(entry, shape) == refused_by_attention, entry.name
+        assert cli_shapes.refusal(entry, shape) == refused_by_attention, entry.name
 
 
 # ------------------------------------------------------------------------------------------------ 4: blocks
 def test_blocks_choice_default_is_the_kernels_tiles():
-    b = cli.Blocks()
+    b = Blocks()
     for entry in registry.variants():
         blocks, source = b.pick(entry, 128)
         assert blocks == tuple(entry.launcher.tiles(128)), entry.name
         assert source == ("untiled" if blocks == (None, None) else "kernel")
     fa2 = registry.get("fa2")
-    assert cli.Blocks("paper", 32768).pick(fa2, 64) == ((64, 128), "paper")
-    assert cli.Blocks("given", given=(64, 32)).pick(fa2, 64) == ((64, 32), "given")
-    assert cli.Blocks("given", given=(64, 32)).pick(registry.get("naive"), 64) == ((None, None), "untiled")
+    assert Blocks("paper", 32768).pick(fa2, 64) == ((64, 128), "paper")
+    assert Blocks("given", given=(64, 32)).pick(fa2, 64) == ((64, 32), "given")
+    assert Blocks("given", given=(64, 32)).pick(registry.get("naive"), 64) == ((None, None), "untiled")
 
 
 def _explain_total(out: str) -> int:
@@ -365,7 +374,7 @@ def test_compare_and_explain_use_one_block_choice(no_gpu, flags, capsys):
     rc, out, _ = run_cli(["explain", "fa1", "--seqlen", str(n), "--head-dim", str(d), *flags], capsys)
     assert rc == 0
     per_head = _explain_total(out)
-    expected = cli.Blocks.from_args(cli._parser().parse_args(["explain", "fa1", *flags])).pick(registry.get("fa1"), d)[0]
+    expected = Blocks.from_args(cli.make_parser().parse_args(["explain", "fa1", *flags])).pick(registry.get("fa1"), d)[0]
     assert f"B_r={expected[0]}, B_c={expected[1]}" in out.splitlines()[0]
     assert out.splitlines()[1].startswith(f"(blocks {expected[0]}x{expected[1]}: ")
     rc, out, _ = run_cli(["compare", "--variants", "fa1", "--batch", "1", "--heads", "1", "--seqlen", str(n),
@@ -405,7 +414,7 @@ def test_explain_backward_prints_loops_table_and_trade(name, capsys):
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith(f"{name} backward: N=256, d=64") and "B_r=64, B_c=128" in lines[0]
-    assert "paper's blocks" in lines[1] and "no backward kernel yet" in lines[1]
+    assert "paper's blocks" in lines[1] and f"{name}'s GPU backward kernels pick their own tiles" in lines[1]
     assert {"fa1": fa1, "fa2": fa2}[name].LOOPS_BACKWARD in out
     formula, counted = _total_row(out)[:2]
     assert formula == counted == registry.get(name).io_model_backward(256, 256, 64, 64, 128)["total"]
@@ -498,7 +507,7 @@ def test_ncu_command_is_the_documented_one():
     text = " ".join(cmd)
     assert "--profile-from-start off" in text and "--clock-control none" in text and "--csv" in text
     assert "--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum" in text
-    shape = timing.Shape(1, 4, 256, 64, "float16", True, heads_kv=2)
+    shape = Shape(1, 4, 256, 64, "float16", True, heads_kv=2)
     args = profile.shape_args(shape)
     assert args[args.index("--heads-kv") + 1] == "2" and "--causal" in args
 
@@ -585,7 +594,6 @@ def test_compare_backward_gqa_causal_unequal_lengths(no_gpu, capsys):
 
 def test_compare_backward_error_column_sees_a_wrong_gradient(no_gpu, monkeypatch, capsys):
     """The error columns are measured: a model whose dk is 1 % off shows 1e-2 there and nowhere else."""
-    import dataclasses
     fa2 = registry.get("fa2")
     real = fa2.reference_backward
 
@@ -616,30 +624,58 @@ def test_kv_pairs_and_gradient_errors():
     """The reference's subset is of (batch, kv head) pairs, each with all its query heads; grad_errors is
     ||g - ref|| / ||ref|| over exactly those pairs."""
     from fa_variants.reference.dense import reference_backward
-    s = timing.Shape(2, 8, 24, 16, "float16", True, heads_kv=2, seqlen_k=40)
-    assert cli._kv_pairs(s, 1e12) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    few = cli._kv_pairs(s, 2.5 * 4 * 24 * 40 * 16 * 4 * 2)     # two pairs' worth (a group of 4 query heads)
+    s = Shape(2, 8, 24, 16, "float16", True, heads_kv=2, seqlen_k=40)
+    assert cli_reference.kv_pairs(s, 1e12) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    few = cli_reference.kv_pairs(s, 2.5 * 4 * 24 * 40 * 16 * 4 * 2)     # two pairs' worth (a group of 4 query heads)
     assert len(few) == 2 and few[0] == (0, 0) and few[-1] == (1, 1)
-    q, k, v = timing.random_inputs(s, np, seed=3)
-    dout = timing.random_dout(s, np, seed=4)
+    q, k, v = random_inputs(s, np, seed=3)
+    dout = random_dout(s, np, seed=4)
     full = reference_backward(dout, q, k, v, causal=True, scale=0.25)
-    refs = cli._reference_grads(dout, q, k, v, causal=True, scale=0.25, kv_pairs=few, group=4)
+    refs = cli_reference.reference_grads(dout, q, k, v, causal=True, scale=0.25, kv_pairs=few, group=4)
     assert np.array_equal(refs["dq"][1], full[0][1, :, 4:8]) and np.array_equal(refs["dk"][1], full[1][1, :, 1:2])
-    assert cli.grad_errors(full, refs, few, 4) == (0.0, 0.0, 0.0)
+    assert cli_reference.grad_errors(full, refs, few, 4) == (0.0, 0.0, 0.0)
     bad = [g.copy() for g in full]
     bad[0][0, :, 4:8] += 1.0                          # outside the subset: not seen
     bad[2][1, :, 1] *= 1.5                            # inside: dv off by 50 % on one of the two pairs
-    e = cli.grad_errors(bad, refs, few, 4)
+    e = cli_reference.grad_errors(bad, refs, few, 4)
     assert e[0] == 0.0 and e[1] == 0.0
     want = 0.5 * np.linalg.norm(full[2][1, :, 1]) / np.sqrt(sum(np.sum(r * r) for r in refs["dv"]))
     assert e[2] == pytest.approx(want)
-    assert "2 of the 4 (batch, kv head) pairs" in cli._kv_subset_note(few, s)
-    assert cli._kv_subset_note(cli._kv_pairs(s, 1e12), s) == ""
+    assert "2 of the 4 (batch, kv head) pairs" in cli_reference.kv_subset_note(few, s)
+    assert cli_reference.kv_subset_note(cli_reference.kv_pairs(s, 1e12), s) == ""
 
 
-def test_compare_takes_flex(no_gpu, capsys):
+def test_compare_takes_flex(no_gpu, monkeypatch, capsys):
+    """Without a GPU the NumPy models run, and the requested torch-flex row is said not to run (torch present)."""
+    monkeypatch.setattr(torch_peers, "flex_status", lambda: "")
     rc, out, _ = run_cli(["compare", "--variants", "fa2", "--seqlen", "64", "--heads", "2", "--flex"], capsys)
     assert rc == 0 and "| fa2" in out
+    assert "torch-flex not run: the NumPy models run without torch's peers (no CUDA device)" in out
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_flex_without_torch_is_an_error(no_gpu, monkeypatch, backward, capsys):
+    """--flex names a torch peer: where torch (or its FlexAttention) is missing the command says so, in one line,
+    instead of leaving the row out in silence."""
+    monkeypatch.setattr(torch_peers, "flex_status", lambda: "torch is not installed (FlexAttention is ...)")
+    argv = ["compare", "--variants", "fa2", "--seqlen", "64", "--flex"] + (["--backward"] if backward else [])
+    rc, out, err = run_cli(argv, capsys)
+    assert rc != 0 and "--flex needs FlexAttention: torch is not installed" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.strip()
+    monkeypatch.setattr(torch_peers, "flex_status", lambda: "")
+    rc, out, err = run_cli(argv + ["--no-torch"], capsys)
+    assert rc != 0 and "--flex times FlexAttention, a torch peer, and --no-torch" in err, err
+
+
+def test_flex_status_says_what_is_missing():
+    """The real check, on this machine: '' with a torch that has FlexAttention, else why (naming torch)."""
+    why = torch_peers.flex_status()
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except Exception:  # noqa: BLE001
+        assert why.startswith("torch ") and "FlexAttention" in why, why
+    else:
+        assert why == ""
 
 
 @pytest.mark.gpu
@@ -647,7 +683,7 @@ def test_compare_takes_flex(no_gpu, capsys):
 def test_compare_flex_row_on_the_gpu(backward, capsys):
     """compare --flex adds a torch-flex row (FlexAttention under torch.compile) with its ratio column, forward and
     backward, and its error in the same bounds as SDPA's (it computes the same attention)."""
-    torch, why = timing.torch_status()
+    torch, why = torch_status()
     if torch is None:
         pytest.skip(why)
     argv = ["compare", "--variants", "fa2", "--batch", "1", "--heads", "4", "--seqlen", "512", "--head-dim", "64",
@@ -657,3 +693,158 @@ def test_compare_flex_row_on_the_gpu(backward, capsys):
     row = [ln for ln in out.splitlines() if ln.startswith("| torch-flex")]
     assert row and "error" not in row[0], out
     assert "x torch-flex" in out
+
+
+# ------------------------------------------------------------------------------------------------ messages
+def test_backward_blocks_say_why_from_the_registry(monkeypatch, capsys):
+    """explain --backward and compare --backward take the paper's blocks and say why from the registry's directions:
+    a GPU backward whose kernels' tiles the launcher does not report, or no GPU backward at all."""
+    rc, out, _ = run_cli(["explain", "fa2", "--backward", "--seqlen", "256"], capsys)
+    assert rc == 0 and "fa2's GPU backward kernels pick their own tiles, which its launcher does not report" in out
+    assert "yet" not in out.splitlines()[1]
+    fa2 = registry.get("fa2")
+    monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(fa2, directions=("forward",)))
+    rc, out, _ = run_cli(["explain", "fa2", "--backward", "--seqlen", "256"], capsys)
+    assert rc == 0 and "fa2 has no GPU backward kernel, so no kernel tiles" in out.splitlines()[1]
+
+
+def test_compare_backward_blocks_note_names_the_backward_kernels(no_gpu, capsys):
+    rc, out, err = run_cli(["compare", "--backward", "--seqlen", "64", "--heads", "2", "--batch", "1",
+                            "--head-dim", "16"], capsys)
+    assert rc == 0, err
+    note = [ln for ln in out.splitlines() if "] blocks: " in ln][0]
+    assert "the GPU backward kernels of fa1 and fa2 pick their own tiles, which the launchers do not report" in note
+    assert "yet" not in note and "naive" not in note         # naive does not tile
+
+
+ORDINAL_HISTORY = re.compile(r"\bsessions?\b|\b(?:[a-z]+(?:st|nd|rd|th)|\d+(?:st|nd|rd|th)) (?:session|part|round|"
+                             r"attempt|call|try)\b|\bearlier attempt", re.I)
+
+
+@pytest.mark.parametrize("argv", [["explain", v.name] for v in registry.variants()]
+                         + [["explain", v.name, "--backward"] for v in registry.variants() if v.reference_backward])
+def test_explain_speaks_of_dates_not_of_work_periods(argv, capsys):
+    rc, out, _ = run_cli(argv + ["--seqlen", "256"], capsys)
+    assert rc == 0
+    assert not ORDINAL_HISTORY.search(out), ORDINAL_HISTORY.search(out)
+
+
+def test_explain_has_a_place_for_other_targets(monkeypatch, capsys):
+    """A target that is not a variant (variant="auto"'s choice, when fav.explain_choice comes) is one entry of
+    explain.OTHER_TARGETS: the parser takes its name and the command runs it."""
+    from fa_variants.cli import explain
+    monkeypatch.setitem(explain.OTHER_TARGETS, "auto", lambda args: print(f"auto at N={args.seqlen}") or 0)
+    assert cli.main(["explain", "auto", "--seqlen", "77"]) == 0
+    assert capsys.readouterr().out == "auto at N=77\n"
+
+
+def test_profile_module_is_only_the_ncu_child():
+    from fa_variants import profile
+    with pytest.raises(SystemExit, match="run `fa-variants profile"):
+        profile.main(["--variants", "fa2"])
+
+
+# ------------------------------------------------------------------------------------------------ parallel build
+def test_build_jobs_default_to_the_cpu_count():
+    from fa_variants.cli import build
+    assert cli.make_parser().parse_args(["build"]).jobs == build.cpu_count() >= 1
+
+
+def test_build_error_in_a_worker_carries_the_nvrtc_log(monkeypatch, capsys):
+    """Two units that do not compile, in two worker processes: each row says error, stderr has NVRTC's log."""
+    from fa_variants.kernels import KernelLauncher
+    from fa_variants.kernels import naive
+
+    def sources():
+        return {naive.SOURCE: ("row_softmax<undefined_one>", "row_softmax<undefined_two>")}
+
+    broken = registry.Variant(name="broken", summary="", dtypes=("float16",), head_dims=range(1, 257), min_cc=80,
+                              launcher=KernelLauncher(sources, None, lambda d: (None, None), None), reference=None,
+                              io_model=None, tensor_bytes={}, loops="", archs=("sm_80",))
+    monkeypatch.setitem(registry.VARIANTS, "broken", broken)
+    rc, out, err = run_cli(["build", "--variants", "broken", "--jobs", "2"], capsys)
+    assert rc != 0
+    rows = [ln for ln in out.splitlines() if ln.startswith("| broken")]
+    assert len(rows) == 2 and all("error: CompileError: NVRTC failed to compile" in r for r in rows), out
+    assert "compiling 2 kernel instances in 2 processes" in err
+    assert err.count("detected in the compilation of") == 2, err      # the end of each NVRTC log, once a unit
+    assert "undefined_one" in err and "undefined_two" in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_progress_bar(live):
+    from fa_variants.cli.text import ProgressBar
+    stream = _Terminal() if live else io.StringIO()
+    bar = ProgressBar(4, stream)
+    for i in range(4):
+        bar.step(f"unit {i}", keep=i == 2)
+    bar.close()
+    text = stream.getvalue()
+    if live:                              # redrawn in place; the kept line stays; a newline at the end
+        assert text.count("\r[") == 4 and "[######------------------] 1/4" in text and "] 4/4" in text
+        assert "\runit 2" in text and text.endswith("\n") and text.count("\n") == 2
+    else:                                 # a log: one line per step
+        assert text.splitlines() == ["[1/4] unit 0", "[2/4] unit 1", "[3/4] unit 2", "[4/4] unit 3"]
+
+
+# ------------------------------------------------------------------------------------------------ imports
+def _import_graph() -> dict[str, set[str]]:
+    """{module of fa_variants: the fa_variants modules it imports anywhere in its text}."""
+    import ast
+    pkg_root = ROOT / "fa_variants"
+
+    def name(p):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    mods = {name(p): p for p in pkg_root.rglob("*.py")}
+    graph = {}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != m:
+                    edges.add(t)
+        graph[m] = edges
+    return graph
+
+
+def test_imports_go_one_way():
+    """Only the command line imports the command line, and no module of it (or of timing, profile, sass, iomodel)
+    is part of an import cycle."""
+    graph = _import_graph()
+    assert not [m for m, e in graph.items() if not m.startswith("fa_variants.cli")
+                and any(t.startswith("fa_variants.cli") for t in e)]
+
+    def reaches(start, goal):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        return False
+
+    mine = [m for m in graph if m.startswith(("fa_variants.cli", "fa_variants.timing"))
+            or m in ("fa_variants.profile", "fa_variants.sass", "fa_variants.iomodel")]
+    assert len(mine) > 10
+    assert [m for m in mine if reaches(m, m)] == []

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from fa_variants import jit, registry
-from fa_variants.sass import cuobjdump, instructions_by_function, sass_by_function
+from fa_variants import jit, registry, sass
 from fa_variants.kernels import fa3, fa3_fp8
+from fa_variants.sass import cuobjdump_missing, instructions_by_function, sass_by_function
+
+NO_CUOBJDUMP = cuobjdump_missing()
+needs_cuobjdump = pytest.mark.skipif(bool(NO_CUOBJDUMP), reason=NO_CUOBJDUMP)
 
 # source -> the instructions every function in it must hold, and those none may hold
 WGMMA_SOURCES = {
@@ -54,8 +57,7 @@ def units():
                 yield pytest.param(src, exprs, id=f"{v.name}-{src}")
 
 
-@pytest.mark.skipif(cuobjdump() is None,
-                    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@needs_cuobjdump
 @pytest.mark.parametrize("src,exprs", list(units()))
 def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
     path, lowered = jit.cached_cubin(src, exprs, "sm_90a")
@@ -75,12 +77,11 @@ def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
         assert not must_not & ops, f"{expr}: {sorted(must_not & ops)} in its SASS"
 
 
-@pytest.mark.skipif(cuobjdump() is None,
-                    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@needs_cuobjdump
 @pytest.mark.parametrize("expr", [e for e in fa3_fp8.specializations() if e.split(",")[1].strip() == "128"])
 def test_fa3_fp8_turns_bracket_the_exponentials(expr):
     """The consumers' turns at the SFU hold their exponentials: ptxas moves a plain bar.arrive above every MUFU (the
-    turn then passes at once and the consumers' exponentials interleave again, 8-11 % slower on the H200). Between
+    turn then passes at once and the consumers' exponentials interleave again, which is slower). Between
     each such BAR.ARV and the BAR.SYNC before it lie at least a narrow tail block's exponentials (64 rows x 128 keys
     over 128 threads): MUFU.EX2s, and those on the FMA units (EXP_FMA), each marked by its FMNMX.NAN clamp."""
     ins = fa3_instructions(expr)
@@ -96,13 +97,31 @@ def test_fa3_fp8_turns_bracket_the_exponentials(expr):
     assert min(passes) >= 64, f"{expr}: exponentials between a turn's wait and its pass: {passes}"
 
 
-@pytest.mark.skipif(cuobjdump() is None,
-                    reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+@needs_cuobjdump
 @pytest.mark.parametrize("expr", [e for e in fa3_fp8.specializations() if int(e.split(",")[1]) <= 128])
 def test_fa3_fp8_row_max_by_three_input_integer_max(expr):
     """fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX: FP8 && D <= 128) takes a mask-free block's row maxima as an
-    integer max of the scores' bit patterns, three at a time (+3-4 % on the H200): VIMNMX3 in the machine code, at
+    integer max of the scores' bit patterns, three at a time (faster than float max): VIMNMX3 in the machine code, at
     least one row's worth (a thread holds BN / 4 scores of a row: BN / 8 three-input maxima reduce them)."""
     ins = fa3_instructions(expr)
     bn = int(expr.split(",")[2])
     assert sum(t.startswith("VIMNMX3") for t in ins) >= bn // 8, f"{expr}: too few VIMNMX3 for its row max"
+
+
+def test_a_missing_cuobjdump_says_why_and_how_to_get_it(monkeypatch, tmp_path):
+    """The reason a SASS test is skipped with: not installed, or a toolkit's copy not on PATH; and the test extra."""
+    monkeypatch.setattr(sass, "cuobjdump", lambda: None)
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sass, "_TOOLKIT_DEFAULT", str(tmp_path / "no-toolkit"))
+    why = sass.cuobjdump_missing()
+    assert why.startswith("cuobjdump is not installed: not on PATH") and 'pip install -e ".[test]"' in why, why
+    exe = tmp_path / "cuda" / "bin" / "cuobjdump"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    why = sass.cuobjdump_missing()
+    assert why.startswith("cuobjdump is not on PATH") and f"add {exe.parent} to PATH" in why, why
+    with pytest.raises(RuntimeError, match="cuobjdump is not on PATH"):
+        sass.sass_by_function(tmp_path / "any.cubin")

@@ -1,5 +1,5 @@
-"""bench/sass_diff.py, the tool behind NOTES' "SASS identical to <commit>" claims: a tree against its own HEAD
-compiles to the same instructions, and a kernel whose source differs is reported as different (exit status 1)."""
+"""bench/sass_diff.py, the tool behind "SASS identical to <commit>" claims: a tree against its own HEAD compiles to
+the same instructions, and a kernel whose source differs is reported as different (exit status 1)."""
 from __future__ import annotations
 
 import shutil
@@ -11,13 +11,13 @@ import pytest
 
 from fa_variants import jit
 from fa_variants.kernels.common import PAD_INSTANCES, PAD_SOURCE
-from fa_variants.sass import cuobjdump
+from fa_variants.sass import cuobjdump_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 pytestmark = [
-    pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump)"),
+    pytest.mark.skipif(bool(cuobjdump_missing()), reason=cuobjdump_missing()),
     pytest.mark.skipif(not jit.nvrtc_available(), reason="NVRTC not available"),
     pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout"),
 ]

@@ -12,8 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fa_variants import timing
-from fa_variants.timing import Shape, Timed
+from fa_variants.timing.events import rest_seconds
+from fa_variants.timing.inputs import random_dout, random_inputs
+from fa_variants.timing import torch_peers, user_view
+from fa_variants.timing.shapes import (DIRECTIONS, Shape, backward_flops, bench_group, direction_flops, parse_directions,
+                                     tflops)
+from fa_variants.timing.tables import Skipped, Timed, peer_ratios, skip_lines, speedup, summary_tables
+from fa_variants.timing.torch_peers import (torch_flex_fn, torch_grad_fn, torch_leaf_sets, torch_sdpa_fwdbwd_fn,
+                                           torch_sdpa_grad_sets)
+from fa_variants.timing.user_view import user_view_ms
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -35,7 +42,7 @@ def test_heads_and_padding():
     assert [headdims.heads_for(d) for d in (64, 128, 256)] == [32, 16, 8]          # exact where d divides 2048
     assert [headdims.heads_for(d) for d in (80, 111, 160, 192, 224)] == [26, 18, 13, 11, 9]   # rounded
     assert [headdims.padded_dim(d) for d in (80, 111, 160, 192, 224)] == [96, 128, 160, 192, 224]
-    assert headdims.padded_dim(160, (32, 64, 96, 128, 256)) == 256               # today's fa2 tile table
+    assert headdims.padded_dim(160, (32, 64, 96, 128, 256)) == 256               # fa2's tile dims
     with pytest.raises(ValueError):
         headdims.padded_dim(257)
 
@@ -85,32 +92,32 @@ def _results():
 
 
 def test_speedup_is_peer_time_over_time():
-    assert timing.speedup(2.0, 1.6) == pytest.approx(1.25)
-    assert timing.speedup(None, 1.0) is None and timing.speedup(1.0, None) is None
-    assert timing.speedup(1.0, 0.0) is None
+    assert speedup(2.0, 1.6) == pytest.approx(1.25)
+    assert speedup(None, 1.0) is None and speedup(1.0, None) is None
+    assert speedup(1.0, 0.0) is None
 
 
 def test_peer_ratios_by_both_timers():
     res = _results()
-    r = timing.peer_ratios(res, res[2])
+    r = peer_ratios(res, res[2])
     assert r["over_torch_flash"] == pytest.approx(2.0 / 1.6)
     assert r["over_torch_flash_do_bench"] == pytest.approx(2.4 / 2.0)
     assert r["over_torch_cudnn"] == pytest.approx(1.0 / 1.6)
     assert r["over_torch_cudnn_do_bench"] == pytest.approx(1.2 / 2.0)
-    r2 = timing.peer_ratios(res, res[5])                   # S2: no cuDNN, no do_bench
+    r2 = peer_ratios(res, res[5])                   # S2: no cuDNN, no do_bench
     assert r2["over_torch_flash"] == pytest.approx(3.0 / 2.5)
     assert r2["over_torch_flash_do_bench"] is None and r2["over_torch_cudnn"] is None
-    assert timing.peer_ratios([], Timed(S1, "fa2", 1.0))["over_torch_flash"] is None
+    assert peer_ratios([], Timed(S1, "fa2", 1.0))["over_torch_flash"] is None
 
 
 def test_summary_tables():
-    tables = timing.summary_tables(_results())
+    tables = summary_tables(_results())
     assert len(tables) == 2
     _, head, rows = tables[0]
     assert head == ["shape", "fa2 TFLOP/s", "fa1 TFLOP/s", "torch-flash TFLOP/s", "torch-cudnn TFLOP/s",
                     "fa2 / flash", "fa1 / flash"]                       # ours first, though the peers ran first
     assert [r[0] for r in rows] == [S1.id, S2.id]
-    assert rows[0][1] == f"{timing.tflops(S1.flops, 1.6):.1f}" and rows[0][5] == "1.25" and rows[0][6] == "0.25"
+    assert rows[0][1] == f"{tflops(S1.flops, 1.6):.1f}" and rows[0][5] == "1.25" and rows[0][6] == "0.25"
     assert rows[1][2] == "" and rows[1][4] == "" and rows[1][6] == ""       # absent cases: empty cells
     title, head, rows = tables[1]
     assert "fa2" in title
@@ -121,15 +128,15 @@ def test_summary_tables():
 
 
 def test_summary_without_peers_or_results():
-    assert timing.summary_tables([]) == []
-    tables = timing.summary_tables([Timed(S1, "fa1", 1.0)])
+    assert summary_tables([]) == []
+    tables = summary_tables([Timed(S1, "fa1", 1.0)])
     assert len(tables) == 1 and tables[0][1] == ["shape", "fa1 TFLOP/s"]
 
 
 def test_user_view_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)          # import triton -> ImportError
     monkeypatch.delitem(sys.modules, "triton.testing", raising=False)
-    ms, why = timing.user_view_ms(lambda: None)
+    ms, why = user_view_ms(lambda: None)
     assert ms is None and "triton" in why
 
 
@@ -145,22 +152,22 @@ def test_user_view_calls_do_bench_median(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", triton)
     monkeypatch.setitem(sys.modules, "triton.testing", triton.testing)
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
-    monkeypatch.setattr(timing, "on_cupy_stream", lambda torch, ptr=None: contextlib.nullcontext())
-    assert timing.user_view_ms(lambda a, b: a + b, (2, 3)) == (1.5, "")
+    monkeypatch.setattr(user_view, "on_cupy_stream", lambda torch, ptr=None: contextlib.nullcontext())
+    assert user_view_ms(lambda a, b: a + b, (2, 3)) == (1.5, "")
     assert seen == {"warmup": 25, "rep": 100, "return_mode": "median", "out": 5}
 
     def broken(fn, **kw):
         raise RuntimeError("no device")
     triton.testing.do_bench = broken
-    monkeypatch.setattr(timing, "_DO_BENCH_FAILURES", [])
-    for _ in range(timing.MAX_DO_BENCH_FAILURES):
-        ms, why = timing.user_view_ms(lambda: None)
+    monkeypatch.setattr(user_view, "_DO_BENCH_FAILURES", [])
+    for _ in range(user_view.MAX_DO_BENCH_FAILURES):
+        ms, why = user_view_ms(lambda: None)
         assert ms is None and "RuntimeError: no device" in why
-    ms, why = timing.user_view_ms(lambda: None)              # then it stops trying
+    ms, why = user_view_ms(lambda: None)              # then it stops trying
     assert ms is None and "not tried" in why
     triton.testing.do_bench = do_bench
-    timing._DO_BENCH_FAILURES.clear()
-    assert timing.user_view_ms(lambda: 1)[0] == 1.5
+    user_view._DO_BENCH_FAILURES.clear()
+    assert user_view_ms(lambda: 1)[0] == 1.5
 
 
 # ------------------------------------------------------------------------------------------------ plot
@@ -290,35 +297,35 @@ B2 = Shape(1, 16, 16384, 128, "bfloat16", True)
 
 
 def test_backward_flops_are_2_5x_the_forward():
-    assert timing.backward_flops(4, 16, 4096, 4096, 128, False) == 2.5 * 4 * 4 * 16 * 4096 ** 2 * 128
-    assert timing.backward_flops(1, 16, 16384, 16384, 128, True) == 2.5 * 4 * 16 * 16384 ** 2 * 128 / 2
-    assert timing.direction_flops(B1, "fwd") == B1.flops
-    assert timing.direction_flops(B1, "bwd") == 2.5 * B1.flops
-    assert timing.direction_flops(B2, "fwdbwd") == 3.5 * B2.flops
+    assert backward_flops(4, 16, 4096, 4096, 128, False) == 2.5 * 4 * 4 * 16 * 4096 ** 2 * 128
+    assert backward_flops(1, 16, 16384, 16384, 128, True) == 2.5 * 4 * 16 * 16384 ** 2 * 128 / 2
+    assert direction_flops(B1, "fwd") == B1.flops
+    assert direction_flops(B1, "bwd") == 2.5 * B1.flops
+    assert direction_flops(B2, "fwdbwd") == 3.5 * B2.flops
     assert Timed(B2, "fa2", 1.0, None, "bwd").flops == 2.5 * B2.flops
     assert Timed(B2, "fa2", 1.0).flops == B2.flops                        # the forward stays the default
     with pytest.raises(ValueError, match="direction"):
-        timing.direction_flops(B1, "sideways")
+        direction_flops(B1, "sideways")
 
 
 def test_parse_directions():
-    assert timing.parse_directions(None) == ("fwd", "bwd", "fwdbwd")
-    assert timing.parse_directions("  ") == ("fwd", "bwd", "fwdbwd")
-    assert timing.parse_directions("bwd") == ("bwd",)
-    assert timing.parse_directions("fwdbwd, fwd") == ("fwd", "fwdbwd")      # DIRECTIONS order, whatever given
-    assert timing.parse_directions("fwd+bwd,BWD") == ("bwd", "fwdbwd")
+    assert parse_directions(None) == ("fwd", "bwd", "fwdbwd")
+    assert parse_directions("  ") == ("fwd", "bwd", "fwdbwd")
+    assert parse_directions("bwd") == ("bwd",)
+    assert parse_directions("fwdbwd, fwd") == ("fwd", "fwdbwd")      # DIRECTIONS order, whatever given
+    assert parse_directions("fwd+bwd,BWD") == ("bwd", "fwdbwd")
     with pytest.raises(ValueError, match="unknown direction 'back'.*fwd,bwd,fwdbwd"):
-        timing.parse_directions("fwd,back")
+        parse_directions("fwd,back")
     with pytest.raises(ValueError, match="names no direction"):
-        timing.parse_directions(",")
+        parse_directions(",")
 
 
 def test_bench_groups_keep_a_shapes_directions_together():
-    assert timing.bench_group(B1.id) == f"shape={B1.id}"                    # the forward's name, as before
-    assert timing.bench_group(B1.id, "bwd") == f"shape={B1.id} bwd"
-    assert timing.bench_group(B1.id, "fwdbwd") == f"shape={B1.id} fwd+bwd"
+    assert bench_group(B1.id) == f"shape={B1.id}"                    # the forward's name: no suffix
+    assert bench_group(B1.id, "bwd") == f"shape={B1.id} bwd"
+    assert bench_group(B1.id, "fwdbwd") == f"shape={B1.id} fwd+bwd"
     ids = [Shape(16384 // n, 16, n, 128, "bfloat16", c).id for n in (1024, 2048) for c in (False, True)]
-    names = sorted(timing.bench_group(i, d) for i in ids for d in timing.DIRECTIONS)
+    names = sorted(bench_group(i, d) for i in ids for d in DIRECTIONS)
     for i in ids:                                                            # each shape's three are adjacent
         at = names.index(f"shape={i}")
         assert names[at:at + 3] == [f"shape={i}", f"shape={i} bwd", f"shape={i} fwd+bwd"]
@@ -335,21 +342,21 @@ def _bwd_results():
 def test_peer_ratios_stay_within_a_direction():
     res = _bwd_results()
     fa2_bwd = next(r for r in res if r.variant == "fa2" and r.direction == "bwd")
-    r = timing.peer_ratios(res, fa2_bwd)
+    r = peer_ratios(res, fa2_bwd)
     assert r["over_torch_flash"] == pytest.approx(5.0 / 4.0)                 # torch's backward, not its forward
     assert r["over_torch_flash_do_bench"] == pytest.approx(6.0 / 4.0)
     assert r["over_torch_cudnn"] == pytest.approx(2.5 / 4.0)
     fb = next(r for r in res if r.variant == "fa2" and r.direction == "fwdbwd")
-    assert timing.peer_ratios(res, fb)["over_torch_flash"] == pytest.approx(1.0)
-    assert timing.peer_ratios(res, fb)["over_torch_cudnn"] is None          # no cuDNN fwd+bwd measured
-    assert timing.peer_ratios(res, res[2])["over_torch_flash"] == pytest.approx(2.0 / 1.6)   # forward unchanged
+    assert peer_ratios(res, fb)["over_torch_flash"] == pytest.approx(1.0)
+    assert peer_ratios(res, fb)["over_torch_cudnn"] is None          # no cuDNN fwd+bwd measured
+    assert peer_ratios(res, res[2])["over_torch_flash"] == pytest.approx(2.0 / 1.6)   # forward unchanged
 
 
 def test_summary_tables_with_the_backward():
-    tables = timing.summary_tables(_bwd_results())
+    tables = summary_tables(_bwd_results())
     titles = [t for t, _, _ in tables]
-    assert titles[:2] == [t for t, _, _ in timing.summary_tables(_results())]   # the forward's first, unchanged
-    assert tables[:2] == timing.summary_tables(_results())
+    assert titles[:2] == [t for t, _, _ in summary_tables(_results())]   # the forward's first, unchanged
+    assert tables[:2] == summary_tables(_results())
     assert titles[2].startswith("backward TFLOP/s") and "2.5 x" in titles[2]
     assert titles[3].startswith("fa2 backward against torch SDPA's backward")
     assert titles[4].startswith("fa2_bwd_kernel backward")
@@ -360,35 +367,35 @@ def test_summary_tables_with_the_backward():
     assert head == ["shape", "fa2 bwd TFLOP/s", "fa2_bwd_kernel bwd TFLOP/s", "torch-flash bwd TFLOP/s",
                     "torch-cudnn bwd TFLOP/s", "fa2 bwd / flash bwd", "fa2_bwd_kernel bwd / flash bwd"]
     assert [r[0] for r in rows] == [S1.id, S2.id]
-    assert rows[0][1] == f"{timing.tflops(2.5 * S1.flops, 4.0):.1f}"        # TFLOP/s with 2.5x the FLOPs
-    assert rows[0][3] == f"{timing.tflops(2.5 * S1.flops, 5.0):.1f}"
+    assert rows[0][1] == f"{tflops(2.5 * S1.flops, 4.0):.1f}"        # TFLOP/s with 2.5x the FLOPs
+    assert rows[0][3] == f"{tflops(2.5 * S1.flops, 5.0):.1f}"
     assert rows[0][5:] == ["1.25", "1.56"]
-    assert rows[1][1:3] == ["", ""] and rows[1][3] == f"{timing.tflops(2.5 * S2.flops, 8.0):.1f}"
+    assert rows[1][1:3] == ["", ""] and rows[1][3] == f"{tflops(2.5 * S2.flops, 8.0):.1f}"
     _, head, rows = tables[3]
     assert head == ["shape", "fa2 bwd TFLOP/s", "fa2 bwd TFLOP/s do_bench", "fa2 bwd / flash bwd",
                     "fa2 bwd / flash bwd do_bench", "fa2 bwd / cudnn bwd", "fa2 bwd / cudnn bwd do_bench"]
-    assert rows == [[S1.id, f"{timing.tflops(2.5 * S1.flops, 4.0):.1f}", f"{timing.tflops(2.5 * S1.flops, 4.0):.1f}",
+    assert rows == [[S1.id, f"{tflops(2.5 * S1.flops, 4.0):.1f}", f"{tflops(2.5 * S1.flops, 4.0):.1f}",
                      "1.25", "1.50", "0.62", "0.75"]]                      # S2: fa2 did not run, no row
     _, head, rows = tables[5]
-    assert rows[0][1] == f"{timing.tflops(3.5 * S1.flops, 7.0):.1f}"
+    assert rows[0][1] == f"{tflops(3.5 * S1.flops, 7.0):.1f}"
 
 
 def test_summary_backward_with_only_the_peers():
     """While our backward is skipped, the backward table still shows torch's two backwards; no fa2 table."""
     only = [Timed(S1, "torch-flash", 5.0, None, "bwd"), Timed(S1, "torch-cudnn", 2.5, None, "bwd")]
-    tables = timing.summary_tables(only)
+    tables = summary_tables(only)
     assert len(tables) == 1 and tables[0][0].startswith("backward")
     assert tables[0][1] == ["shape", "torch-flash bwd TFLOP/s", "torch-cudnn bwd TFLOP/s"]
 
 
 def test_skip_lines_count_shapes_per_reason():
-    why = "fa2: variant 'fa2' has no GPU backward kernel yet; backend='numpy' runs its NumPy model"
-    skipped = [timing.Skipped(S1, "fa2", "bwd", why), timing.Skipped(S2, "fa2", "bwd", why),
-               timing.Skipped(S1, "fa2", "fwdbwd", why), timing.Skipped(S1, "fa2_bwd_kernel", "bwd", "opt-in")]
-    assert timing.skip_lines(skipped) == [f"bwd fa2: skipped on 2 shapes: {why}",
-                                          f"fwd+bwd fa2: skipped on 1 shape: {why}",
-                                          "bwd fa2_bwd_kernel: skipped on 1 shape: opt-in"]
-    assert timing.skip_lines([]) == []
+    why = "fa2: variant 'fa2' cannot run on the GPU here: needs compute capability >= 8.0, this GPU is 7.5"
+    skipped = [Skipped(S1, "fa2", "bwd", why), Skipped(S2, "fa2", "bwd", why),
+               Skipped(S1, "fa2", "fwdbwd", why), Skipped(S1, "fa2_bwd_kernel", "bwd", "opt-in")]
+    assert skip_lines(skipped) == [f"bwd fa2: skipped on 2 shapes: {why}",
+                                   f"fwd+bwd fa2: skipped on 1 shape: {why}",
+                                   "bwd fa2_bwd_kernel: skipped on 1 shape: opt-in"]
+    assert skip_lines([]) == []
 
 
 def test_torch_backward_helpers_on_the_cpu(monkeypatch):
@@ -400,11 +407,11 @@ def test_torch_backward_helpers_on_the_cpu(monkeypatch):
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(timing, "on_cupy_stream", lambda torch, ptr=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch_peers, "on_cupy_stream", lambda torch, ptr=None: contextlib.nullcontext())
     shape = Shape(2, 3, 40, 16, "bfloat16", True)
     scale = 0.3
-    sets = [timing.random_inputs(shape, np, seed) for seed in (0, 1)]
-    douts = [timing.random_dout(shape, np, 10_000 + i) for i in range(2)]
+    sets = [random_inputs(shape, np, seed) for seed in (0, 1)]
+    douts = [random_dout(shape, np, 10_000 + i) for i in range(2)]
     calls = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -413,9 +420,9 @@ def test_torch_backward_helpers_on_the_cpu(monkeypatch):
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
-    grad_sets = timing.torch_sdpa_grad_sets(torch, "torch-flash", shape, scale, sets, douts)
+    grad_sets = torch_sdpa_grad_sets(torch, "torch-flash", shape, scale, sets, douts)
     assert len(calls) == 2 and calls[0] == dict(is_causal=True, scale=scale)    # one forward per set, here
-    grad = timing.torch_grad_fn(torch)
+    grad = torch_grad_fn(torch)
     first = grad(*grad_sets[0])
     again = grad(*grad_sets[0])                                                  # the graph was retained
     assert len(calls) == 2                                                        # the timed call runs no forward
@@ -434,8 +441,8 @@ def test_torch_backward_helpers_on_the_cpu(monkeypatch):
     for got, want in zip(first, ref_grads(0)):
         err = (got.double() - want).norm() / want.norm()
         assert err < 2e-2, err
-    fb = timing.torch_sdpa_fwdbwd_fn(torch, "torch-flash", shape, scale)
-    leaves = timing.torch_leaf_sets(torch, sets, douts)
+    fb = torch_sdpa_fwdbwd_fn(torch, "torch-flash", shape, scale)
+    leaves = torch_leaf_sets(torch, sets, douts)
     both = fb(*leaves[1])
     assert len(calls) == 3                                                        # fwd+bwd: its own forward
     for got, want in zip(both, ref_grads(1)):
@@ -481,7 +488,7 @@ def test_recompute_rows_and_table(h200_choice):
     r = recompute.row_values(fa2, s, ms=2.0, held=4096, bwd_peak=3 * 2**20)
     assert r["tflops_convention"] == pytest.approx(2.5 * s.flops / 2e-3 / 1e12)
     assert r["tflops_actual"] == pytest.approx(2.5 * s.flops / 2e-3 / 1e12)   # the fused dQ: 5 products
-    skipped = recompute.row_values(fa2, s, status="skipped: variant 'fa2' has no GPU backward kernel yet")
+    skipped = recompute.row_values(fa2, s, status="skipped: no CUDA device")
     headers, body = recompute.table([r, skipped])
     assert headers[0] == "impl" and len(body) == 2 and all(len(b) == len(headers) for b in body)
     assert body[0][5] == "2.000" and body[0][9] == "3.0" and body[0][-1] == "measured"
@@ -544,10 +551,10 @@ def test_flex_peer_is_bottom_right_causal_with_gqa():
     from fa_variants.reference.dense import attention64
     rng = np.random.default_rng(7)
     for nq, nk, causal in ((37, 53, True), (53, 37, True), (40, 40, False)):
-        shape = timing.Shape(batch=1, heads=4, seqlen_q=nq, head_dim=32, dtype="float32", causal=causal,
+        shape = Shape(batch=1, heads=4, seqlen_q=nq, head_dim=32, dtype="float32", causal=causal,
                              heads_kv=2, seqlen_k=nk)
         q, k, v = (rng.standard_normal((1, n, h, 32)).astype(np.float32) for n, h in ((nq, 4), (nk, 2), (nk, 2)))
-        fn = timing.torch_flex_fn(torch, shape, 0.2, device="cpu")
+        fn = torch_flex_fn(torch, shape, 0.2, device="cpu")
         bhnd = [torch.from_numpy(a).transpose(1, 2).contiguous() for a in (q, k, v)]
         out = fn(*bhnd).transpose(1, 2).numpy().astype(np.float64)
         ref, _ = attention64(q, k, v, causal=causal, scale=0.2)          # (B * H, N_q, d)
@@ -559,10 +566,10 @@ def test_flex_peer_is_bottom_right_causal_with_gqa():
 
 def test_rest_seconds_reads_its_variable_and_refuses_nonsense(monkeypatch):
     monkeypatch.delenv("FAV_TIMING_REST_S", raising=False)
-    assert timing.rest_seconds() == 0.0
+    assert rest_seconds() == 0.0
     monkeypatch.setenv("FAV_TIMING_REST_S", "0.5")
-    assert timing.rest_seconds() == 0.5
-    assert timing.rest_seconds(" ") == 0.0
+    assert rest_seconds() == 0.5
+    assert rest_seconds(" ") == 0.0
     for bad in ("-1", "abc", "nan", "100"):
         with pytest.raises(ValueError, match="FAV_TIMING_REST_S"):
-            timing.rest_seconds(bad)
+            rest_seconds(bad)
