@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import os
+import sys
+import traceback
 from typing import NamedTuple
 
 import ml_dtypes
@@ -35,18 +38,82 @@ def has_gpu() -> bool:
     return gpu.available()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The test command runs on every logical CPU, with pytest-xdist (the ``test`` extra): compiling every kernel
+    instance (test_jit.py) is most of the suite's time. ``-n N`` or ``-n 0`` (one process) on the command line win.
+    Every GPU test is in the xdist group "gpu" (pytest_collection_modifyitems), which --dist loadgroup runs in one
+    worker. Set here, not in pyproject's addopts, which `pytest bench` reads too: benchmarks need one process
+    (pytest-benchmark switches itself off under xdist)."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):  # absent, or in a worker
+        return
+    if config.option.numprocesses is None:
+        config.option.numprocesses = "logical"
+    if config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "model: needs the variant's NumPy model in fa_variants/reference")
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    # Under pytest-xdist (pyproject's addopts: --dist loadgroup) every GPU test runs in one worker, one after
+    # another: tests in parallel processes would share one device's memory and SMs, and the NaN-poisoned pools
+    # and memory checks assume no other test allocates meanwhile.
+    for item in gpu_items:
+        item.add_marker(pytest.mark.xdist_group("gpu"))
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+# JAX on a GPU takes 75 % of the device's memory at its first call and keeps what it frees in its own pool; these
+# make it allocate what it needs and give it back, as CuPy's and torch's pools do when emptied (release_device_memory)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Device memory: every GPU test gives back what it allocated, so that a whole suite fits where each file does.
+def release_device_memory() -> None:
+    """Free what finished work left on the current device: the library's cached launch plans (a plan can hold
+    buffers, taken from whichever pool was current when it was made, a test's poisoned pool included, which that
+    buffer then keeps alive whole), arrays kept by reference cycles or by the last failed test's traceback, then
+    CuPy's default and pinned pools and torch's caching allocator. What stays is small and bounded: loaded
+    modules, and the per-stream buffers of kernels/fa3.py (the largest split tail asked for, and a tile counter)."""
+    import cupy
+    import fa_variants
+
+    cupy.cuda.Device().synchronize()
+    fa_variants.clear_plans()
+    tb = getattr(sys, "last_traceback", None)
+    if tb is not None:  # pytest keeps the last failure here (for post-mortem debugging): its frames hold arrays
+        traceback.clear_frames(tb)
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def device_free_bytes() -> int:
+    """Free memory on the current device, as the driver counts it (every process's allocations included)."""
+    import cupy
+    return int(cupy.cuda.runtime.memGetInfo()[0])
+
+
+@pytest.fixture(autouse=True)
+def _release_device_memory_after_gpu_tests(request):
+    yield
+    if request.node.get_closest_marker("gpu") is not None and has_gpu():
+        release_device_memory()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -259,10 +326,12 @@ def to_device(host, strided=False):
     return tuple(place(a, "cupy", strided, role) for a, role in zip(host, ("q", "k", "v")))
 
 
-def _poison_bytes(case: Case) -> int:
+def _poison_bytes(case: Case, free: int) -> int:
+    """The poisoned block for a call on ``case``: twice what it may allocate, where half the free memory allows
+    that, and never less than what it may allocate (more than that comes from fresh, unpoisoned memory)."""
     b, nq, nk, h, d = case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.head_dim
-    need = 4 * b * h * nq * nk + 16 * b * h * (nq + nk) * d  # naive's fp32 S and fp32 copies, with room to spare
-    return 64 * 2**20 + 2 * need
+    need = 64 * 2**20 + 4 * b * h * nq * nk + 16 * b * h * (nq + nk) * d  # naive's fp32 S and fp32 copies
+    return max(need, min(2 * need, free // 2))
 
 
 @pytest.fixture
@@ -278,7 +347,12 @@ def poisoned():
     def poison(case: Case):
         pool = cupy.cuda.MemoryPool()
         pools.append(pool)
-        nbytes = _poison_bytes(case)
+        free = device_free_bytes()
+        nbytes = _poison_bytes(case, free)
+        if nbytes > free:
+            pytest.fail(f"{case.id}: the poisoned pool needs {nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is "
+                        f"free; CuPy's default pool holds {cupy.get_default_memory_pool().total_bytes() / 2**30:.2f} "
+                        "GiB (the rest is held elsewhere: torch, another process, or arrays kept alive)")
         block = pool.malloc(nbytes)
         cupy.ndarray((nbytes,), cupy.uint8, memptr=block).fill(0xFF)
         cupy.cuda.Device().synchronize()
@@ -288,3 +362,5 @@ def poisoned():
 
     yield poison
     cupy.cuda.Device().synchronize()
+    for pool in pools:  # blocks still in use (a cached plan's buffers) go when release_device_memory drops them
+        pool.free_all_blocks()

@@ -6,9 +6,8 @@ fa2 runs two kernels: the API picks wgmma (kernels/fa2_bwd_sm90.py) on sm_90 and
 elsewhere; on sm_90 the implementation "fa2:mma_sync" runs the API with fa2's kernel choice patched to mma.sync so
 that the mma.sync kernels (their column-split instances above d = 128 included) are tested there too.
 
-State: fa2's mma.sync kernels for d <= 128 passed on an H200; the rest (fa2 mma.sync d > 128, wgmma, fa1, naive)
-NOT YET RUN ON A GPU. Every gradient is computed on a CuPy memory pool whose free memory is NaN bytes (conftest's
-``poisoned``), so an element the backward forgets to write fails the comparison.
+Every gradient is computed on a CuPy memory pool whose free memory is NaN bytes (conftest's ``poisoned``), so an
+element the backward forgets to write fails the comparison.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every registered variant whose launcher exists, on the GPU, against the float64 reference of conftest.py.
 
 Inputs are fresh N(0, 1) draws each run (seeds are recorded on each test and printed on failure); the float64
-reference of one (shape, dtype) is computed once per session on the CPU and reused by every variant. Outputs
+reference of one (shape, dtype) is computed once per test run on the CPU and reused by every variant. Outputs
 are poisoned: before each call the CuPy memory pool is emptied and refilled with one block of all-ones bytes
 (NaN in every float format), so any output element or LSE entry a kernel forgets to write reads back as NaN.
 """
@@ -94,7 +94,7 @@ _REFS: dict = {}
 
 
 def case_data(request, case: Case, dtype: str, scale=1.0, softmax_scale=None):
-    """(host q, k, v, ref out, ref lse) for ``case``: drawn and computed once per session, reused by every
+    """(host q, k, v, ref out, ref lse) for ``case``: drawn and computed once per test run, reused by every
     variant; the seed is recorded on the requesting test."""
     key = (case, dtype, scale, softmax_scale)
     if key not in _REFS:

@@ -20,8 +20,7 @@ def counted(model, n_q, n_k, d, block_q, block_k, causal=False, batch=1, heads=1
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("N,d,block_q,block_k", [(64, 16, 16, 16), (256, 32, 32, 64), (256, 64, 64, 32),
-                                                  (512, 64, 64, 128), (384, 128, 128, 128)])
+@pytest.mark.parametrize("N,d,block_q,block_k", [(64, 16, 16, 16), (256, 32, 32, 64), (256, 64, 64, 32)])
 def test_counts_equal_closed_form_when_blocks_divide(name, N, d, block_q, block_k):
     model, formula = MODELS[name]
     assert counted(model, N, N, d, block_q, block_k) == formula(N, N, d, block_q, block_k)

@@ -53,7 +53,7 @@ def assert_rows_untouched(name, res, clean, keep):
     """The rows where ``keep`` is True are bit for bit the model's rows on the inputs without the bad value: the
     rule says untouched, and an fp8 model's scales ignore non-finite values, so no tolerance is needed. (Against
     the float64 reference instead, an fp8 model's error on a subset of these tiny rows, median 0.048, reached the
-    fp8 tolerance 0.06 by chance: CI, twenty-second session. Its accuracy is test_fp8_model.py's.)"""
+    fp8 tolerance 0.06 by chance in CI on 2026-12-04. Its accuracy is test_fp8_model.py's.)"""
     assert np.array_equal(res.out[keep], clean.out[keep]), f"{name}: clean rows changed"
     lse, want = res.lse.transpose(0, 2, 1)[keep], clean.lse.transpose(0, 2, 1)[keep]
     assert np.array_equal(lse, want), f"{name}: clean rows' LSE changed"
