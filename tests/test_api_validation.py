@@ -14,7 +14,7 @@ import pytest
 
 import fa_variants as fav
 from fa_variants.kernels import KernelLauncher
-from fa_variants import api, arrays, registry
+from fa_variants import arrays, dispatch, registry
 from conftest import assert_matches, has_gpu, place, random_qkv_host, reference64
 
 ENTRIES = registry.variants()
@@ -45,12 +45,11 @@ def nothing_runs(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("validation let a misuse through to dispatch")
 
-    real_get = api.get
     no_launch = KernelLauncher(sources=boom, forward_fn=boom, tiles_fn=boom, extra_bytes_fn=boom, backward_fn=boom)
-    monkeypatch.setattr(api, "get", lambda name: dataclasses.replace(real_get(name), reference=boom,
-                                                                     launcher=no_launch))
+    for name, entry in registry.VARIANTS.items():
+        monkeypatch.setitem(registry.VARIANTS, name, dataclasses.replace(entry, reference=boom, launcher=no_launch))
     monkeypatch.setattr(arrays, "to_cupy", boom)
-    monkeypatch.setattr(api, "resolve_backend", boom)
+    monkeypatch.setattr(dispatch, "resolve_backend", boom)
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import fa_variants as fav
-from fa_variants import arrays, backward, registry
+from fa_variants import arrays, backward, dispatch, registry
 from conftest import GRAD_TOL, TOL, has_gpu, place, random_qkv_host, reference64, rel_err
 
 ENTRIES = registry.variants()
-GPU_MESSAGE = r"variant 'fa2' has no GPU backward kernel yet; backend='numpy' runs its NumPy model"
+GPU_MESSAGE = r"variant 'fa2' has no backward kernel; variant='auto' runs the fastest backward here"
 
 
 # ------------------------------------------------------------------------------------------------ the reference
@@ -84,7 +84,7 @@ def nothing_runs(monkeypatch):
     for name, entry in registry.VARIANTS.items():
         monkeypatch.setitem(registry.VARIANTS, name, dataclasses.replace(entry, reference_backward=boom))
     monkeypatch.setattr(arrays, "to_cupy", boom)
-    monkeypatch.setattr(backward, "_resolve", boom)
+    monkeypatch.setattr(dispatch, "resolve_backend", boom)
 
 
 class _FakeGpuArray:
@@ -148,7 +148,7 @@ class TestMisuse:
         dout, q, k, v, out, lse = args
         _raises(ValueError, r"^q must have 4 dimensions", (dout, q[0], k, v, out, lse))
         _raises(TypeError, r"share one dtype.*k bfloat16", (dout, q, k.astype(ml_dtypes.bfloat16), v, out, lse))
-        _raises(TypeError, r"accepts dtypes.*float32", [a.astype(np.float32) for a in args[:5]] + [lse])
+        _raises(TypeError, r"accepts? dtypes.*float32", [a.astype(np.float32) for a in args[:5]] + [lse])
         _raises(ValueError, r"heads of q \(4\).*multiple.*\(3\)", (dout, q, k[:, :, :1].repeat(3, 2),
                                                                    v[:, :, :1].repeat(3, 2), out, lse))
         _raises(ValueError, r"^v has negative strides", (dout, q, k, v[:, ::-1], out, lse))
@@ -157,7 +157,7 @@ class TestMisuse:
         (dict(causal=1), TypeError, r"causal must be a bool"),
         (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
         (dict(softmax_scale="0.1"), TypeError, r"softmax_scale"),
-        (dict(variant="FA2"), ValueError, r"variant must be one of"),
+        (dict(variant="FA2"), ValueError, r"variant must be 'auto' or one of"),
         (dict(backend="tpu"), ValueError, r"backend must be one of \['auto', 'cuda', 'numpy'\]"),
     ])
     def test_scalars(self, kw, exc, pattern, rng):
@@ -176,7 +176,7 @@ def _without_gpu_backward(monkeypatch):
 def test_cuda_backend_says_there_is_no_gpu_backward(monkeypatch, rng):
     _without_gpu_backward(monkeypatch)
     with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
-        fav.attention_backward(*_case(rng), backend="cuda")
+        fav.attention_backward(*_case(rng), variant="fa2", backend="cuda")
 
 
 @pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present")
@@ -185,6 +185,8 @@ def test_cuda_backend_without_a_gpu_says_so(monkeypatch, rng):
         raise AssertionError("the NumPy model ran for backend='cuda'")
     monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=boom))
     with pytest.raises(fav.BackendUnavailable, match=r"'fa2' cannot run on the GPU here"):
+        fav.attention_backward(*_case(rng), variant="fa2", backend="cuda")
+    with pytest.raises(fav.BackendUnavailable, match=r"backend='cuda', but"):
         fav.attention_backward(*_case(rng), backend="cuda")
 
 
@@ -192,7 +194,7 @@ def test_cuda_backend_without_a_gpu_says_so(monkeypatch, rng):
 def test_auto_with_a_gpu_does_not_fall_back_to_the_model(monkeypatch, rng):
     _without_gpu_backward(monkeypatch)
     with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
-        fav.attention_backward(*_case(rng))
+        fav.attention_backward(*_case(rng), variant="fa2")
 
 
 @pytest.mark.gpu
@@ -224,6 +226,8 @@ def test_auto_without_gpu_runs_the_model(rng):
 def test_a_variant_without_a_backward_model_says_so(monkeypatch, rng):
     monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=None))
     with pytest.raises(fav.BackendUnavailable, match=r"'fa2' has no NumPy backward model"):
+        fav.attention_backward(*_case(rng), variant="fa2", backend="numpy")
+    with pytest.raises(fav.BackendUnavailable, match=r"fa2, which variant 'auto' runs then, has no NumPy backward"):
         fav.attention_backward(*_case(rng), backend="numpy")
 
 

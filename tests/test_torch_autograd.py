@@ -17,8 +17,8 @@ from conftest import TOL, has_gpu, random_qkv_host, rel_err
 torch = pytest.importorskip("torch")
 fat = pytest.importorskip("fa_variants.integrations.torch")
 
-# Without a GPU, auto runs the NumPy models (what these tests are about); with one, auto would run the forward on
-# the GPU and the backward would raise (no GPU backward kernel yet), so they ask for the models by name.
+# Without a GPU, auto runs the NumPy models (what these tests are about); with one, auto would run the kernels on
+# copies of these CPU tensors (tests/test_gpu_backward.py's subject), so they ask for the models by name.
 BACKEND = "numpy" if has_gpu() else "auto"
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -137,7 +137,7 @@ def test_misuse_is_reported_before_anything_runs(rng):
 def test_backend_cuda_backward_is_unavailable(rng):
     q, k, v, dout = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16", requires_grad=False)
     out, lse = fav.attention(q, k, v, return_lse=True, backend=BACKEND)
-    with pytest.raises(fav.BackendUnavailable, match=r"cannot run on the GPU here"):
+    with pytest.raises(fav.BackendUnavailable, match=r"backend='cuda', but no usable"):
         fav.attention_backward(dout, q, k, v, out, lse, backend="cuda")
 
 
