@@ -40,6 +40,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from .budget import Progress, pairs_visited
 from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible,
                      heads_major, kv_head_of, logsumexp_from, normalize, rescale, row_exp, to_flash_layout, to_float64,
                      validate)
@@ -249,6 +250,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     hbm = AccessCounter()  # elements, as fa2's model; the kernel's Q/K/V elements are 1 byte instead of 2
     O = np.zeros_like(Q)
     LSE = np.empty((batch, heads, N_q))
+    progress = Progress(f"the fp8 NumPy model (forward, batch {batch} x heads {heads} x {N_q} x {N_k}, head_dim {d})",
+                        pairs_visited(N_q, N_k, block_q, block_k, causal))
     for i, rows in enumerate(block_slices(N_q, block_q)):    # outer loop: Q blocks, one CTA each
         Q_i = Q[:, :, rows]
         hbm.read("Q", programs * Q_i.shape[2] * d)
@@ -273,9 +276,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
             P8 = (P * p_scale).astype(E4M3).astype(np.float64)  # exact scaling, then e4m3 rounding
             O_i = tc_matmul(P8, V_j, accumulate_bits, acc=alpha[..., None] * O_i)  # O accumulates in the MMA
             m_i = m_new
+            progress.step()
         # one normalization per row, V's per-channel scale and 1/p_scale (a power of two: exact) with it
         O[:, :, rows] = normalize(O_i * (sv / p_scale)[:, :, None, :], l_i)
         LSE[:, :, rows] = logsumexp_from(m_i, l_i)
         hbm.write("O", programs * O_i.shape[2] * d)
         hbm.write("LSE", programs * O_i.shape[2])
+    progress.close()
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(block_q, block_k))
