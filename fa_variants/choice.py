@@ -62,8 +62,8 @@ def why_not(entry: Variant, direction: str, device_cc: int, dtype: str, head_dim
     return None
 
 
-def _refused(direction: str, dtype: str, head_dim: int, cc_text: str, passed: list) -> Choice:
-    """The Choice when no candidate runs: what stood in the way of all of them, said once."""
+def _unsupported(direction: str, dtype: str, head_dim: int) -> Choice | None:
+    """The refusal when no candidate takes ``dtype`` or ``head_dim`` at all (on any device), else None."""
     offer = [VARIANTS[n] for n in FASTEST_FIRST if direction in VARIANTS[n].directions]
     names = ", ".join(e.name for e in offer)
     dtypes = sorted({t for e in offer for t in e.dtypes})
@@ -74,8 +74,7 @@ def _refused(direction: str, dtype: str, head_dim: int, cc_text: str, passed: li
         dims = sorted({e.head_dims_text for e in offer if dtype in e.dtypes})
         return Choice(direction, None, None, f"variant 'auto' runs {names}, which accept head_dim in "
                       f"{' or '.join(dims)} for {dtype}, got {head_dim}", "head_dim")
-    return Choice(direction, None, None, f"no kernel runs the {direction} on compute capability {cc_text}: "
-                  f"{', '.join(passed)}", "device")
+    return None
 
 
 def _model(direction: str, dtype: str, head_dim: int, why: str) -> Choice:
@@ -84,12 +83,10 @@ def _model(direction: str, dtype: str, head_dim: int, why: str) -> Choice:
     if (entry.reference if direction == "forward" else entry.reference_backward) is None:
         return Choice(direction, None, None, f"{why}, and {NUMPY_MODEL}, which variant 'auto' runs then, has no "
                       f"NumPy {direction} model", "device")
-    if dtype not in entry.dtypes:
+    if not entry.supports(dtype, head_dim):
         return Choice(direction, None, None, f"{why}, and {NUMPY_MODEL}'s NumPy model, which variant 'auto' runs "
-                      f"then, accepts dtypes {list(entry.dtypes)}, got {dtype}", "dtype")
-    if head_dim not in entry.head_dims:
-        return Choice(direction, None, None, f"{why}, and {NUMPY_MODEL}'s NumPy model, which variant 'auto' runs "
-                      f"then, accepts head_dim in {entry.head_dims_text}, got {head_dim}", "head_dim")
+                      f"then, takes {', '.join(entry.dtypes)} at head_dim {entry.head_dims_text}, not {dtype} at "
+                      f"{head_dim}", "dtype" if dtype not in entry.dtypes else "head_dim")
     return Choice(direction, NUMPY_MODEL, "numpy", f"{why}: {NUMPY_MODEL}'s NumPy model (float64, the kernel's "
                   "blocks, O(N) memory)")
 
@@ -106,6 +103,9 @@ def choose(direction: str, device_cc: int | None, dtype: str, head_dim: int, bac
         raise ValueError(f"direction must be one of {list(DIRECTIONS)}, got {direction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    unsupported = _unsupported(direction, dtype, head_dim)
+    if unsupported is not None:
+        return unsupported
     if backend == "numpy":
         return _model(direction, dtype, head_dim, "backend='numpy'")
     if device_cc is None:
@@ -119,7 +119,7 @@ def choose(direction: str, device_cc: int | None, dtype: str, head_dim: int, bac
             reason = f"the fastest {direction} on compute capability {_cc_text(device_cc)}"
             return Choice(direction, name, "cuda", reason + (f"; passed over {', '.join(passed)}" if passed else ""))
         passed.append(f"{name} ({no})")
-    refused = _refused(direction, dtype, head_dim, _cc_text(device_cc), passed)
-    if refused.refused == "device" and backend == "auto":
-        return _model(direction, dtype, head_dim, refused.reason)
-    return refused
+    why = f"no kernel runs the {direction} on compute capability {_cc_text(device_cc)}: {', '.join(passed)}"
+    if backend == "auto":
+        return _model(direction, dtype, head_dim, why)
+    return Choice(direction, None, None, why, "device")
