@@ -143,6 +143,12 @@ class TestMisuse:
         t[which] = _FakeGpuArray()
         _raises(ValueError, rf"same device.*{which} on GPU", t.values())
 
+    @pytest.mark.parametrize("which", backward.NAMES)
+    def test_masked_arrays(self, which, rng):
+        t = dict(zip(backward.NAMES, _case(rng)))
+        t[which] = np.ma.masked_array(t[which], mask=np.ones(t[which].shape, bool))
+        _raises(TypeError, rf"^{which} is a NumPy masked array, and attention would ignore its mask", t.values())
+
     def test_q_k_v_follow_the_forward_rules(self, rng):
         args = _case(rng)
         dout, q, k, v, out, lse = args
@@ -285,3 +291,44 @@ def test_every_registered_backward_model(v, rng):
     if v.reference_backward is None:
         pytest.skip(f"{v.name} has no NumPy backward model in the registry yet")
     _check_model_path(v.name, v.dtypes[0], CASES[1], rng)
+
+
+# ------------------------------------------------------------------------------------------------ dout's layout
+def _layouts(a, xp):
+    """``a`` (B, N, H, d) in layouts a caller may hand over: every stride but the last one's honoured, a strided
+    last dimension, negative strides, and a broadcast (stride 0) of one row."""
+    wide = xp.zeros(a.shape[:3] + (2 * a.shape[3],), a.dtype)
+    wide[..., ::2] = xp.asarray(a)
+    flipped = xp.ascontiguousarray(xp.asarray(a)[:, ::-1])[:, ::-1]
+    transposed = xp.ascontiguousarray(xp.asarray(a).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return {"outer strides": transposed, "strided last dim": wide[..., ::2], "negative strides": flipped}
+
+
+def _same(a, b):
+    a, b = (np.asarray(x.get() if hasattr(x, "get") else x) for x in (a, b))
+    return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("which", ["dout", "out"])
+def test_dout_and_out_of_any_layout_give_the_same_gradients(which, xp_name, rng):
+    """dout (and out) are read right whatever their strides: the gradients equal those of contiguous copies, bit
+    for bit, on the NumPy model and on the GPU; a broadcast dout (stride 0, as sum() hands autograd) too."""
+    xp = np if xp_name == "numpy" else pytest.importorskip("cupy")
+    host = list(_case(rng, b=2, nq=37, nk=29, h=4, hkv=2, d=64, causal=True))
+    given = [xp.asarray(a) for a in host]
+    i = backward.NAMES.index(which)
+    want = fav.attention_backward(*given, causal=True)
+    for name, view in _layouts(host[i], xp).items():
+        args = list(given)
+        args[i] = view
+        got = fav.attention_backward(*args, causal=True)
+        assert all(_same(g, w) for g, w in zip(got, want)), f"{which} with {name}"
+    if which == "dout":
+        row = xp.asarray(host[0][:1, :1, :1])
+        args = list(given)
+        args[0] = xp.broadcast_to(row, host[0].shape)
+        dense = list(given)
+        dense[0] = xp.ascontiguousarray(args[0])
+        got, want = fav.attention_backward(*args, causal=True), fav.attention_backward(*dense, causal=True)
+        assert all(_same(g, w) for g, w in zip(got, want)), "broadcast dout"

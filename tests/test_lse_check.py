@@ -128,3 +128,22 @@ def test_kernel_forwards_pass_and_mismatches_fail_on_the_gpu(variant, rng):
             if nq > 1:
                 with pytest.raises(ValueError, match=MISMATCH):
                     fav.attention_backward(dout, q, k, v, out, lse, causal=not causal)
+
+
+@pytest.mark.gpu
+def test_nan_rows_on_the_gpu(rng):
+    """The NaN rule of the CPU test above, through auto's kernels (and the lse check skipping the NaN row)."""
+    import cupy
+    q, k, v = (np.array(a) for a in random_qkv_host(rng, 1, 64, 64, 4, 2, 64, "bfloat16"))
+    q[0, 0, 0, 5] = np.nan
+    q, k, v = (cupy.asarray(a) for a in (q, k, v))
+    out, lse = fav.attention(q, k, v, causal=True, return_lse=True)
+    o, l = cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse)
+    assert np.isnan(o[0, 0, 0]).all() and np.isnan(l[0, 0, 0]) and np.isfinite(o[0, 1:]).all()
+    assert np.isfinite(o[0, :, 1:]).all()
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dq, dk, dv = (cupy.asnumpy(g).astype(np.float64) for g in fav.attention_backward(dout, q, k, v, out, lse,
+                                                                                     causal=True))
+    assert np.isnan(dq[0, 0, 0]).all() and np.isfinite(dq[0, 1:]).all() and np.isfinite(dq[0, :, 1:]).all()
+    assert np.isnan(dk[0, 0, 0]).all() and np.isnan(dv[0, 0, 0]).all()
+    assert np.isfinite(dk[0, :, 1]).all() and np.isfinite(dv[0, :, 1]).all()
