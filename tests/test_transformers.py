@@ -265,6 +265,12 @@ def test_register_checks_its_arguments():
     assert "mine" not in ALL_ATTENTION_FUNCTIONS
 
 
+def test_register_defaults_to_auto():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    name = fat.register("fa_variants_default")
+    assert (ALL_ATTENTION_FUNCTIONS[name].variant, ALL_ATTENTION_FUNCTIONS[name].backend) == ("auto", "auto")
+
+
 # ------------------------------------------------------------------------------------------------ GPU tests
 def _cuda_models():
     if not torch.cuda.is_available():
