@@ -185,7 +185,7 @@ def _truncate(x: np.ndarray, bits: int) -> np.ndarray:
 def tc_matmul(a, b, accumulate_bits=None, acc=None):
     """acc + a @ b as a tensor core computes it: exact products, the reduction in 32-wide steps (one e4m3 MMA
     instruction each), the running sum cut to ``accumulate_bits`` mantissa bits after every step. None: exact.
-    Hopper's e4m3 wgmma keeps about 14 bits (DeepSeek-V3 report, sec. 3.3.2); bench/NOTES.md compares."""
+    Hopper's e4m3 wgmma keeps about 14 bits (DeepSeek-V3 report, sec. 3.3.2); docs/design.md compares."""
     if accumulate_bits is None:
         return a @ b if acc is None else acc + a @ b
     out = np.zeros(a.shape[:-1] + b.shape[-1:]) if acc is None else acc
