@@ -10,7 +10,7 @@ import pytest
 
 import fa_variants as fav
 from fa_variants.reference import budget
-from conftest import random_qkv_host
+from conftest import has_gpu, random_qkv_host
 
 
 def _qkv(rng, n, d=8, heads=1):
@@ -102,3 +102,16 @@ def test_the_pairs_counted_are_the_pairs_visited(nq, nk, causal, monkeypatch, rn
         if variant != "fa2_fp8":
             fav.attention_backward(out, q, k, v, out, lse, variant=variant, causal=causal, backend="numpy")
     assert len(ends) == 5 and all(done == total for _, done, total in ends), ends
+
+
+@pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present: auto runs a kernel")
+@pytest.mark.parametrize("variant", ["auto", "fa1"])
+def test_seqlen_200k_on_the_cpu_warns_within_seconds(variant, rng):
+    """The case that used to run for hours without a word: at N = 200K the warning comes after about
+    CALIBRATE_SECONDS of work (made an error here, so that the run stops there)."""
+    q, k, v = _qkv(rng, 200_000, d=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", budget.LongRunWarning)
+        with pytest.raises(budget.LongRunWarning, match=r"\(forward, batch 1 x heads 1 x 200000 x 200000, head_dim "
+                                                        r"64\) will take about \d+(\.\d)? (min|h) on this host"):
+            fav.attention(q, k, v, variant=variant)

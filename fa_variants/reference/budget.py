@@ -5,9 +5,9 @@ would not fit in the host's available memory is refused before anything is alloc
 the memory it needs), as the GPU path refuses one that would not fit on the device.
 
 Time: the blocked models (fa1, fa2, fp8) run a few NumPy operations per block pair, so at long sequences they take
-hours. ``Progress`` counts the block pairs a model visits; once its first steps have run for ``CALIBRATE_SECONDS``
-(or the run ended) it knows this host's rate, and when the whole run is estimated at more than ``WARN_SECONDS``
-it warns (``LongRunWarning``, with the estimate) and draws a progress bar on stderr.
+hours. ``Progress`` counts the block pairs a model visits; once the pairs after the first have run for
+``CALIBRATE_SECONDS`` it knows this host's rate, and as soon as the whole run is estimated at more than
+``WARN_SECONDS`` it warns (``LongRunWarning``, with the estimate) and draws a progress bar on stderr.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 WARN_SECONDS = 5.0          # runs estimated longer than this get a warning and a progress bar
-CALIBRATE_SECONDS = 0.25    # the estimate is made after this much of the run (the rate of its first pairs)
+CALIBRATE_SECONDS = 1.0     # the run is timed this long (after its first step) before it is judged
 REDRAW_SECONDS = 0.5        # the bar's refresh interval (on a terminal; elsewhere one line per tenth)
 NAIVE_MATRICES = 3          # N_q x N_k float64 matrices the naive forward holds at once (S, exp(S - m), P)
 NAIVE_BACKWARD_MATRICES = 4  # ... and its backward (P, dP, dS and a temporary)
@@ -91,7 +91,9 @@ class Progress:
         self.what, self.total, self.done = what, max(int(total), 1), 0
         self.stream = sys.stderr if stream is None else stream
         self.start = time.perf_counter()
-        self.estimate = None       # seconds of the whole run, once calibrated
+        self.first = None          # (time, pairs) at the end of the first step: the rate is timed from there on,
+        #                            leaving out the first step's one-off costs (allocations, caches)
+        self.estimate = None       # seconds of the whole run, from the rate so far (once calibrated)
         self.shown = False         # the bar is on
         self.last_draw = self.start
         self.tenth = -1
@@ -99,16 +101,22 @@ class Progress:
     def step(self, pairs: int = 1) -> None:
         self.done += pairs
         now = time.perf_counter()
-        if self.estimate is None:
-            if now - self.start < CALIBRATE_SECONDS:
-                return
-            self.estimate = (now - self.start) * self.total / self.done
-            if self.estimate > WARN_SECONDS:
-                warnings.warn(f"{self.what} will take about {_duration(self.estimate)} on this host (the rate of "
-                              f"its first {self.done} of {self.total} block pairs); the GPU kernels "
-                              f"(backend='cuda') run it in a small fraction of that", LongRunWarning, stacklevel=3)
-                self.shown = True
         if self.shown:
+            self._draw(now)
+            return
+        if self.first is None:
+            self.first = now, self.done
+            return
+        t1, n1 = self.first
+        if now - t1 < CALIBRATE_SECONDS:
+            return
+        # the rate so far, re-estimated at each step until the run is judged long
+        self.estimate = (now - self.start) + (now - t1) / (self.done - n1) * (self.total - self.done)
+        if self.estimate > WARN_SECONDS:
+            warnings.warn(f"{self.what} will take about {_duration(self.estimate)} on this host (the rate of its "
+                          f"block pairs 2 to {self.done} of {self.total}); the GPU kernels (backend='cuda') run it "
+                          f"in a small fraction of that", LongRunWarning, stacklevel=3)
+            self.shown = True
             self._draw(now)
 
     def _draw(self, now: float, final: bool = False) -> None:
