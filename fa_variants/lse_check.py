@@ -49,30 +49,32 @@ def pairs_to_check(batch: int, heads: int) -> list:
     return [(int(i) // heads, int(i) % heads) for i in picks]
 
 
-def recompute(q, k, rows: np.ndarray, pair=(0, 0), *, causal: bool, softmax_scale: float):
-    """(lse, M) of ``rows`` of one (batch, head) ``pair`` (float32 arrays of q's library): the log-sum-exp of the
-    rows' scores and their score scale M (see above)."""
+def recompute(q, k, rows: np.ndarray, pairs: list, *, causal: bool, softmax_scale: float):
+    """(lse, M), float32 arrays (pairs, rows) of q's library: the log-sum-exp of the scores of ``rows`` in each
+    (batch, head) of ``pairs``, and their score scale M (see above). All pairs at once: a dozen launches on a GPU."""
     xp = _xp(q)
     nq, h, d = q.shape[1:]
     nk, hkv = k.shape[1:3]
-    b, hq = pair
-    qr = q[b, xp.asarray(rows), hq, :].astype(xp.float32)                    # (R, d)
-    s = xp.empty((len(rows), nk), xp.float32)
+    b = xp.asarray([p[0] for p in pairs])[:, None]
+    hq = xp.asarray([p[1] for p in pairs])[:, None]
+    r = xp.asarray(rows)
+    qr = q[b, r[None, :], hq, :].astype(xp.float32)                         # (P, R, d)
+    s = xp.empty((len(pairs), len(rows), nk), xp.float32)
     k_sq = 0.0
-    step = max(1, CHUNK_BYTES // (4 * d))
+    step = max(1, CHUNK_BYTES // (4 * d * len(pairs)))
     for start in range(0, nk, step):
-        kc = k[b, start:start + step, hq // (h // hkv), :].astype(xp.float32)   # the kv head query head hq reads
-        s[:, start:start + step] = qr @ kc.T
-        k_sq = k_sq + (kc * kc).sum()
+        kc = k[b[:, 0], start:start + step, hq[:, 0] // (h // hkv), :].astype(xp.float32)   # (P, keys, d)
+        s[:, :, start:start + step] = qr @ kc.swapaxes(1, 2)
+        k_sq = k_sq + (kc * kc).sum(axis=(1, 2))
     s *= xp.float32(softmax_scale)
     if causal:
-        visible = xp.arange(nk)[None, :] <= xp.asarray(rows)[:, None] + (nk - nq)
+        visible = xp.arange(nk)[None, :] <= r[:, None] + (nk - nq)
         s = xp.where(visible, s, xp.float32(-np.inf))
-    m = s.max(axis=1)
+    m = s.max(axis=2)
     m = xp.where(xp.isfinite(m), m, xp.float32(0))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):    # log(0): a row that sees no key
-        lse = xp.log(xp.exp(s - m[:, None]).sum(axis=1)) + m
-    scale_m = abs(softmax_scale) * xp.sqrt((qr * qr).sum(axis=1)) * xp.sqrt(k_sq / nk) / np.sqrt(d)
+        lse = xp.log(xp.exp(s - m[..., None]).sum(axis=2)) + m
+    scale_m = abs(softmax_scale) * xp.sqrt((qr * qr).sum(axis=2)) * xp.sqrt(k_sq / nk)[:, None] / np.sqrt(d)
     return lse, scale_m
 
 
@@ -101,11 +103,12 @@ def check(q, k, lse, *, causal: bool, softmax_scale: float) -> None:
     softmax_scale=softmax_scale) with k (and v) of these shapes; q, k, lse NumPy or CuPy arrays of one library."""
     xp = _xp(q)
     rows = rows_to_check(q.shape[1], k.shape[1])
-    parts = []
-    for b, h in pairs_to_check(q.shape[0], q.shape[2]):
-        lse_r, scale_m = recompute(q, k, rows, (b, h), causal=causal, softmax_scale=softmax_scale)
-        parts.append(xp.stack([lse[b, h, xp.asarray(rows)].astype(xp.float32), lse_r, scale_m.astype(xp.float32)]))
-    why = mismatch(*arrays.to_numpy(xp.concatenate(parts, axis=1)))
+    pairs = pairs_to_check(q.shape[0], q.shape[2])
+    lse_r, scale_m = recompute(q, k, rows, pairs, causal=causal, softmax_scale=softmax_scale)
+    b = xp.asarray([p[0] for p in pairs])[:, None]
+    hq = xp.asarray([p[1] for p in pairs])[:, None]
+    given = lse[b, hq, xp.asarray(rows)[None, :]].astype(xp.float32)
+    why = mismatch(*arrays.to_numpy(xp.stack([given, lse_r, scale_m.astype(xp.float32)])).reshape(3, -1))
     if why is not None:
         raise ValueError(f"lse does not match causal={causal}, softmax_scale={softmax_scale:g}: {why}. Pass the "
                          f"causal and softmax_scale of the forward that returned out and lse")
