@@ -187,9 +187,9 @@ def check_supported(variant, dtype: str, head_dim: int) -> None:
         raise ValueError(f"variant {variant.name!r} accepts head_dim in {variant.head_dims_text}, got {head_dim}")
 
 
-def check_layout(arrays: dict) -> None:
+def check_layout(named: dict) -> None:
     """{name: array}: each contiguous in its last dimension, no negative stride (what the kernels read)."""
-    for n, a in arrays.items():
+    for n, a in named.items():
         item = a.dtype.itemsize
         if a.strides[-1] != item and a.shape[-1] > 1:
             raise ValueError(f"{n} must be contiguous in its last dimension (stride {item} bytes), "
