@@ -93,6 +93,7 @@ def _import_one(name: str, x):
     """(array as NumPy or CuPy, on_gpu, wrap) for one input, or a TypeError naming it."""
     cp = _cupy()
     if isinstance(x, np.ndarray):
+        refuse_masked(name, x)
         return x, False, lambda a: a
     if cp is not None and isinstance(x, cp.ndarray):
         return x, True, lambda a: a
@@ -107,6 +108,14 @@ def _import_one(name: str, x):
         return arr, True, _framework_wrap(x)
     raise TypeError(f"{name} must be a NumPy or CuPy array, or a DLPack / __cuda_array_interface__ producer "
                     f"(torch.Tensor, jax.Array), got {type(x).__name__}")
+
+
+def refuse_masked(name: str, x) -> None:
+    """A NumPy masked array's mask would be ignored (only its data is read): a TypeError naming the argument."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a NumPy masked array, and attention would ignore its mask: pass "
+                        f"{name}.filled(0) or np.asarray({name}) if the mask means nothing here (causal=True is the "
+                        f"one mask attention takes)")
 
 
 def _claims_gpu(x) -> bool | None:
@@ -162,41 +171,59 @@ def check_dims(q, k, v) -> None:
         raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v ({k.shape[2]}) for MQA/GQA")
 
 
-def check_shapes(inp: Inputs, variant) -> None:
-    """Rank, sizes, GQA divisibility, dtypes and layout, against what ``variant`` accepts."""
-    q, k, v = inp.q, inp.k, inp.v
-    check_dims(q, k, v)
-    dts = [dtype_name(a.dtype) for a in (q, k, v)]
+def common_dtype(inp: Inputs) -> str:
+    """The one dtype name of q, k and v (a TypeError naming each when they differ)."""
+    dts = [dtype_name(a.dtype) for a in (inp.q, inp.k, inp.v)]
     if len(set(dts)) != 1:
         raise TypeError(f"q, k and v must share one dtype, got q {dts[0]}, k {dts[1]}, v {dts[2]}")
-    if dts[0] not in variant.dtypes:
-        raise TypeError(f"variant {variant.name!r} accepts dtypes {list(variant.dtypes)}, got {dts[0]}")
-    d = q.shape[3]
-    if d not in variant.head_dims:
-        raise ValueError(f"variant {variant.name!r} accepts head_dim in {variant.head_dims_text}, got {d}")
-    for n in NAMES:
-        a = getattr(inp, n)
+    return dts[0]
+
+
+def check_supported(variant, dtype: str, head_dim: int) -> None:
+    """``variant`` (a registry entry) takes ``dtype`` and ``head_dim``."""
+    if dtype not in variant.dtypes:
+        raise TypeError(f"variant {variant.name!r} accepts dtypes {list(variant.dtypes)}, got {dtype}")
+    if head_dim not in variant.head_dims:
+        raise ValueError(f"variant {variant.name!r} accepts head_dim in {variant.head_dims_text}, got {head_dim}")
+
+
+def check_layout(named: dict) -> None:
+    """{name: array}: each contiguous in its last dimension, no negative stride (what the kernels read)."""
+    for n, a in named.items():
         item = a.dtype.itemsize
-        if a.strides[3] != item and a.shape[3] > 1:
+        if a.strides[-1] != item and a.shape[-1] > 1:
             raise ValueError(f"{n} must be contiguous in its last dimension (stride {item} bytes), "
                              f"got strides {tuple(a.strides)}")
         if any(s < 0 for s in a.strides):
             raise ValueError(f"{n} has negative strides {tuple(a.strides)}; pass a copy")
 
 
+def check_shapes(inp: Inputs, variant) -> None:
+    """Rank, sizes, GQA divisibility, dtypes and layout, against what ``variant`` accepts."""
+    check_dims(inp.q, inp.k, inp.v)
+    check_supported(variant, common_dtype(inp), inp.q.shape[3])
+    check_layout(dict(q=inp.q, k=inp.k, v=inp.v))
+
+
 def check_scalars(causal, softmax_scale, return_lse, head_dim: int | None = None) -> float | None:
-    """Validate the scalar arguments; returns the softmax scale to use (1/sqrt(d) by default)."""
+    """Validate the scalar arguments; returns the softmax scale as a float, or for None: None, or 1/sqrt(head_dim)
+    when ``head_dim`` is given."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if softmax_scale is None:
-        return None if head_dim is None else 1.0 / math.sqrt(head_dim)
+        return None if head_dim is None else default_scale(None, head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(float(softmax_scale)):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return float(softmax_scale)
+
+
+def default_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """The softmax scale of a call whose ``softmax_scale`` passed check_scalars: 1/sqrt(head_dim) for None."""
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
 
 
 def to_numpy(a):

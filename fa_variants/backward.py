@@ -1,48 +1,58 @@
 """``attention_backward()``: the gradients of ``attention()`` (dq, dk, dv), validated like the forward.
 
-Every misuse is a TypeError/ValueError naming the argument before anything runs. Then the backend, by the
-forward's rule (api.resolve_backend): the GPU for backend="cuda", for GPU arrays, and for "auto" with host arrays
-where the variant runs on this GPU. There the variant's launcher runs its backward kernels (host arrays go to the
-device and come back); a variant whose registry entry has no "backward" direction raises BackendUnavailable
-rather than quietly running the NumPy model on a copy. backend="numpy", or "auto" with host arrays and no usable
-GPU, runs the variant's NumPy backward model (float64 inside) and casts the gradients to q's, k's and v's dtypes.
+Every misuse is a TypeError/ValueError naming the argument before anything runs. Then the variant and backend
+(dispatch.py): ``variant="auto"`` runs the fastest backward for this GPU, dtype and head dim, whichever variant
+made ``out`` and ``lse`` (a backward needs only q, k, v, out and lse); a named variant runs its own backward
+kernels, and one without them raises BackendUnavailable rather than quietly running a NumPy model. On the GPU the
+launcher's backward kernels run (host arrays go to the device and come back); backend="numpy", or "auto" with host
+arrays and no usable GPU, runs the NumPy backward model (float64 inside) and casts the gradients to q's, k's and
+v's dtypes.
+
+``out`` and ``lse`` must come from a forward with the same ``causal`` and ``softmax_scale``: a handful of rows of
+``lse`` are recomputed to check it (lse_check.py), since a mismatch would otherwise give a wrong gradient silently.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import arrays
-from .api import BACKENDS, BackendUnavailable, resolve_backend
-from .registry import get
+from . import arrays, dispatch, lse_check
 
 NAMES = ("dout", "q", "k", "v", "out", "lse")
 
 
-def attention_backward(dout, q, k, v, out, lse, *, variant: str = "fa2", causal: bool = False,
-                       softmax_scale: float | None = None, backend: str = "auto"):
-    """Gradients of ``attention(q, k, v, variant=, causal=, softmax_scale=)`` for the output gradient ``dout``.
+def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal: bool = False,
+                       softmax_scale: float | None = None, backend: str = "auto", check_lse: bool = True):
+    """Gradients of ``attention(q, k, v, causal=, softmax_scale=)`` for the output gradient ``dout``.
 
-    ``out`` and ``lse`` are that forward's results (``return_lse=True``): dout and out have q's shape and dtype,
-    lse is float32 (batch, heads, seqlen_q). Returns (dq, dk, dv) of q's array type, with q's, k's and v's
-    shapes and dtypes (dk and dv have heads_kv heads: a GQA group's gradients summed). Inputs are not modified.
+    ``out`` and ``lse`` are that forward's results (``return_lse=True``), from any variant: dout and out have q's
+    shape and dtype (any strides), lse is float32 (batch, heads, seqlen_q). Returns (dq, dk, dv) of q's array
+    type, with q's, k's and v's shapes and dtypes (dk and dv have heads_kv heads: a GQA group's gradients summed).
+    Inputs are not modified.
+
+    ``check_lse``: recompute a few rows of lse with ``causal`` and ``softmax_scale`` and raise a ValueError when
+    they disagree with the given lse beyond what any forward's rounding explains (fp8 forwards included), which
+    is what a forward run with other flags gives. It reads those rows' keys once and waits for the device;
+    callers that carry the forward's flags themselves (the torch and JAX integrations) pass False.
     """
-    entry = get(variant)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    arrays.check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
+    dispatch.check_variant(variant)
+    dispatch.check_backend(backend)
+    scale = arrays.check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
+    if not isinstance(check_lse, (bool, np.bool_)):
+        raise TypeError(f"check_lse must be a bool, got {type(check_lse).__name__}")
     inp, extra = _import(dout, q, k, v, out, lse)
-    arrays.check_shapes(inp, entry)
+    arrays.check_dims(inp.q, inp.k, inp.v)
+    dtype, d = arrays.common_dtype(inp), inp.q.shape[3]
+    arrays.check_layout(dict(q=inp.q, k=inp.k, v=inp.v))
     _check_saved(inp, extra)
-    scale = arrays.check_scalars(causal, softmax_scale, False, head_dim=inp.q.shape[3])
-    if _resolve(backend, entry, inp.on_gpu) == "cuda":
-        return _on_gpu(entry, inp, extra, bool(causal), scale)
-
-    model = entry.reference_backward
-    if model is None:
-        raise BackendUnavailable(f"variant {entry.name!r} has no NumPy backward model (and no GPU backward kernel)")
+    entry, where = dispatch.resolve("backward", variant, dtype, d, inp.on_gpu, backend)
+    scale, causal = arrays.default_scale(scale, d), bool(causal)
+    if check_lse:
+        lse_check.check(inp.q, inp.k, extra["lse"], causal=causal, softmax_scale=scale)
+    if where == "cuda":
+        return _on_gpu(entry, inp, extra, causal, scale)
     dout_h, q_h, k_h, v_h, out_h, lse_h = (arrays.to_numpy(a) for a in (extra["dout"], inp.q, inp.k, inp.v,
                                                                           extra["out"], extra["lse"]))
-    res = model(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=bool(causal), softmax_scale=scale)
+    res = entry.reference_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale)
     with np.errstate(over="ignore"):  # a gradient past float16's range is inf there, as a kernel would store it
         grads = [res.dq.astype(q_h.dtype), res.dk.astype(k_h.dtype), res.dv.astype(v_h.dtype)]
     if inp.on_gpu:
@@ -90,19 +100,14 @@ def _check_saved(inp, extra) -> None:
                         f"{arrays.dtype_name(lse.dtype)}")
 
 
-def _resolve(backend: str, entry, on_gpu: bool) -> str:
-    """'cuda' or 'numpy', by the forward's rule; a GPU call of a variant without GPU backward kernels raises
-    (a silent NumPy fallback there would hide that)."""
-    if backend == "numpy":
-        return "numpy"
-    if backend == "cuda" or on_gpu or entry.available()[0]:
-        if "backward" not in entry.directions:
-            raise BackendUnavailable(f"variant {entry.name!r} has no GPU backward kernel yet; backend='numpy' "
-                                     f"runs its NumPy model")
-        where = resolve_backend(backend, entry, on_gpu)
-        if where == "cuda":
-            return where
-    return "numpy"
+def _readable(a):
+    """``a`` as the kernels read dout and out: its own memory when its last dimension is contiguous and no stride
+    is negative (other strides are honoured, stride 0 included), else a contiguous copy."""
+    import cupy
+    item = a.dtype.itemsize
+    if (a.strides[3] == item or a.shape[3] == 1) and min(a.strides) >= 0:
+        return a
+    return cupy.ascontiguousarray(a)
 
 
 def _on_gpu(entry, inp, extra, causal: bool, scale: float):
@@ -110,16 +115,16 @@ def _on_gpu(entry, inp, extra, causal: bool, scale: float):
     q's type. A head dim that is not a multiple of 8 runs zero-padded to the next one: zero columns of q and k
     leave S unchanged, zero columns of v, out and dout add nothing to dP or D, and their gradients are cut off."""
     import cupy
-    names = ("dout", "q", "k", "v", "out", "lse")
     given = dict(dout=extra["dout"], q=inp.q, k=inp.k, v=inp.v, out=extra["out"], lse=extra["lse"])
     dev = {n: (a if inp.on_gpu else arrays.to_cupy(a)) for n, a in given.items()}
     d = inp.q.shape[3]
     with cupy.cuda.Device(dev["q"].device.id):
+        dev["dout"], dev["out"] = _readable(dev["dout"]), _readable(dev["out"])
         if d % 8:
             width = (d + 7) // 8 * 8
-            for n in names[:5]:
+            for n in NAMES[:5]:
                 dev[n] = cupy.pad(dev[n], ((0, 0), (0, 0), (0, 0), (0, width - d)))
-        grads = entry.launcher.backward(*(dev[n] for n in names), causal=causal, softmax_scale=scale)
+        grads = entry.launcher.backward(*(dev[n] for n in NAMES), causal=causal, softmax_scale=scale)
         if d % 8:
             grads = tuple(cupy.ascontiguousarray(g[..., :d]) for g in grads)
     if not inp.on_gpu:

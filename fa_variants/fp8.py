@@ -16,7 +16,7 @@ stored transposed with its keys permuted for the PV product (cuda_src/fp8_quanti
 the same arithmetic is ``fa_variants.reference.fp8``; ``python -m fa_variants.fp8_study`` is the FA3 paper's
 accuracy experiment. fa2_fp8 needs compute capability 8.9: sm_89 runs e4m3 mma.sync (cuda_src/fa2_fp8_fwd.cu),
 Hopper runs e4m3 wgmma (cuda_src/fa2_fp8_fwd_sm90.cu), since ptxas only emulates e4m3 mma.sync there
-(bench/NOTES.md). fa3_fp8 (cuda_src/fa3_fwd.cu's FP8 instances) is Hopper only. Tensors quantized for one variant
+(docs/design.md). fa3_fp8 (cuda_src/fa3_fwd.cu's FP8 instances) is Hopper only. Tensors quantized for one variant
 carry its scale blocks and are read by that variant's kernel (``attention`` follows ``qz.variant``).
 """
 from __future__ import annotations
@@ -153,9 +153,9 @@ def attention(qz: Quantized, *, q=None, causal: bool = False, softmax_scale: flo
                 qz.plans[key] = plan
         out, lse = launcher.run_quantized(plan, qz.parts)
         return (qz.wrap(out), qz.wrap(lse)) if return_lse else qz.wrap(out)
-    arrays.check_scalars(causal, softmax_scale, return_lse)
+    scale = arrays.check_scalars(causal, softmax_scale, return_lse)  # the scalars first, the arrays after
     parts, wrap = _with_q(qz.parts, q, qz.variant)
-    scale = arrays.check_scalars(causal, softmax_scale, return_lse, head_dim=parts["head_dim"])
+    scale = arrays.default_scale(scale, parts["head_dim"])
     out, lse = launcher.attention_quantized(parts, causal=bool(causal), softmax_scale=scale,
                                             return_lse=bool(return_lse))
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)

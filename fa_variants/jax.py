@@ -1,5 +1,8 @@
 """JAX: ``attention`` with a custom VJP (``fa_variants.attention`` forward, ``attention_backward`` for jax.grad).
 
+The backward is the forward variant's own where it has one, else ``variant="auto"``'s (fa3 and the fp8 variants
+have none), with the forward's causal and softmax_scale.
+
 Eager only. The arrays reach the kernels and the NumPy models through DLPack/NumPy, which needs memory, and
 a traced value (inside jax.jit, vmap, scan, ...) has none: such a call raises a TypeError saying so, before
 anything is read. jax.grad outside jit is fine: the custom VJP's rules then see concrete arrays.
@@ -10,10 +13,10 @@ import functools
 
 import jax
 
-from . import api, backward
+from . import api, backward, dispatch
 
 
-def attention(q, k, v, *, variant: str = "fa2", causal: bool = False, softmax_scale: float | None = None,
+def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_scale: float | None = None,
               backend: str = "auto"):
     """``fa_variants.attention(q, k, v, ...)`` on JAX arrays, differentiable by jax.grad / jax.vjp."""
     return _attention(q, k, v, variant, causal, softmax_scale, backend)
@@ -43,8 +46,9 @@ def _forward(q, k, v, variant, causal, softmax_scale, backend):
 def _backward(variant, causal, softmax_scale, backend, saved, dout):
     q, k, v, out, lse = saved
     _eager_only(dout=dout)
-    return backward.attention_backward(dout, q, k, v, out, lse, variant=variant, causal=causal,
-                                       softmax_scale=softmax_scale, backend=backend)
+    # The flags are the forward's own (the VJP carries them), so lse needs no spot check.
+    return backward.attention_backward(dout, q, k, v, out, lse, variant=dispatch.backward_variant(variant),
+                                       causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False)
 
 
 _attention.defvjp(_forward, _backward)

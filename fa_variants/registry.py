@@ -80,6 +80,11 @@ class Variant:
         return dtype in self.dtypes and head_dim in self.head_dims
 
     @property
+    def gpus_text(self) -> str:
+        """The GPUs it runs on: "sm_80+", or its archs alone where it has a newest one ("sm_90a only")."""
+        return f"sm_{self.min_cc}+" if self.max_cc is None else f"{', '.join(self.archs)} only"
+
+    @property
     def head_dims_text(self) -> str:
         return _dims_text(self.head_dims)
 
@@ -99,7 +104,7 @@ class Variant:
         ok, why = self.available()
         here = "runs here" if ok else f"not here: {why}"
         return (f"{self.name:8s} {self.summary}\n{'':8s} dtypes {', '.join(self.dtypes)}; head_dim "
-                f"{self.head_dims_text}; {'/'.join(self.directions)}; sm_{self.min_cc}+; {here}")
+                f"{self.head_dims_text}; {'/'.join(self.directions)}; {self.gpus_text}; {here}")
 
     def __repr__(self):
         ok, why = self.available()

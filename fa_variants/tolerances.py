@@ -15,7 +15,7 @@ FP8_MODEL_LSE_ATOL = 2e-3
 # (fp32 accumulation) measured 1.6e-3 on every test case; Hopper's e4m3 wgmma (QGMMA) keeps fewer accumulator
 # bits than fp32 (DeepSeek-V3 report, sec. 3.3.2: about 14), which moves scores by ~1e-4 and flips some of P's
 # e4m3 roundings: measured 2.1e-3 to 6.3e-3 on the H200, the size by which a 13-14-bit accumulator moves the
-# NumPy model (`python -m fa_variants.fp8_study --accumulation --gpu`, bench/NOTES.md).
+# NumPy model (`python -m fa_variants.fp8_study --accumulation --gpu`, docs/design.md).
 FP8_MODEL_TOL = {"mma_sync": 5e-3, "wgmma": 1e-2}
 # ... and in every case at most this fraction of the kernel's error against float64 (measured <= 0.16).
 FP8_MODEL_TO_FLOAT64 = 0.25

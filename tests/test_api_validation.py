@@ -14,7 +14,7 @@ import pytest
 
 import fa_variants as fav
 from fa_variants.kernels import KernelLauncher
-from fa_variants import api, arrays, registry
+from fa_variants import arrays, dispatch, registry
 from conftest import assert_matches, has_gpu, place, random_qkv_host, reference64
 
 ENTRIES = registry.variants()
@@ -45,12 +45,11 @@ def nothing_runs(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("validation let a misuse through to dispatch")
 
-    real_get = api.get
     no_launch = KernelLauncher(sources=boom, forward_fn=boom, tiles_fn=boom, extra_bytes_fn=boom, backward_fn=boom)
-    monkeypatch.setattr(api, "get", lambda name: dataclasses.replace(real_get(name), reference=boom,
-                                                                     launcher=no_launch))
+    for name, entry in registry.VARIANTS.items():
+        monkeypatch.setitem(registry.VARIANTS, name, dataclasses.replace(entry, reference=boom, launcher=no_launch))
     monkeypatch.setattr(arrays, "to_cupy", boom)
-    monkeypatch.setattr(api, "resolve_backend", boom)
+    monkeypatch.setattr(dispatch, "resolve_backend", boom)
 
 
 @pytest.fixture
@@ -302,3 +301,15 @@ def test_auto_backend_without_gpu_uses_the_model(rng):
     assert out.dtype == ml_dtypes.bfloat16 and lse.dtype == np.float32
     ref_out, ref_lse = reference64(q, k, v, True, None)
     assert_matches(out, ref_out, "bfloat16", lse, ref_lse, what="auto backend, no GPU")
+
+
+# ------------------------------------------------------------------------------------------------ masked arrays
+@pytest.mark.usefixtures("nothing_runs")
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_masked_arrays_are_refused_naming_the_argument(which, rng):
+    """A NumPy masked array's mask would be ignored (only its data is read): refused, whatever the mask holds."""
+    t = dict(zip("qkv", random_qkv_host(rng, 1, 5, 7, 2, 2, 64, "float16")))
+    t[which] = np.ma.masked_array(t[which], mask=np.zeros(t[which].shape, bool))
+    t[which].mask[0, 0, 0, 0] = True
+    _raises(TypeError, rf"^{which} is a NumPy masked array, and attention would ignore its mask", t["q"], t["k"],
+            t["v"], variant="auto")

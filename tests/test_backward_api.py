@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import fa_variants as fav
-from fa_variants import arrays, backward, registry
+from fa_variants import arrays, backward, dispatch, registry
 from conftest import GRAD_TOL, TOL, has_gpu, place, random_qkv_host, reference64, rel_err
 
 ENTRIES = registry.variants()
-GPU_MESSAGE = r"variant 'fa2' has no GPU backward kernel yet; backend='numpy' runs its NumPy model"
+GPU_MESSAGE = r"variant 'fa2' has no backward kernel; variant='auto' runs the fastest backward here"
 
 
 # ------------------------------------------------------------------------------------------------ the reference
@@ -84,7 +84,7 @@ def nothing_runs(monkeypatch):
     for name, entry in registry.VARIANTS.items():
         monkeypatch.setitem(registry.VARIANTS, name, dataclasses.replace(entry, reference_backward=boom))
     monkeypatch.setattr(arrays, "to_cupy", boom)
-    monkeypatch.setattr(backward, "_resolve", boom)
+    monkeypatch.setattr(dispatch, "resolve_backend", boom)
 
 
 class _FakeGpuArray:
@@ -143,12 +143,18 @@ class TestMisuse:
         t[which] = _FakeGpuArray()
         _raises(ValueError, rf"same device.*{which} on GPU", t.values())
 
+    @pytest.mark.parametrize("which", backward.NAMES)
+    def test_masked_arrays(self, which, rng):
+        t = dict(zip(backward.NAMES, _case(rng)))
+        t[which] = np.ma.masked_array(t[which], mask=np.ones(t[which].shape, bool))
+        _raises(TypeError, rf"^{which} is a NumPy masked array, and attention would ignore its mask", t.values())
+
     def test_q_k_v_follow_the_forward_rules(self, rng):
         args = _case(rng)
         dout, q, k, v, out, lse = args
         _raises(ValueError, r"^q must have 4 dimensions", (dout, q[0], k, v, out, lse))
         _raises(TypeError, r"share one dtype.*k bfloat16", (dout, q, k.astype(ml_dtypes.bfloat16), v, out, lse))
-        _raises(TypeError, r"accepts dtypes.*float32", [a.astype(np.float32) for a in args[:5]] + [lse])
+        _raises(TypeError, r"accepts? dtypes.*float32", [a.astype(np.float32) for a in args[:5]] + [lse])
         _raises(ValueError, r"heads of q \(4\).*multiple.*\(3\)", (dout, q, k[:, :, :1].repeat(3, 2),
                                                                    v[:, :, :1].repeat(3, 2), out, lse))
         _raises(ValueError, r"^v has negative strides", (dout, q, k, v[:, ::-1], out, lse))
@@ -157,7 +163,7 @@ class TestMisuse:
         (dict(causal=1), TypeError, r"causal must be a bool"),
         (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
         (dict(softmax_scale="0.1"), TypeError, r"softmax_scale"),
-        (dict(variant="FA2"), ValueError, r"variant must be one of"),
+        (dict(variant="FA2"), ValueError, r"variant must be 'auto' or one of"),
         (dict(backend="tpu"), ValueError, r"backend must be one of \['auto', 'cuda', 'numpy'\]"),
     ])
     def test_scalars(self, kw, exc, pattern, rng):
@@ -176,7 +182,7 @@ def _without_gpu_backward(monkeypatch):
 def test_cuda_backend_says_there_is_no_gpu_backward(monkeypatch, rng):
     _without_gpu_backward(monkeypatch)
     with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
-        fav.attention_backward(*_case(rng), backend="cuda")
+        fav.attention_backward(*_case(rng), variant="fa2", backend="cuda")
 
 
 @pytest.mark.skipif(has_gpu(), reason="a CUDA GPU is present")
@@ -185,6 +191,8 @@ def test_cuda_backend_without_a_gpu_says_so(monkeypatch, rng):
         raise AssertionError("the NumPy model ran for backend='cuda'")
     monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=boom))
     with pytest.raises(fav.BackendUnavailable, match=r"'fa2' cannot run on the GPU here"):
+        fav.attention_backward(*_case(rng), variant="fa2", backend="cuda")
+    with pytest.raises(fav.BackendUnavailable, match=r"backend='cuda', but"):
         fav.attention_backward(*_case(rng), backend="cuda")
 
 
@@ -192,7 +200,7 @@ def test_cuda_backend_without_a_gpu_says_so(monkeypatch, rng):
 def test_auto_with_a_gpu_does_not_fall_back_to_the_model(monkeypatch, rng):
     _without_gpu_backward(monkeypatch)
     with pytest.raises(fav.BackendUnavailable, match=GPU_MESSAGE):
-        fav.attention_backward(*_case(rng))
+        fav.attention_backward(*_case(rng), variant="fa2")
 
 
 @pytest.mark.gpu
@@ -224,6 +232,8 @@ def test_auto_without_gpu_runs_the_model(rng):
 def test_a_variant_without_a_backward_model_says_so(monkeypatch, rng):
     monkeypatch.setitem(registry.VARIANTS, "fa2", dataclasses.replace(registry.get("fa2"), reference_backward=None))
     with pytest.raises(fav.BackendUnavailable, match=r"'fa2' has no NumPy backward model"):
+        fav.attention_backward(*_case(rng), variant="fa2", backend="numpy")
+    with pytest.raises(fav.BackendUnavailable, match=r"fa2, which variant 'auto' runs then, has no NumPy backward"):
         fav.attention_backward(*_case(rng), backend="numpy")
 
 
@@ -279,5 +289,46 @@ def test_default_scale_is_one_over_sqrt_head_dim(rng):
 @pytest.mark.parametrize("v", ENTRIES, ids=[v.name for v in ENTRIES])
 def test_every_registered_backward_model(v, rng):
     if v.reference_backward is None:
-        pytest.skip(f"{v.name} has no NumPy backward model in the registry yet")
+        pytest.skip(f"{v.name} has no NumPy backward model")
     _check_model_path(v.name, v.dtypes[0], CASES[1], rng)
+
+
+# ------------------------------------------------------------------------------------------------ dout's layout
+def _layouts(a, xp):
+    """``a`` (B, N, H, d) in layouts a caller may hand over: every stride but the last one's honoured, a strided
+    last dimension, negative strides, and a broadcast (stride 0) of one row."""
+    wide = xp.zeros(a.shape[:3] + (2 * a.shape[3],), a.dtype)
+    wide[..., ::2] = xp.asarray(a)
+    flipped = xp.ascontiguousarray(xp.asarray(a)[:, ::-1])[:, ::-1]
+    transposed = xp.ascontiguousarray(xp.asarray(a).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return {"outer strides": transposed, "strided last dim": wide[..., ::2], "negative strides": flipped}
+
+
+def _same(a, b):
+    a, b = (np.asarray(x.get() if hasattr(x, "get") else x) for x in (a, b))
+    return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("which", ["dout", "out"])
+def test_dout_and_out_of_any_layout_give_the_same_gradients(which, xp_name, rng):
+    """dout (and out) are read right whatever their strides: the gradients equal those of contiguous copies, bit
+    for bit, on the NumPy model and on the GPU; a broadcast dout (stride 0, as sum() hands autograd) too."""
+    xp = np if xp_name == "numpy" else pytest.importorskip("cupy")
+    host = list(_case(rng, b=2, nq=37, nk=29, h=4, hkv=2, d=64, causal=True))
+    given = [xp.asarray(a) for a in host]
+    i = backward.NAMES.index(which)
+    want = fav.attention_backward(*given, causal=True)
+    for name, view in _layouts(host[i], xp).items():
+        args = list(given)
+        args[i] = view
+        got = fav.attention_backward(*args, causal=True)
+        assert all(_same(g, w) for g, w in zip(got, want)), f"{which} with {name}"
+    if which == "dout":
+        row = xp.asarray(host[0][:1, :1, :1])
+        args = list(given)
+        args[0] = xp.broadcast_to(row, host[0].shape)
+        dense = list(given)
+        dense[0] = xp.ascontiguousarray(args[0])
+        got, want = fav.attention_backward(*args, causal=True), fav.attention_backward(*dense, causal=True)
+        assert all(_same(g, w) for g, w in zip(got, want)), "broadcast dout"

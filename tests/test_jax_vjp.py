@@ -73,6 +73,18 @@ def test_vjp_equals_a_direct_attention_backward_call(rng):
         assert isinstance(b, jax.Array) and b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("variant", ["fa3", "fa2_fp8"])
+def test_forwards_without_a_backward_use_autos(variant, rng):
+    """fa3 and fa2_fp8 have no backward: jax.grad runs variant='auto''s, with the forward's flags."""
+    q, k, v, g = _inputs(rng, 1, 13, 17, 4, 2, 64, "bfloat16")
+    g = g.astype(jnp.bfloat16)
+    out, vjp = jax.vjp(lambda *a: faj.attention(*a, variant=variant, causal=True, backend=BACKEND), q, k, v)
+    _, lse = fav.attention(q, k, v, variant=variant, causal=True, return_lse=True, backend=BACKEND)
+    want = fav.attention_backward(g, q, k, v, out, lse, causal=True, backend=BACKEND)
+    for a, b in zip(vjp(g), want):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_jit_and_vmap_raise_a_clear_error(rng):
     q, k, v, g = _inputs(rng, 1, 5, 6, 2, 2, 16, "float16")
 

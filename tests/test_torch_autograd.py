@@ -17,8 +17,8 @@ from conftest import TOL, has_gpu, random_qkv_host, rel_err
 torch = pytest.importorskip("torch")
 fat = pytest.importorskip("fa_variants.integrations.torch")
 
-# Without a GPU, auto runs the NumPy models (what these tests are about); with one, auto would run the forward on
-# the GPU and the backward would raise (no GPU backward kernel yet), so they ask for the models by name.
+# Without a GPU, auto runs the NumPy models (what these tests are about); with one, auto would run the kernels on
+# copies of these CPU tensors (tests/test_gpu_backward.py's subject), so they ask for the models by name.
 BACKEND = "numpy" if has_gpu() else "auto"
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -127,7 +127,7 @@ def test_misuse_is_reported_before_anything_runs(rng):
         fav.attention(q, k, v, backend="CUDA")
     with pytest.raises(TypeError, match=r"^k must be a torch.Tensor"):
         fav.attention(q, k.detach().numpy(), v)
-    with pytest.raises(TypeError, match=r"accepts dtypes.*float32"):
+    with pytest.raises(TypeError, match=r"accepts? dtypes.*float32"):
         fav.attention(q.float(), k.float(), v.float())
     with pytest.raises(ValueError, match=r"heads of q \(2\).*multiple"):
         fav.attention(q, k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1))
@@ -137,7 +137,7 @@ def test_misuse_is_reported_before_anything_runs(rng):
 def test_backend_cuda_backward_is_unavailable(rng):
     q, k, v, dout = _tensors(rng, 1, 9, 11, 2, 1, 32, "float16", requires_grad=False)
     out, lse = fav.attention(q, k, v, return_lse=True, backend=BACKEND)
-    with pytest.raises(fav.BackendUnavailable, match=r"cannot run on the GPU here"):
+    with pytest.raises(fav.BackendUnavailable, match=r"backend='cuda', but no usable"):
         fav.attention_backward(dout, q, k, v, out, lse, backend="cuda")
 
 
@@ -170,3 +170,39 @@ def test_compiles_as_an_opaque_op(rng):
         assert torch.equal(out, eager[0].detach())
 
 
+
+
+# ------------------------------------------------------------------------------------------------ every forward
+@pytest.mark.parametrize("variant", [v.name for v in fav.variants()])
+def test_every_variants_forward_is_differentiable(variant, rng):
+    """A named forward with a backward of its own is differentiated by it; one without (fa3, the fp8 variants) by
+    variant='auto''s backward with the same causal and softmax_scale, on the forward's out and lse: the gradients
+    equal that direct attention_backward call."""
+    q, k, v, dout = _tensors(rng, 2, 29, 37, 4, 2, 64, "bfloat16")
+    out = fav.attention(q, k, v, variant=variant, causal=True, softmax_scale=0.11, backend=BACKEND)
+    out.backward(dout)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    _, lse = fav.attention(qd, kd, vd, variant=variant, causal=True, softmax_scale=0.11, return_lse=True,
+                           backend=BACKEND)
+    has_backward = "backward" in fav.get(variant).directions
+    want = fav.attention_backward(dout, qd, kd, vd, out.detach(), lse, variant=variant if has_backward else "auto",
+                                  causal=True, softmax_scale=0.11, backend=BACKEND)
+    for g, x in zip(want, (q, k, v)):
+        assert torch.equal(g, x.grad), variant
+    if fav.get(variant).operand_dtype is None:  # 16-bit forwards: the gradients of attention itself
+        ref = _grads(lambda *a: dense_attention(*a, causal=True, scale=0.11), q, k, v, dout, torch.float64)
+        for name, x, r in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref[1:]):
+            assert rel_err(x.double().numpy(), r.numpy()) <= TOL["bfloat16"], f"{variant} {name}"
+
+
+@pytest.mark.gpu
+def test_auto_on_cuda_tensors_is_differentiable(rng):
+    """variant='auto' on CUDA tensors (fa3's forward and fa2's backward on Hopper, fa2's both ways elsewhere)."""
+    q, k, v, dout = (x.detach().cuda().requires_grad_(x.requires_grad) for x in _tensors(rng, 2, 300, 300, 4, 2, 128,
+                                                                                          "bfloat16"))
+    out = fav.attention(q, k, v, causal=True)
+    out.backward(dout)
+    ref = _grads(lambda *a: dense_attention(*a, causal=True), *(x.detach().cpu() for x in (q, k, v, dout)),
+                 torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
+        assert rel_err(x.detach().cpu().double().numpy(), r.detach().numpy()) <= TOL["bfloat16"] * 3, name

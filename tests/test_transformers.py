@@ -11,8 +11,7 @@ run with ``attn_implementation="sdpa"`` and with ours, on the same weights and i
   ours casts q/k/v to bfloat16 and the output back (the one test of that path). Masks, dropout, windows and the
   rest raise ``Unsupported``.
 * GPU (marked gpu): the same model in bfloat16 on CUDA with ``backend="auto"`` (fa2's kernels): logits and
-  generation, and one training step through fa2's GPU backward (it skips only if ``fav.attention_backward``
-  raises BackendUnavailable, i.e. on a GPU without backward kernels).
+  generation, and one training step through fa2's GPU backward.
 
 Seeds are fixed (weights and token ids): greedy decoding compares argmaxes, and a random draw could put two
 logits within a rounding of each other; the test reports the smallest top-1 margin if it fails.
@@ -265,6 +264,12 @@ def test_register_checks_its_arguments():
     assert "mine" not in ALL_ATTENTION_FUNCTIONS
 
 
+def test_register_defaults_to_auto():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    name = fat.register("fa_variants_default")
+    assert (ALL_ATTENTION_FUNCTIONS[name].variant, ALL_ATTENTION_FUNCTIONS[name].backend) == ("auto", "auto")
+
+
 # ------------------------------------------------------------------------------------------------ GPU tests
 def _cuda_models():
     if not torch.cuda.is_available():
@@ -302,10 +307,7 @@ def test_gpu_training_step_gradients_match_sdpa():
     ref, ours = _cuda_models()
     ids = token_ids(device="cuda")
     loss_ref, g_ref = _train_step_grads(ref, ids)
-    try:
-        loss, g = _train_step_grads(ours, ids)
-    except fav.BackendUnavailable as e:
-        pytest.skip(f"no GPU backward yet: fav.attention_backward raises BackendUnavailable on the GPU ({e})")
+    loss, g = _train_step_grads(ours, ids)
     errs = {name: rel(g[name], g_ref[name]) for name in g_ref}
     worst = max(errs, key=errs.get)
     assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"

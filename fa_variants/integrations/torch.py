@@ -1,13 +1,19 @@
 """torch autograd and torch.compile for ``fa_variants.attention``: two opaque custom ops.
 
-``fa_variants::attention_fwd`` runs ``api.attention`` (return_lse=True) and ``fa_variants::attention_bwd`` runs
-``backward.attention_backward``; ``register_autograd`` ties them together (torch records them as one autograd
-Function node), and ``register_fake`` gives torch.compile their output shapes, so a compiled graph keeps each as
-one call it does not trace into (our arrays cross DLPack/NumPy, which a trace cannot follow).
+``fa_variants::attention_fwd`` runs the forward (``forward.attention``, return_lse=True) and
+``fa_variants::attention_bwd`` the backward (``backward.attention_backward``); ``register_autograd`` ties them
+together (torch records them as one autograd Function node), and ``register_fake`` gives torch.compile their
+output shapes, so a compiled graph keeps each as one call it does not trace into (our arrays cross DLPack/NumPy,
+which a trace cannot follow).
 
-``api.attention`` sends torch tensors here when one requires grad or when Dynamo traces them (torch.compile),
-so ``fav.attention`` itself works in a compiled graph, fullgraph=True included; ``attention`` below is that same
-call, without the detour. The LSE is returned detached: it is not differentiable.
+``fa_variants.attention`` sends torch tensors here when one requires grad or when Dynamo traces them
+(torch.compile), so it works in a compiled graph, fullgraph=True included; ``attention`` below is that same call,
+without the detour. The LSE is returned detached: it is not differentiable.
+
+The gradient of every variant's forward: the backward op runs the forward variant's own backward where it has
+one (naive, fa1, fa2), and ``variant="auto"``'s backward (the fastest here: fa2's) for a forward without one
+(fa3, fa2_fp8, fa3_fp8, and ``auto`` itself), with the forward's causal and softmax_scale, on the forward's out and
+lse. For the fp8 forwards that is the gradient of 16-bit attention at an fp8 forward's out and lse.
 """
 # No `from __future__ import annotations`: torch.library infers the ops' schemas from real annotations.
 from typing import Optional, Tuple
@@ -15,16 +21,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import api, arrays, backward
+from .. import arrays, backward, dispatch, forward
 
 
 @torch.library.custom_op("fa_variants::attention_fwd", mutates_args=())
 def _forward(q: Tensor, k: Tensor, v: Tensor, variant: str, causal: bool, softmax_scale: Optional[float],
              backend: str) -> Tuple[Tensor, Tensor]:
-    # Detached: the op's body runs below autograd, but q, k, v may still say requires_grad, which would send
-    # api.attention back here (and DLPack refuses such tensors).
-    return api.attention(q.detach(), k.detach(), v.detach(), variant=variant, causal=causal,
-                         softmax_scale=softmax_scale, return_lse=True, backend=backend)
+    # Detached: the op's body runs below autograd, but q, k, v may still say requires_grad, which DLPack refuses.
+    return forward.attention(q.detach(), k.detach(), v.detach(), variant, causal, softmax_scale, True, backend)
 
 
 @_forward.register_fake
@@ -36,9 +40,10 @@ def _forward_fake(q, k, v, variant, causal, softmax_scale, backend):
 @torch.library.custom_op("fa_variants::attention_bwd", mutates_args=())
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, variant: str,
               causal: bool, softmax_scale: Optional[float], backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    # Detached as in _forward: the saved q, k, v still say requires_grad, and DLPack refuses such tensors.
+    # Detached as in _forward: the saved q, k, v still say requires_grad, and DLPack refuses such tensors. The
+    # flags are the forward's own (the autograd node carries them), so lse needs no spot check.
     return backward.attention_backward(*(t.detach() for t in (dout, q, k, v, out, lse)), variant=variant,
-                                       causal=causal, softmax_scale=softmax_scale, backend=backend)
+                                       causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False)
 
 
 @_backward.register_fake
@@ -50,7 +55,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, variant, causal, softmax_scale, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (variant, causal, softmax_scale, backend)
+    ctx.args = (dispatch.backward_variant(variant), causal, softmax_scale, backend)
 
 
 def _grad(ctx, dout, _dlse):
@@ -65,14 +70,16 @@ def _grad(ctx, dout, _dlse):
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-def attention(q, k, v, *, variant: str = "fa2", causal: bool = False, softmax_scale: Optional[float] = None,
+def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_scale: Optional[float] = None,
               return_lse: bool = False, backend: str = "auto"):
-    """``fa_variants.attention`` for torch tensors, recorded for autograd and opaque to torch.compile."""
+    """``fa_variants.attention`` for torch tensors, recorded for autograd and opaque to torch.compile.
+
+    Differentiable whatever ``variant`` runs the forward: one without a backward of its own (fa3, the fp8
+    variants) is differentiated by ``variant="auto"``'s backward with the same causal and softmax_scale."""
     # The scalars are checked here, as attention() would, because the op's schema would otherwise report
-    # causal=1 or a str scale in its own words; the arrays are checked inside, by attention().
-    api.get(variant)
-    if backend not in api.BACKENDS:
-        raise ValueError(f"backend must be one of {list(api.BACKENDS)}, got {backend!r}")
+    # causal=1 or a str scale in its own words; the arrays are checked inside, by forward.attention.
+    dispatch.check_variant(variant)
+    dispatch.check_backend(backend)
     arrays.check_scalars(causal, softmax_scale, return_lse)
     for name, x in zip(arrays.NAMES, (q, k, v)):
         if not isinstance(x, Tensor):

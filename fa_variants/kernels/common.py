@@ -2,7 +2,7 @@
 parameter struct, tile choice."""
 from __future__ import annotations
 
-from .. import arrays, gpu, jit
+from .. import arrays, gpu, jit, plans
 from ..tiles import TEMPLATE_DIMS, first_fitting, template_dim  # noqa: F401 - the launchers import them from here
 
 LOG2E = 1.4426950408889634
@@ -46,25 +46,15 @@ def pad_last_dim(a, width: int):
     return out
 
 
-#: The launchers' plan caches (call signature -> plan), made by ``plan_cache``: fav.clear_plans() empties them all.
-PLAN_CACHES: list[dict] = []
-PLAN_CACHE_MAX = 1024   # signatures a cache keeps before it starts over
+#: The launchers' plans live in the one plan cache (fa_variants/plans.py), each launcher's keys under its own
+#: ``plans.Owner``; fav.clear_plans() empties it.
+def plan_cache(name: str = "launcher") -> plans.Owner:
+    return plans.Owner(name)
 
 
-def plan_cache() -> dict:
-    cache: dict = {}
-    PLAN_CACHES.append(cache)
-    return cache
-
-
-def cached_plan(cache: dict, key, make):
-    """``cache[key]``, made by ``make()`` on a miss (the cache starts over past PLAN_CACHE_MAX entries)."""
-    plan = cache.get(key)
-    if plan is None:
-        if len(cache) > PLAN_CACHE_MAX:
-            cache.clear()
-        plan = cache[key] = make()
-    return plan
+def cached_plan(cache: plans.Owner, key, make):
+    """The plan of ``key`` among ``cache``'s (a ``plan_cache()``), made by ``make()`` on a miss."""
+    return plans.cached((cache, key), make)
 
 
 _PAD_PLANS: dict = {}   # (shape, strides, dtype, width, device) -> (CUfunction, grid, threads, PadParams bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .budget import Progress, pairs_visited
 from .common import (AccessCounter, BackwardResult, ModelResult, block_scores, block_slices, block_visited,
                      causal_visible, logsumexp_from, matmul_flops, normalize, prepare, prepare_backward, rescale,
                      resolve_blocks, row_exp, rowsum_product, softmax_backward, sum_over_groups, to_flash_layout)
@@ -52,6 +53,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     hbm.write("O", programs * N_q * d)
     hbm.write("l", programs * N_q)
     hbm.write("m", programs * N_q)
+    progress = Progress(_what("forward", batch, heads, N_q, N_k, d), pairs_visited(N_q, N_k, B_r, B_c, causal))
 
     for cols in block_slices(N_k, B_c):                             # line 5: outer loop over K/V blocks
         K_j, V_j = K[:, :, cols], V[:, :, cols]                     # line 6
@@ -80,7 +82,13 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
             l[:, :, rows], m[:, :, rows] = l_new, m_new             # line 13
             for name, size in (("O", n * d), ("l", n), ("m", n)):
                 hbm.write(name, size)
+            progress.step()
+    progress.close()
     return ModelResult(out=to_flash_layout(O), lse=logsumexp_from(m, l), hbm=hbm, blocks=(B_r, B_c))
+
+
+def _what(direction: str, batch: int, heads: int, n_q: int, n_k: int, d: int) -> str:
+    return f"fa1's NumPy model ({direction}, batch {batch} x heads {heads} x {n_q} x {n_k}, head_dim {d})"
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block_q=None, block_k=None,
@@ -120,6 +128,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
     hbm.write("dQ", programs * N_q * d)
     hbm.write("dK", programs * N_k * d)
     hbm.write("dV", programs * N_k * d)
+    progress = Progress(_what("backward", batch, heads, N_q, N_k, d), pairs_visited(N_q, N_k, B_r, B_c, causal))
 
     for cols in block_slices(N_k, B_c):                             # line 6: outer loop over K/V blocks
         K_j, V_j = K[:, :, cols], V[:, :, cols]                     # line 7
@@ -145,8 +154,10 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
             hbm.write("dQ", n * d)
             dK_j = dK_j + scale * (dS_ij.swapaxes(-1, -2) @ Q_i)    # line 22
             flops += matmul_flops(programs, rows.stop - rows.start, cols.stop - cols.start, d, products=5)
+            progress.step()
         dK[:, :, cols], dV[:, :, cols] = dK_j, dV_j                 # line 24
         hbm.write("dK", programs * K_j.shape[2] * d)
         hbm.write("dV", programs * V_j.shape[2] * d)
+    progress.close()
     return BackwardResult(dq=to_flash_layout(dQ), dk=sum_over_groups(dK, heads_kv), dv=sum_over_groups(dV, heads_kv),
                           hbm=hbm, blocks=(B_r, B_c), flops=flops)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .budget import Progress, pairs_visited
 from .common import (AccessCounter, BackwardResult, ModelResult, block_scores, block_slices, block_visited,
                      causal_visible, logsumexp_from, matmul_flops, normalize, online_softmax_step, prepare,
                      prepare_backward, resolve_blocks, row_exp, rowsum_product, softmax_backward, sum_over_groups,
@@ -49,6 +50,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     hbm = AccessCounter()
     O = np.zeros_like(Q)
     LSE = np.empty((batch, heads, N_q))
+    progress = Progress(_what("forward", batch, heads, N_q, N_k, d), pairs_visited(N_q, N_k, B_r, B_c, causal))
 
     for rows in block_slices(N_q, B_r):                       # outer loop: Q blocks, one CTA each
         Q_i = Q[:, :, rows]
@@ -67,11 +69,17 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
                 S_ij = np.where(causal_visible(np.arange(N_q)[rows], np.arange(N_k)[cols], N_q, N_k),
                                 S_ij, -np.inf)
             m_i, l_i, O_i = online_softmax_step(m_i, l_i, O_i, S_ij, V_j)
+            progress.step()
         O[:, :, rows] = normalize(O_i, l_i)                    # deferred normalization: once per row
         LSE[:, :, rows] = logsumexp_from(m_i, l_i)
         hbm.write("O", programs * O_i.shape[2] * d)
         hbm.write("LSE", programs * O_i.shape[2])
+    progress.close()
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(B_r, B_c))
+
+
+def _what(direction: str, batch: int, heads: int, n_q: int, n_k: int, d: int) -> str:
+    return f"fa2's NumPy model ({direction}, batch {batch} x heads {heads} x {n_q} x {n_k}, head_dim {d})"
 
 
 def _recompute(Q_i, K_j, V_j, dO_i, LSE_i, D_i, scale, rows, cols, N_q, N_k, causal):
@@ -126,6 +134,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
     hbm.write("D", programs * N_q)
 
     dQ, dK, dV = np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)
+    passes = 2 if dq_mode == "separate" else 1
+    progress = Progress(_what("backward", batch, heads, N_q, N_k, d),
+                        passes * pairs_visited(N_q, N_k, B_r, B_c, causal))
     if dq_mode == "atomic":
         hbm.write("dQ", programs * N_q * d)                    # the accumulator's zeros (line 3)
 
@@ -151,6 +162,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
                 hbm.write("dQ", n * d)
                 products += 1
             flops += matmul_flops(programs, rows.stop - rows.start, cols.stop - cols.start, d, products)
+            progress.step()
         dK[:, :, cols], dV[:, :, cols] = dK_j, dV_j             # once per K/V block
         hbm.write("dK", programs * K_j.shape[2] * d)
         hbm.write("dV", programs * V_j.shape[2] * d)
@@ -171,7 +183,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
                 _, dS_ij = _recompute(Q_i, K_j, V_j, dO_i, LSE_i, D_i, scale, rows, cols, N_q, N_k, causal)
                 dQ_i = dQ_i + scale * (dS_ij @ K_j)
                 flops += matmul_flops(programs, rows.stop - rows.start, cols.stop - cols.start, d, products=3)
+                progress.step()
             dQ[:, :, rows] = dQ_i                               # once per Q block
             hbm.write("dQ", n * d)
+    progress.close()
     return BackwardResult(dq=to_flash_layout(dQ), dk=sum_over_groups(dK, heads_kv), dv=sum_over_groups(dV, heads_kv),
                           hbm=hbm, blocks=(B_r, B_c), flops=flops)

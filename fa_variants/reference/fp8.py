@@ -40,6 +40,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from .budget import Progress, pairs_visited
 from .common import (AccessCounter, ModelResult, block_slices, block_visited, causal_visible,
                      heads_major, kv_head_of, logsumexp_from, normalize, rescale, row_exp, to_flash_layout, to_float64,
                      validate)
@@ -184,7 +185,7 @@ def _truncate(x: np.ndarray, bits: int) -> np.ndarray:
 def tc_matmul(a, b, accumulate_bits=None, acc=None):
     """acc + a @ b as a tensor core computes it: exact products, the reduction in 32-wide steps (one e4m3 MMA
     instruction each), the running sum cut to ``accumulate_bits`` mantissa bits after every step. None: exact.
-    Hopper's e4m3 wgmma keeps about 14 bits (DeepSeek-V3 report, sec. 3.3.2); bench/NOTES.md compares."""
+    Hopper's e4m3 wgmma keeps about 14 bits (DeepSeek-V3 report, sec. 3.3.2); docs/design.md compares."""
     if accumulate_bits is None:
         return a @ b if acc is None else acc + a @ b
     out = np.zeros(a.shape[:-1] + b.shape[-1:]) if acc is None else acc
@@ -249,6 +250,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     hbm = AccessCounter()  # elements, as fa2's model; the kernel's Q/K/V elements are 1 byte instead of 2
     O = np.zeros_like(Q)
     LSE = np.empty((batch, heads, N_q))
+    progress = Progress(f"the fp8 NumPy model (forward, batch {batch} x heads {heads} x {N_q} x {N_k}, head_dim {d})",
+                        pairs_visited(N_q, N_k, block_q, block_k, causal))
     for i, rows in enumerate(block_slices(N_q, block_q)):    # outer loop: Q blocks, one CTA each
         Q_i = Q[:, :, rows]
         hbm.read("Q", programs * Q_i.shape[2] * d)
@@ -273,9 +276,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
             P8 = (P * p_scale).astype(E4M3).astype(np.float64)  # exact scaling, then e4m3 rounding
             O_i = tc_matmul(P8, V_j, accumulate_bits, acc=alpha[..., None] * O_i)  # O accumulates in the MMA
             m_i = m_new
+            progress.step()
         # one normalization per row, V's per-channel scale and 1/p_scale (a power of two: exact) with it
         O[:, :, rows] = normalize(O_i * (sv / p_scale)[:, :, None, :], l_i)
         LSE[:, :, rows] = logsumexp_from(m_i, l_i)
         hbm.write("O", programs * O_i.shape[2] * d)
         hbm.write("LSE", programs * O_i.shape[2])
+    progress.close()
     return ModelResult(out=to_flash_layout(O), lse=LSE, hbm=hbm, blocks=(block_q, block_k))

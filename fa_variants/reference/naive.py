@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .budget import NAIVE_BACKWARD_MATRICES, NAIVE_MATRICES, check_naive
 from .common import (AccessCounter, BackwardResult, ModelResult, block_scores, causal_visible, logsumexp_from,
                      matmul_flops, normalize, prepare, prepare_backward, row_exp, rowsum_product, softmax_backward,
                      sum_over_groups, to_flash_layout)
@@ -36,6 +37,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
                               block_q=block_q, block_k=block_k)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
+    check_naive(batch, heads, n_q, n_k, NAIVE_MATRICES, "forward")
     programs = batch * heads  # one per (batch, query head); K, V counted per query head (see prepare)
     hbm = AccessCounter()
 
@@ -84,6 +86,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
                                                             block_k=block_k)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
+    check_naive(batch, heads, n_q, n_k, NAIVE_BACKWARD_MATRICES, "backward")
     programs = batch * heads  # one per (batch, query head); K, V counted per query head (see prepare)
     hbm = AccessCounter()
     everything = slice(0, n_q), slice(0, n_k)
