@@ -197,7 +197,7 @@ def _our_fns(impl: Impl, shape: Shape, scale: float):
     else:
         def bwd(dout, q, k, v, out, lse):
             return fav.attention_backward(dout, q, k, v, out, lse, variant=impl.forward, causal=shape.causal,
-                                          softmax_scale=scale, backend="cuda")
+                                          softmax_scale=scale, backend="cuda", check_lse=False)
     return fwd, bwd
 
 
@@ -307,7 +307,7 @@ def memory_check(args, torch) -> dict:
     try:
         with PeakMemory() as pm:
             grads = fav.attention_backward(dout, q, k, v, out, lse, variant="fa2", causal=shape.causal,
-                                           softmax_scale=scale, backend="cuda")
+                                           softmax_scale=scale, backend="cuda", check_lse=False)
             _sync()
         gb = nbytes_rounded(*grads)
         res.update(fa2_api="ran", fa2_api_peak_bytes=pm.peak, fa2_api_extra_bytes=max(0, pm.peak - gb))
@@ -328,7 +328,7 @@ def memory_check(args, torch) -> dict:
         _free()
     try:
         fav.attention_backward(dout, q, k, v, out, lse, variant="naive", causal=shape.causal, softmax_scale=scale,
-                               backend="cuda")
+                               backend="cuda", check_lse=False)
         res["naive_backward"] = "ran (unexpected)"
     except fav.BackendUnavailable as e:
         res["naive_backward"] = f"skipped: {e}"

@@ -848,3 +848,12 @@ def test_imports_go_one_way():
             or m in ("fa_variants.profile", "fa_variants.sass", "fa_variants.iomodel")]
     assert len(mine) > 10
     assert [m for m in mine if reaches(m, m)] == []
+
+
+@pytest.mark.parametrize("cc, forward", [(90, "fa3"), (80, "fa2")])
+def test_explain_auto_names_the_choice_for_a_device(cc, forward, capsys):
+    """`fa-variants explain auto` prints fav.explain_choice's answer: fa3 forward on sm_90, fa2 on sm_80, and
+    fa2's backward on both."""
+    assert cli.main(["explain", "auto", "--head-dim", "128", "--device-cc", str(cc)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[2] == forward and lines[1].split()[1] == "fa2"

@@ -283,15 +283,3 @@ def test_fp8_api_rejects_misuse_before_touching_a_gpu():
         fav.fp8.quantize(q, q, q, rotate=1)
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         fav.fp8.quantize_kv(q, q, rotate=True, seed=-1)
-
-
-def test_clear_plans_empties_every_launchers_plan_cache():
-    """fav.clear_plans() reaches the fp8 launchers' caches too (kernels/common.plan_cache registers each)."""
-    import fa_variants as fav
-    from fa_variants.kernels import common, fa2_fp8, fa3_fp8
-    for cache in (common._FWD_PLANS, fa2_fp8._PLANS, fa3_fp8._PLANS):
-        assert any(cache is c for c in common.PLAN_CACHES)
-        cache["probe"] = object()
-    assert common.cached_plan(fa3_fp8._PLANS, "probe", lambda: None) is fa3_fp8._PLANS["probe"]
-    fav.clear_plans()
-    assert not common._FWD_PLANS and not fa2_fp8._PLANS and not fa3_fp8._PLANS

@@ -177,7 +177,7 @@ def test_fa3_fp8_on_the_fly_plan_gives_the_prequantized_bits(request):
         for call in ("cold", "warm"):
             out, lse2 = fav.attention(*x, variant="fa3_fp8", causal=c.causal, return_lse=True)
             assert np.array_equal(bits(out), bits(o)) and np.array_equal(bits(lse2), bits(lse)), f"{c.id} {call}"
-    plans = [plan for plan, _ in api._PLANS.values()]
+    plans = [launch.__self__ for launch in fav.plans.of(fav.forward.OWNER)]
     assert len(plans) == len(cases) and all(isinstance(p, QuantizeAndAttend) for p in plans)
     cupy.cuda.Device().synchronize()
 

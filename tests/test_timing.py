@@ -455,7 +455,6 @@ def h200_choice(monkeypatch):
     """No GPU here: fa2's FLOPs follow the H200's choice of scheme (the fused dQ where its grid fits)."""
     from fa_variants import gpu
     monkeypatch.setattr(gpu, "probe", lambda device_id=None: gpu.Probe(None, "no CUDA device"))
-    monkeypatch.delenv("FA_VARIANTS_FA2_DQ", raising=False)
 
 
 def test_recompute_flops_and_memory_model(h200_choice):

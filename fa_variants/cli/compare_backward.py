@@ -206,7 +206,7 @@ def _run_variant(entry: Variant, args, *, shape, scale, sets, douts, refs, kv_pa
 
     def call(dout, q, k, v, out, lse):
         return attention_backward(dout, q, k, v, out, lse, variant=entry.name, causal=shape.causal,
-                                  softmax_scale=scale, backend="cuda")
+                                  softmax_scale=scale, backend="cuda", check_lse=False)
 
     q, k, v = sets[0]
     out, lse = fwd(q, k, v)

@@ -14,9 +14,17 @@ from .blocks import Blocks, backward_tiles_note
 # explain runs the NumPy model once; more (B_r x B_c) block pairs than this would take minutes in Python loops
 EXPLAIN_MAX_BLOCK_PAIRS = 1 << 18
 
-# What explain takes besides a variant's name: a target name -> its command (parsed flags -> exit status). The
-# choice variant="auto" makes (fav.explain_choice) belongs here, as one more entry.
-OTHER_TARGETS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def explain_auto(args: argparse.Namespace) -> int:
+    """What variant="auto" runs here, forward and backward, for --dtype and --head-dim, and why."""
+    from ..dispatch import explain_choice
+    print(explain_choice(dtype=args.dtype, head_dim=args.head_dim, device_cc=args.device_cc))
+    return 0
+
+
+# What explain takes besides a variant's name: a target name -> its command (parsed flags -> exit status).
+OTHER_TARGETS: dict[str, Callable[[argparse.Namespace], int]] = {"auto": explain_auto}
 
 
 def add_parser(sub) -> None:
@@ -25,6 +33,10 @@ def add_parser(sub) -> None:
     e.add_argument("variant", choices=[*VARIANTS, *OTHER_TARGETS])
     e.add_argument("--seqlen", type=positive, default=1024, help="N, default 1024 (the model runs once at this size)")
     e.add_argument("--head-dim", type=positive, default=64, help="d, default 64")
+    e.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                   help="explain auto: the inputs' dtype, default bfloat16")
+    e.add_argument("--device-cc", type=positive, default=None, metavar="CC",
+                   help="explain auto: a device's compute capability (80 for an A100, 90 for an H100) instead of this one's")
     add_block_args(e, "on-chip memory M in elements: the paper's terms, and the blocks of --paper-blocks")
     e.add_argument("--backward", action="store_true",
                    help="the backward with recomputation instead (naive, fa1, fa2): its loops, its HBM traffic "
