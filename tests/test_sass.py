@@ -48,33 +48,32 @@ def fa3_instructions(expr: str) -> list[str]:
 
 
 def units():
-    """(variant, source, name expressions) of every wgmma source a registry entry compiles for sm_90a."""
+    """(source, name expression) of every instance of a wgmma source a registry entry compiles for sm_90a, one
+    test item each: each reads its own cubin, the one tests/test_jit.py installs in the kernel cache."""
     seen = set()
     for v in registry.variants():
         for src, exprs in v.launcher.compile_units("sm_90a").items():
-            if src in WGMMA_SOURCES and (src, exprs) not in seen:
-                seen.add((src, exprs))
-                yield pytest.param(src, exprs, id=f"{v.name}-{src}")
+            for expr in exprs:
+                if src in WGMMA_SOURCES and (src, expr) not in seen:
+                    seen.add((src, expr))
+                    yield pytest.param(src, expr, id=f"{v.name}-{expr}")
 
 
 @needs_cuobjdump
-@pytest.mark.parametrize("src,exprs", list(units()))
-def test_hopper_kernels_hold_their_instructions_and_no_spills(src, exprs):
-    path, lowered = jit.cached_cubin(src, exprs, "sm_90a")
-    sass = sass_by_function(path)
+@pytest.mark.parametrize("src,expr", list(units()))
+def test_hopper_kernels_hold_their_instructions_and_no_spills(src, expr):
+    path, lowered = jit.cached_cubin(src, (expr,), "sm_90a")
+    ops = set(sass_by_function(path)[lowered[expr]])
     need, forbid = WGMMA_SOURCES[src]
-    fp8_instances = set(fa3_fp8.specializations())
-    for expr in exprs:
-        ops = set(sass[lowered[expr]])
-        must, must_not = (set() if expr.startswith(ELEMENTWISE) else set(need)), set(forbid)
-        if src == "fa3_fwd.cu":
-            hold, avoid = FA3_MMA[expr in fp8_instances]
-            must.add(hold)
-            must_not.add(avoid)
-            # O leaves by TMA exactly where the launcher says so (it then passes the output's tensor map)
-            (must if fa3_stores_o_by_tma(expr) else must_not).add("UTMASTG")
-        assert must <= ops, f"{expr}: no {sorted(must - ops)} in its SASS"
-        assert not must_not & ops, f"{expr}: {sorted(must_not & ops)} in its SASS"
+    must, must_not = (set() if expr.startswith(ELEMENTWISE) else set(need)), set(forbid)
+    if src == "fa3_fwd.cu":
+        hold, avoid = FA3_MMA[expr in set(fa3_fp8.specializations())]
+        must.add(hold)
+        must_not.add(avoid)
+        # O leaves by TMA exactly where the launcher says so (it then passes the output's tensor map)
+        (must if fa3_stores_o_by_tma(expr) else must_not).add("UTMASTG")
+    assert must <= ops, f"{expr}: no {sorted(must - ops)} in its SASS"
+    assert not must_not & ops, f"{expr}: {sorted(must_not & ops)} in its SASS"
 
 
 @needs_cuobjdump
