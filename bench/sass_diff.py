@@ -6,7 +6,7 @@
 
 Each tree compiles the name expressions with its own NVRTC layer (fa_variants.jit of that tree, for --arch,
 default sm_90a); cuobjdump reads both cubins (fa_variants.sass). Per expression: registers, instruction counts and
-whether the instructions match with immediates and addresses masked. bench/NOTES.md's "SASS identical to ..."
+whether the instructions match with immediates and addresses masked. The docs' "SASS identical to ..."
 claims (a change that leaves the kernels as they ran on the GPU, or a revert that restores them) come from this.
 Exit status 1 if any expression differs.
 """

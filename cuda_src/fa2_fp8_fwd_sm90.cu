@@ -114,7 +114,7 @@ fa2_fp8_fwd_sm90(const fav::Fp8FwdParams p) {
         }
         float alpha[1][2];
         online_softmax_rescale(s, m, l, 1.f, alpha);           // ... while these threads compute P_j
-        hold_registers(s[0]);  // exponentials before the wait in PTX (ptxas still sinks some: bench/NOTES.md)
+        hold_registers(s[0]);  // exponentials before the wait in PTX (ptxas still sinks some)
         if constexpr (decltype(prev)::value) {
             wgmma_wait<0>();
             hold_registers(o[0]);

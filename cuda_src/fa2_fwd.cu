@@ -13,7 +13,7 @@
 
 // EARLY_PREFETCH: issue block j+1's loads right after block j's barrier (longest overlap) or after block j's
 // softmax (shorter live ranges: needed at d = 128, where the early position spills). Chosen per head dim by
-// measurement (bench/NOTES.md). D: the template head dim p.head_dim pads to. EPI: what the CTA does with its
+// measurement (docs/results.md). D: the template head dim p.head_dim pads to. EPI: what the CTA does with its
 // rows at the end (common/epilogue.cuh): O / l and LSE, or a split-KV partial.
 template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH, class EPI = fav::NormalizedOut<T, D>>
 __global__ void __launch_bounds__(NWARPS * 32)

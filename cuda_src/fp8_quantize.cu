@@ -9,12 +9,9 @@
 //
 // V's channel scales need all of V read before any of it can be quantized, so V is read twice; everything else
 // once. One grid for the first pass (it was three launches) leaves one launch gap and one tail instead of three.
-// V's chunks come last in it (first ran 1-4 % slower). The second pass still reads all of V from DRAM (ncu, d 128
-// N 4K: 67 MB for V's 64 MB), and an evict_last L2 policy on the first read changed nothing there (perhaps for
-// want of an L2 set-aside, a device setting: not checked); bench/NOTES.md, twentieth session. One launch whose V^T
-// items follow their slice's amax items (a counter per slice) did read V the second time from L2, and still ran
-// 1-19 % slower than these two: each CTA's chain of loads, waits and releases, not DRAM bytes, sets their time
-// (bench/NOTES.md, twenty-first session).
+// V's chunks come last in it. The second pass reads V from DRAM again; a single launch that reads it the second
+// time from L2 was slower, because each CTA's chain of loads, waits and releases, not DRAM bytes, sets the time
+// (the measurements: docs/refuted.md).
 //
 // amax ignores NaN and Inf, so scales stay finite; a NaN or Inf value itself becomes e4m3 NaN (0x7f) and so
 // poisons exactly the outputs it touches (satfinite alone would turn Inf into a finite 448).

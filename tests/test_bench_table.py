@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import table  # noqa: E402
 from fa_variants.timing import Shape  # noqa: E402
 
-# (shape, {variant: TFLOP/s}): four rows of `pytest bench` on the H200 on 2026-12-04 at 10eec9d (bench/RESULTS.md), one
+# (shape, {variant: TFLOP/s}): four rows of `pytest bench` on the H200 on 2026-12-04 at 10eec9d (docs/results.md), one
 # per verdict
 ROWS = [
     ("bf16-d64-N1024-B16-H32-causal", {"fa3": 316.2, "torch-cudnn": 332.3, "fa3_fp8": 188.2, "fa3_fp8_prequant": 275.1}),

@@ -31,7 +31,7 @@ BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.dire
 SCHEMES = ["separate", "writer", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
 DTYPES = ["float16", "bfloat16"]
-SEED = new_seed()  # one per session: the inputs (and their float64 gradients) are shared by the implementations
+SEED = new_seed()  # one per test run: the inputs (and their float64 gradients) are shared by the implementations
 
 CASES = [
     Case(1, 1, 1, 2, 2, 64, False),              # seqlen 1

@@ -199,8 +199,8 @@ __forceinline__ __device__ bool online_softmax_rescale(float (&s)[MT][NT][4], fl
 // m is kept in log2 units, the block's raw row max is scaled once per row, and both f and 2^p_log2 ride on the
 // exponent's FMA, P~ = exp2(s f - (m_new - p_log2)), instead of two multiplies per score. l sums the scaled P~:
 // the epilogue divides by it (the 2^p_log2 in O cancels) and takes p_log2 off the LSE. (Summing P~ on the tensor
-// cores instead, a column of ones beside V, biased l low as it grew: QGMMA's accumulator truncates; bench/NOTES.md,
-// ninth session. A fresh accumulator per block was 6 % slower and still moved the LSE 7e-3: seventeenth session.)
+// cores instead, a column of ones beside V, biased l low as it grew: QGMMA's accumulator truncates. A fresh
+// accumulator per block was slower and still moved the LSE: docs/refuted.md.)
 // tau and the result: online_softmax_rescale's.
 // turn: a kernel that takes turns at the exponentials (fa3_fwd.cu's EXP_TURNS) waits for its turn before them
 // and passes it on after them, given the row sums (which depend on every exponential: the pass may then not be
