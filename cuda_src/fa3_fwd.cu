@@ -48,6 +48,7 @@
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "common/wgmma_n.cuh"
+#include "hopper/smem.cuh"
 
 namespace fav {
 // Which K/V blocks the queries [m0, m0 + BM) visit: the 16-bit forward takes a sub-range (split-KV), fp8 all.
@@ -81,84 +82,32 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                                  fav::FwdParams>::type p,
         int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
     using namespace fav;
-    constexpr int BM = 64 * NC, DT = D / 8, CONSUMERS = 128 * NC;
-    constexpr int EB = FP8 ? 1 : 2;          // bytes per element of Q, K, V
-    constexpr int KK = FP8 ? 32 : 16;        // reduction step of one wgmma (k32 e4m3, k16 fp16/bf16)
-    constexpr int REGS = NC == 2 ? 240 : 160;  // the consumers' share once the producer keeps 24
-    constexpr int DN = D < 128 ? D : 128;    // output columns per P V wgmma (n64 or n128)
-    using TQ = SwizzledTile<BM, EB * D>;     // [row][d], in slabs of 128 (or 64) bytes, one TMA box each
-    using TK = SwizzledTile<BN, EB * D>;     // [key][d]: K-major B of Q K^T (and N-major B of P V: 16-bit V)
-    using TV = typename Pick<FP8, SwizzledTile<D, BN>, TK>::type;  // fp8: V^T [d][key], K-major B of P V
-    // How far a row's max may grow before its reference point (and O) is moved: P~ <= 2^tau. 16-bit P takes
-    // 2^8 (FA4's choice); e4m3 P~ x 256 must stay below 448, e4m3's largest: 2^0.75 x 256 = 431.
-    constexpr float RESCALE_TAU = FP8 ? 0.75f : 8.f;
-    static_assert(BN % KK == 0 && (D == 64 || D == 128 || D == 256), "whole k-steps of P V; 64-column slabs");
-    static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
-    // fp8 quantizing on the fly is launched behind its quantizer, which may still run (kernels/fa2_fp8.py's
-    // QuantizeAndAttend): nothing here reads memory before that has ended. (A no-op in any other launch.)
-    if constexpr (FP8) griddep_wait();
-
-    // The persistent grid pipelines across tiles (CROSS: the next tile's first S is issued with this tile's last
-    // P V) where a second Q buffer fits beside the ring: the next tile's Q must land while this one's is still read.
-    constexpr int RING = STAGES * (TK::BYTES + TV::BYTES), BARS = 8 * (8 + 4 * STAGES) + 8;
-    constexpr bool CROSS = PERSISTENT && OVERLAP && 1024 + 2 * TQ::BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
-    constexpr int QBUF = CROSS ? 2 : 1;
-    // TMA_OUT: a tile's O leaves by TMA from shared memory. Each consumer writes its rows there in the output's
-    // format, and one of its threads stores them. 4-byte stores straight to global memory (DirectOut) cost the
-    // consumers 4 % at d 128 N 2K (bench/NOTES.md, thirteenth session). 16-bit: over its own 64 rows of the tile's
-    // Q buffer (its last S has read them); once the TMA unit has read them, that thread arrives on the buffer's
-    // q_empty beside the warps' "last S issued" arrivals. It waits for that read only after the next tile's masked
-    // blocks (release_o), not right after the store: the producer needs the buffer for the tile after next only,
-    // and a wait there held the whole consumer (a wgmma takes all four warps) ~770 cycles a tile (+0.3-1.1 %,
-    // bench/NOTES.md, nineteenth session). fp8: 16-bit O rows are twice Q's e4m3 rows, so O has a buffer of its
-    // own (TO, sO) where it fits (d 64 and 128); the thread waits for the TMA unit's read of the previous tile's
-    // rows only when its consumer is about to write the next (store_out), not right after the store.
-    using TO = SwizzledTile<BM, 2 * D>;
-    constexpr int OBUF_BYTES = FP8 ? TO::BYTES : 0;
-    constexpr bool TMA_OUT = CROSS && 1024 + 2 * TQ::BYTES + OBUF_BYTES + RING + BARS <= MAX_DYNAMIC_SMEM;
-    constexpr bool O_IN_Q = TMA_OUT && !FP8;   // O over the Q buffer; else (fp8) its own buffer sO
-    constexpr int OBUF = TMA_OUT && FP8 ? OBUF_BYTES : 0;
-    // SPLIT: the last wave spread over every SM (stream-K's idea, for the persistent grid's equal non-causal
-    // tiles; the launcher turns it on: tail_of(p).ranges > 0). The last tiles, fewer than the SMs, would leave
-    // the other SMs idle for a whole tile: their K/V blocks, end to end, are cut into ranges of equal length, one
-    // work item each. A range covers the end of one tile and maybe the start of the next (two pieces). The
-    // pieces of a tile meet at its end (split_meet): its last piece in key order merges the others' partial O, m,
-    // l (an fp32 workspace) into its own and stores the tile. (bench/NOTES.md, fourteenth session: d 128 N 4K
-    // +1 %, N 16K +5 %; the launcher's tail_split says where.)
-    constexpr bool SPLIT = TMA_OUT;
-    // TAIL_BN: the seqlen_k tail block, where it holds at most TAIL_BN keys, is computed at that width (S = Q K^T
-    // as m64 x TAIL_BN, its P V over TAIL_BN keys): at d 128 (BN 160) N 2K the 13th block holds 128 keys, and at
-    // its full width 1.5 % of a tile's tensor-core and softmax work is on keys past seqlen_k. It is the first block
-    // visited, so the step that visits it and the one that issues its P V (the next) are compiled at both widths.
-    // fp8 (BN 192 at d 128: N 2^k leaves 64 or 128 keys) cuts at BN - 64, whole 32-key groups of V^T's vt_key
-    // order. (Instances with the overlap only: without it each step issues its own P V.)
-    constexpr int TAIL_BN = OVERLAP ? BN - (FP8 ? 64 : 32) : 0;
+    using K = hopper::Config<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT, FP8>;
+    using Prec = typename K::Prec;
+    constexpr int BM = K::BM, DT = K::DT, CONSUMERS = K::CONSUMERS;
+    constexpr int EB = Prec::EB;
+    constexpr int KK = K::KK;
+    constexpr int REGS = K::REGS;
+    constexpr int DN = K::DN;
+    using TQ = typename K::TQ;
+    using TK = typename K::TK;
+    using TV = typename K::TV;
+    constexpr float RESCALE_TAU = Prec::RESCALE_TAU;
+    Prec::before_reads();
+    constexpr bool CROSS = K::CROSS;
+    constexpr int QBUF = K::QBUF;
+    using TO = typename K::TO;
+    constexpr bool TMA_OUT = K::TMA_OUT, O_IN_Q = K::O_IN_Q, SPLIT = K::SPLIT;
+    constexpr int TAIL_BN = K::TAIL_BN;
 
     extern __shared__ unsigned char smem[];
-    const u32 base = (smem_u32(smem) + 1023) & ~1023u;  // the 128-byte swizzle repeats every 1024 bytes
-    auto sQ = [&](int q) { return base + q * TQ::BYTES; };
-    const u32 sO = sQ(QBUF);  // (OBUF bytes: fp8's O buffer, or none)
-    auto sK = [&](int s) { return sQ(QBUF) + OBUF + s * (TK::BYTES + TV::BYTES); };
-    auto sV = [&](int s) { return sK(s) + TK::BYTES; };
-    const u32 bars = sK(STAGES);  // mbarriers, 8 bytes each: Q full, Q empty per Q buffer (two slots each); per
-    // stage K/V full, K/V empty; PERSISTENT: tile full, tile empty per slot, then the slots
-    auto q_full = [&](int q) { return bars + 8 * q; };
-    auto q_empty = [&](int q) { return bars + 8 * (2 + q); };
-    auto k_full = [&](int s) { return bars + 8 * (4 + s); };
-    auto v_full = [&](int s) { return bars + 8 * (4 + STAGES + s); };
-    auto k_empty = [&](int s) { return bars + 8 * (4 + 2 * STAGES + s); };
-    auto v_empty = [&](int s) { return bars + 8 * (4 + 3 * STAGES + s); };
-    auto tile_full = [&](int k) { return bars + 8 * (4 + 4 * STAGES + k % 2); };
-    auto tile_empty = [&](int k) { return bars + 8 * (6 + 4 * STAGES + k % 2); };
-    auto tile_slot = [&](int k) { return bars + 8 * (8 + 4 * STAGES) + 4 * (k % 2); };
-    // The launcher sizes shared memory by the same rule (kernels/fa3.py's smem_bytes): a mismatch traps at once
-    // rather than overrunning it.
-    if (threadIdx.x == 0 && dynamic_smem_bytes() < 1024 + QBUF * TQ::BYTES + OBUF + RING + BARS) __trap();
+    const hopper::SharedLayout<K> L(smem);
+    L.check_size();
 
     // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
     // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
     // cost 12 % at d 128 N 4K: a wave then reads 132 heads' K/V). Tile blockIdx.x is the CTA's first (its only one
-    // without PERSISTENT); the k-th tile of a CTA is its tile_slot(k), written by the producer.
+    // without PERSISTENT); the k-th tile of a CTA is its L.tile_slot(k), written by the producer.
     // Recomputed where used (from the constant bank), not held: a value live into the producer's 24 registers
     // is spilled.
     auto q_blocks = [&] { return (p.seqlen_q + BM - 1) / BM; };
@@ -191,26 +140,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     const bool causal = p.causal;
     const int wg = threadIdx.x / 128;
 
-    if (threadIdx.x == 0) {
-        for (int q = 0; q < QBUF; ++q) {
-            mbar_init(q_full(q), 1);
-            // one arrival per consumer warp, once it has issued its last S on it; TMA_OUT: and one per consumer,
-            // once the TMA unit has read the O rows written over it
-            mbar_init(q_empty(q), O_IN_Q ? 5 * NC : 4 * NC);
-        }
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(k_full(s), 1);   // the producer's expect_tx arrival; the bytes complete the phase
-            mbar_init(v_full(s), 1);
-            mbar_init(k_empty(s), 4 * NC);  // one arrival per consumer warp
-            mbar_init(v_empty(s), 4 * NC);
-        }
-        if (PERSISTENT)
-            for (int k = 0; k < 2; ++k) {
-                mbar_init(tile_full(k), 1);        // the producer, once it has written the slot
-                mbar_init(tile_empty(k), 4 * NC);  // one arrival per consumer warp, once it has read it
-            }
-        fence_mbar_init();
-    }
+    L.init_barriers();
     __syncthreads();
 
     if (wg == 0) {  // ------------------------------------------------------------------------------ producer
@@ -221,33 +151,33 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             int it = 0, q_uses = 0;  // K/V blocks and Q tiles loaded so far: ring stage and phase
             for (int k = 0, t = blockIdx.x;; ++k) {
                 if constexpr (PERSISTENT) {  // hand tile t (tiles or more: the end) to the consumers
-                    mbar_wait(tile_empty(k), ((k / 2) & 1) ^ 1);
-                    st_shared(tile_slot(k), t);
-                    mbar_arrive_if(tile_full(k), true);
+                    mbar_wait(L.tile_empty(k), ((k / 2) & 1) ^ 1);
+                    st_shared(L.tile_slot(k), t);
+                    mbar_arrive_if(L.tile_full(k), true);
                 }
                 if (t >= work_end()) break;
                 const Work w = tile_at(t);
                 const int h_kv = w.h / p.group;
                 if (w.blocks.count() > 0) {  // else no key for these rows: nothing to load, the consumers write 0
                     const int q = q_uses % QBUF;
-                    mbar_wait(q_empty(q), ((q_uses / QBUF) & 1) ^ 1);  // the last S on its old Q is issued
+                    mbar_wait(L.q_empty(q), ((q_uses / QBUF) & 1) ^ 1);  // the last S on its old Q is issued
                     ++q_uses;
-                    mbar_expect_tx(q_full(q), TQ::BYTES);  // rows past seqlen_q, columns past head_dim land as 0
+                    mbar_expect_tx(L.q_full(q), TQ::BYTES);  // rows past seqlen_q, columns past head_dim land as 0
                     for (int c = 0; c < TQ::SLABS; ++c)
-                        tma_load_4d(sQ(q) + c * TQ::SLAB, tq, q_full(q), c * TQ::W / EB, w.m0, w.h, w.b);
+                        tma_load_4d(L.q(q) + c * TQ::SLAB, tq, L.q_full(q), c * TQ::W / EB, w.m0, w.h, w.b);
                 }
                 for (int j = w.blocks.end - 1; j >= w.blocks.begin; --j, ++it) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
-                    mbar_wait(k_empty(s), phase ^ 1);  // the consumers are done with block it - STAGES's K
-                    mbar_expect_tx(k_full(s), TK::BYTES);
+                    mbar_wait(L.k_empty(s), phase ^ 1);  // the consumers are done with block it - STAGES's K
+                    mbar_expect_tx(L.k_full(s), TK::BYTES);
                     for (int c = 0; c < TK::SLABS; ++c)
-                        tma_load_4d(sK(s) + c * TK::SLAB, tk, k_full(s), c * TK::W / EB, j * BN, h_kv, w.b);
-                    mbar_wait(v_empty(s), phase ^ 1);
-                    mbar_expect_tx(v_full(s), TV::BYTES);
+                        tma_load_4d(L.k(s) + c * TK::SLAB, tk, L.k_full(s), c * TK::W / EB, j * BN, h_kv, w.b);
+                    mbar_wait(L.v_empty(s), phase ^ 1);
+                    mbar_expect_tx(L.v_full(s), TV::BYTES);
                     for (int c = 0; c < TV::SLABS; ++c) {  // V [key][d] boxes; fp8: V^T [d][key] boxes of keys
-                        const u32 dst = sV(s) + c * TV::SLAB;
-                        if constexpr (FP8) tma_load_4d(dst, tv, v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
-                        else tma_load_4d(dst, tv, v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
+                        const u32 dst = L.v(s) + c * TV::SLAB;
+                        if constexpr (FP8) tma_load_4d(dst, tv, L.v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
+                        else tma_load_4d(dst, tv, L.v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
                     }
                 }
                 if (!PERSISTENT) break;
@@ -394,14 +324,14 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // address: ~70 uniform-datapath instructions fewer a step at d 128, +1-3 % at d 128 and 256 on the
         // H200, but -3 % at d 64 (three consumers) and -2..+3 % on fp8 (bench/NOTES.md, eighth session).
         constexpr bool STEP_DESC = !FP8 && D >= 128;
-        auto desc_a = [&](int q, int kk) { return STEP_DESC ? TQ::desc(sQ(q), c * 64, 0) + TQ::step(0, kk * 32)
-                                                            : TQ::desc(sQ(q), c * 64, kk * 32); };
-        auto desc_k = [&](int stage, int kk) { return STEP_DESC ? TK::desc(sK(stage), 0, 0) + TK::step(0, kk * 32)
-                                                                : TK::desc(sK(stage), 0, kk * 32); };
+        auto desc_a = [&](int q, int kk) { return STEP_DESC ? TQ::desc(L.q(q), c * 64, 0) + TQ::step(0, kk * 32)
+                                                            : TQ::desc(L.q(q), c * 64, kk * 32); };
+        auto desc_k = [&](int stage, int kk) { return STEP_DESC ? TK::desc(L.k(stage), 0, 0) + TK::step(0, kk * 32)
+                                                                : TK::desc(L.k(stage), 0, kk * 32); };
         auto desc_v = [&](int stage, int kk, int nn) {  // fp8: V^T K-major; 16-bit: V read N-major
-            if constexpr (FP8) return TV::desc(sV(stage), nn * DN, kk * 32);
-            else if constexpr (STEP_DESC) return TV::desc_mn(sV(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
-            else return TV::desc_mn(sV(stage), kk * 16, nn * DN * 2);
+            if constexpr (FP8) return TV::desc(L.v(stage), nn * DN, kk * 32);
+            else if constexpr (STEP_DESC) return TV::desc_mn(L.v(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
+            else return TV::desc_mn(L.v(stage), kk * 16, nn * DN * 2);
         };
         auto issue_qk = [&](auto& s, int q, int stage) {  // s: float[1][keys / 8][4]
             wgmma_fence();
@@ -483,13 +413,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         auto stage_of = [&](const TileWork& x, int u) { return (x.it + u) % STAGES; };
         auto phase_of = [&](const TileWork& x, int u) { return ((x.it + u) / STAGES) & 1; };
         auto pv_alone = [&](const TileWork& x, int u) {  // P_u V_u in a ping-pong turn of its own, V_u released
-            mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
+            mbar_wait(L.v_full(stage_of(x, u)), phase_of(x, u));
             sched_wait();
             issue_pv(stage_of(x, u), num<BN>());
             sched_pass();
             wgmma_wait<0>();
             hold_registers(o[0]);
-            mbar_arrive_if(v_empty(stage_of(x, u)), leader);
+            mbar_arrive_if(L.v_empty(stage_of(x, u)), leader);
         };
 
         // Visit u of x.n (block j = end - 1 - u). OVERLAP: S_u is issued with P_{u-1} V_{u-1}; without it,
@@ -505,16 +435,16 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             constexpr bool MASKED = decltype(masked)::value, PREV = decltype(overlapped)::value;
             const int j = x.w.blocks.end - 1 - u;
             float s[1][decltype(s_keys)::value / 8][4];
-            mbar_wait(k_full(stage_of(x, u)), phase_of(x, u));
-            if constexpr (PREV) mbar_wait(v_full(stage_of(x, u - 1)), phase_of(x, u - 1));
+            mbar_wait(L.k_full(stage_of(x, u)), phase_of(x, u));
+            if constexpr (PREV) mbar_wait(L.v_full(stage_of(x, u - 1)), phase_of(x, u - 1));
             sched_wait();
             issue_qk(s, x.q, stage_of(x, u));
             if constexpr (PREV) issue_pv(stage_of(x, u - 1), pv_keys);  // O is in block u-1's reference already
             sched_pass();
             wgmma_wait<PREV ? 1 : 0>();
             hold_registers(s[0]);
-            mbar_arrive_if(k_empty(stage_of(x, u)), leader);
-            mbar_arrive_if(q_empty(x.q), leader && u == x.n - 1);
+            mbar_arrive_if(L.k_empty(stage_of(x, u)), leader);
+            mbar_arrive_if(L.q_empty(x.q), leader && u == x.n - 1);
             if constexpr (MASKED) mask_scores(s, x.w.m0 + row0, j * BN, seqlen_k, diag, causal);
             float alpha[1][2];
             const bool moved = softmax(x, s, j, mx, lx, alpha, masked);
@@ -529,7 +459,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (PREV) {
                 wgmma_wait<0>();
                 hold_registers(o[0]);
-                mbar_arrive_if(v_empty(stage_of(x, u - 1)), leader);
+                mbar_arrive_if(L.v_empty(stage_of(x, u - 1)), leader);
             }
             pack_p(s);
             if constexpr (!LATE_PV_WAIT)
@@ -550,10 +480,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // before that could complete the empty barrier's previous phase), and the consumer's turns pass without
         // a wgmma, so that every consumer takes as many turns as the others.
         auto skip = [&](const TileWork& x, int u, bool turn) {
-            mbar_wait(k_full(stage_of(x, u)), phase_of(x, u));
-            mbar_arrive_if(k_empty(stage_of(x, u)), leader);
-            mbar_wait(v_full(stage_of(x, u)), phase_of(x, u));
-            mbar_arrive_if(v_empty(stage_of(x, u)), leader);
+            mbar_wait(L.k_full(stage_of(x, u)), phase_of(x, u));
+            mbar_arrive_if(L.k_empty(stage_of(x, u)), leader);
+            mbar_wait(L.v_full(stage_of(x, u)), phase_of(x, u));
+            mbar_arrive_if(L.v_empty(stage_of(x, u)), leader);
             exp_turn_alone();
             for (int i = 0; turn && i < (OVERLAP ? 1 : 2); ++i) {
                 sched_wait();
@@ -568,7 +498,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // elements (Tile<16, D>), for 16-byte stores; this warp's rows.
         auto staging = [&] {
             named_sync(4, CONSUMERS);
-            return reinterpret_cast<u16*>(smem + (base - smem_u32(smem))) + row0 * Tile<16, D>::STRIDE;
+            return L.staging(row0);
         };
         // SPLIT: a piece of a tail tile at its end, on this consumer's rows. The tile's last piece in key order
         // merges (true: it then stores the tile as any other); the others leave their O, m and l in the workspace,
@@ -595,7 +525,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 named_sync(5 + c, 128);
                 if (tid == 0) {
                     release_count(done);
-                    mbar_arrive_if(q_empty(x.q), O_IN_Q);  // the arrival its TMA store would have made
+                    mbar_arrive_if(L.q_empty(x.q), O_IN_Q);  // the arrival its TMA store would have made
                 }
                 return false;
             }
@@ -643,7 +573,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             if constexpr (O_IN_Q)
                 if (threadIdx.x % 128 == 0 && o_pending >= 0) {
                     bulk_wait_read<0>();
-                    mbar_arrive_if(q_empty(o_pending), true);
+                    mbar_arrive_if(L.q_empty(o_pending), true);
                     o_pending = -1;
                 }
         };
@@ -661,7 +591,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     if (threadIdx.x % 128 == 0) bulk_wait_read<0>();  // storing thread waits, its consumer with it
                     named_sync(5 + c, 128);
                 }
-                const u32 tile = O_IN_Q ? sQ(x.q) : sO;
+                const u32 tile = O_IN_Q ? L.q(x.q) : L.o;
                 SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, FP8 ? P_SCALE_LOG2 : 0);
                 fence_proxy_async();     // this thread's rows, before the TMA unit reads them
                 named_sync(5 + c, 128);  // all of this consumer's rows
@@ -686,7 +616,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         auto begin = [&](const TileWork& x, int u0) {
             restart();
             if (x.n > 0) {
-                mbar_wait(q_full(x.q), x.q_phase);
+                mbar_wait(L.q_full(x.q), x.q_phase);
                 for (int u = u0; u < x.z; ++u) skip(x, u, true);
                 visit(x, x.z, flag<false>(), m, l);
             }
@@ -714,11 +644,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // (one ping-pong turn instead of two, the same for every consumer, so the turns stay matched).
             TileWork prev{};
             for (int k = 0;; ++k) {
-                mbar_wait(tile_full(k), (k / 2) & 1);
+                mbar_wait(L.tile_full(k), (k / 2) & 1);
                 // The warp's leader reads the slot and releases it; the others take its value by a shuffle, so
                 // that no read is left unordered before the producer's next write (racecheck: bench/NOTES.md).
-                const int t = __shfl_sync(0xffffffffu, leader ? ld_shared(tile_slot(k)) : 0, 0);
-                mbar_arrive_if(tile_empty(k), leader);
+                const int t = __shfl_sync(0xffffffffu, leader ? ld_shared(L.tile_slot(k)) : 0, 0);
+                mbar_arrive_if(L.tile_empty(k), leader);
                 const bool done = t >= work_end();
                 TileWork x{};
                 if (!done) x = tile_of(t);
@@ -727,7 +657,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 bool parked = false;  // prev was a piece whose partial waits for the tile's last piece
                 float mx[1][2] = {{neg_inf(), neg_inf()}}, lx[1][2] = {};  // x's (m, l) while O is still prev's
                 if (cross && x.z == 0) {
-                    mbar_wait(q_full(x.q), x.q_phase);
+                    mbar_wait(L.q_full(x.q), x.q_phase);
                     visit(x, 0, flag<true>(), mx, lx);
                 } else if (k > 0) {
                     last_pv(prev);
