@@ -48,28 +48,8 @@
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "common/wgmma_n.cuh"
-#include "hopper/smem.cuh"
+#include "hopper/producer.cuh"
 
-namespace fav {
-// Which K/V blocks the queries [m0, m0 + BM) visit: the 16-bit forward takes a sub-range (split-KV), fp8 all.
-template <int BM, int BN>
-__forceinline__ __device__ BlockRange blocks_of(const FwdParams& p, int m0) {
-    return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal, p.kv_block_begin, p.kv_block_end);
-}
-template <int BM, int BN>
-__forceinline__ __device__ BlockRange blocks_of(const Fp8FwdParams& p, int m0) {
-    return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal);
-}
-// The persistent grid's split tail (fa3_fwd's SPLIT) and its fp32 workspace.
-struct Tail { int tiles, blocks, ranges; float* ws; };
-__forceinline__ __device__ Tail tail_of(const FwdParams& p) {
-    return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
-}
-__forceinline__ __device__ Tail tail_of(const Fp8FwdParams&) { return {0, 1, 0, nullptr}; }
-__forceinline__ __device__ Tail tail_of(const Fa3Fp8FwdParams& p) {
-    return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
-}
-}  // namespace fav
 
 template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false,
           bool FP8 = false>
@@ -104,38 +84,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
     const hopper::SharedLayout<K> L(smem);
     L.check_size();
 
-    // Tiles: the Q blocks of one (head, batch) after another, each head's heaviest (last) Q blocks first, so that
-    // the CTAs running at one time share a few heads' K and V in L2 (ordering by Q block across all heads first
-    // cost 12 % at d 128 N 4K: a wave then reads 132 heads' K/V). Tile blockIdx.x is the CTA's first (its only one
-    // without PERSISTENT); the k-th tile of a CTA is its L.tile_slot(k), written by the producer.
-    // Recomputed where used (from the constant bank), not held: a value live into the producer's 24 registers
-    // is spilled.
-    auto q_blocks = [&] { return (p.seqlen_q + BM - 1) / BM; };
-    auto tiles = [&] { return q_blocks() * p.heads * p.batch; };
-    // Work items (SPLIT): the whole tiles [0, full_tiles()), then piece j of range i as full_tiles() + 2 i + j
-    // (j = 1 only where range i runs into a second tile); work_end() is past the last.
-    auto kv_blocks = [&] { return (p.seqlen_k + BN - 1) / BN; };
-    auto full_tiles = [&] { return tiles() - (SPLIT ? tail_of(p).tiles : 0); };
-    auto work_end = [&] { return full_tiles() + (SPLIT ? 2 * tail_of(p).ranges : 0); };
-    struct Piece { int tile, begin, end; };  // its tile among the tail's, and its K/V blocks [begin, end)
-    auto piece_at = [&](int e) {            // e = 2 i + j
-        const int nb = kv_blocks(), g0 = (e >> 1) * tail_of(p).blocks;
-        const int g1 = min(g0 + tail_of(p).blocks, tail_of(p).tiles * nb), tile = g0 / nb + (e & 1);
-        return Piece{tile, (e & 1) ? 0 : g0 - tile * nb, min(nb, g1 - tile * nb)};
-    };
-    struct Work { int m0, h, b; BlockRange blocks; };
-    auto tile_at = [&](int t) {
-        BlockRange piece{0, 0};
-        const bool split = SPLIT && t >= full_tiles();
-        if (split) {
-            const Piece x = piece_at(t - full_tiles());
-            piece = {x.begin, x.end};
-            t = full_tiles() + x.tile;
-        }
-        const int qb = q_blocks(), i_block = qb - 1 - t % qb, hb = t / qb;
-        const int m0 = i_block * BM;
-        return Work{m0, hb % p.heads, hb / p.heads, split ? piece : blocks_of<BM, BN>(p, m0)};
-    };
+    const hopper::TileScheduler<K> sched{p, tiles_next};
     const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;
     const bool causal = p.causal;
     const int wg = threadIdx.x / 128;
@@ -145,69 +94,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 
     if (wg == 0) {  // ------------------------------------------------------------------------------ producer
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0) {
-            tma_prefetch_desc(tk);
-            tma_prefetch_desc(tv);
-            int it = 0, q_uses = 0;  // K/V blocks and Q tiles loaded so far: ring stage and phase
-            for (int k = 0, t = blockIdx.x;; ++k) {
-                if constexpr (PERSISTENT) {  // hand tile t (tiles or more: the end) to the consumers
-                    mbar_wait(L.tile_empty(k), ((k / 2) & 1) ^ 1);
-                    st_shared(L.tile_slot(k), t);
-                    mbar_arrive_if(L.tile_full(k), true);
-                }
-                if (t >= work_end()) break;
-                const Work w = tile_at(t);
-                const int h_kv = w.h / p.group;
-                if (w.blocks.count() > 0) {  // else no key for these rows: nothing to load, the consumers write 0
-                    const int q = q_uses % QBUF;
-                    mbar_wait(L.q_empty(q), ((q_uses / QBUF) & 1) ^ 1);  // the last S on its old Q is issued
-                    ++q_uses;
-                    mbar_expect_tx(L.q_full(q), TQ::BYTES);  // rows past seqlen_q, columns past head_dim land as 0
-                    for (int c = 0; c < TQ::SLABS; ++c)
-                        tma_load_4d(L.q(q) + c * TQ::SLAB, tq, L.q_full(q), c * TQ::W / EB, w.m0, w.h, w.b);
-                }
-                for (int j = w.blocks.end - 1; j >= w.blocks.begin; --j, ++it) {
-                    const int s = it % STAGES, phase = (it / STAGES) & 1;
-                    mbar_wait(L.k_empty(s), phase ^ 1);  // the consumers are done with block it - STAGES's K
-                    mbar_expect_tx(L.k_full(s), TK::BYTES);
-                    for (int c = 0; c < TK::SLABS; ++c)
-                        tma_load_4d(L.k(s) + c * TK::SLAB, tk, L.k_full(s), c * TK::W / EB, j * BN, h_kv, w.b);
-                    mbar_wait(L.v_empty(s), phase ^ 1);
-                    mbar_expect_tx(L.v_full(s), TV::BYTES);
-                    for (int c = 0; c < TV::SLABS; ++c) {  // V [key][d] boxes; fp8: V^T [d][key] boxes of keys
-                        const u32 dst = L.v(s) + c * TV::SLAB;
-                        if constexpr (FP8) tma_load_4d(dst, tv, L.v_full(s), j * BN + c * TV::W, 0, h_kv, w.b);
-                        else tma_load_4d(dst, tv, L.v_full(s), c * TV::W / EB, j * BN, h_kv, w.b);
-                    }
-                }
-                if (!PERSISTENT) break;
-                // A range's pieces go second first: its first piece is then the one that ends last, so a tile's last
-                // piece in key order (a first piece, the merger) ends after the tile's other pieces (second pieces
-                // done first, or a range inside the tile) instead of waiting a piece's time for them.
-                if (SPLIT && t >= full_tiles() && ((t - full_tiles()) & 1) == 1) {
-                    --t;
-                    continue;
-                }
-                // The next tile, taken once this one's loads are issued (two blocks before the consumers need it);
-                // the shuffle tells ptxas it is warp-uniform, so the tile arithmetic stays in uniform registers
-                // (the atomic's own result is not, and 24 registers then spill). SPLIT: counts past the whole
-                // tiles are ranges, each begun with its second piece where it has one (its end is then past 0).
-                t = gridDim.x + __shfl_sync(1u, atomicAdd(tiles_next, 1), 0);
-                if (SPLIT && t >= full_tiles()) {
-                    const int e = 2 * (t - full_tiles());
-                    t = e >= 2 * tail_of(p).ranges ? work_end() : full_tiles() + e + (piece_at(e + 1).end > 0 ? 1 : 0);
-                }
-            }
-            // Every CTA takes exactly one tile past the end, last; the last CTA to do so zeroes the counter pair
-            // for the next launch on this stream (tiles_next[1] counts the CTAs that are done with [0]).
-            if constexpr (PERSISTENT) {
-                __threadfence();
-                if (atomicAdd(tiles_next + 1, 1) == (int)gridDim.x - 1) {
-                    atomicExch(tiles_next, 0);
-                    atomicExch(tiles_next + 1, 0);
-                }
-            }
-        }
+        if (threadIdx.x == 0) hopper::Producer<K>{p, L, sched}.run(tq, tk, tv);
     } else {  // ---------------------------------------------------------------------------------- consumers
         setmaxnreg_inc<REGS>();
         const int c = wg - 1;                                   // rows [64c, 64c + 64) of each tile
@@ -253,7 +140,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // buffer, and (fp8) Q's scale. The steps take it as an argument: at a CROSS tile boundary the step works
         // on two tiles, the next one's first S beside this one's last P V.
         struct TileWork {
-            Work w;
+            hopper::Work w;
             int h_kv;        // its K/V head
             int n, j_mask;   // its blocks, and the first that needs a mask for this consumer's rows
             int z;           // its leading blocks that none of this consumer's rows sees (skipped), < n
@@ -266,7 +153,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         int it = 0, q_uses = 0;  // as the producer counts them
         auto tile_of = [&](int t) {
             TileWork x;
-            x.w = tile_at(t);
+            x.w = sched.tile_at(t);
             x.h_kv = x.w.h / p.group;
             // The shuffle tells ptxas the block count is warp-uniform: without it, the loop over the blocks held
             // its bound in a vector register and ptxas put a WARPSYNC before every wgmma of the loop.
@@ -291,15 +178,15 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // the softmax folds f (and P_SCALE) into its exponent's FMA, m in log2 units. f is kept at least
             // FLT_MIN, so that a masked -inf times f stays -inf at softmax_scale 0; the launcher makes f positive
             // (a negative softmax_scale runs on -Q). 16-bit: the softmax applies scale_log2 itself.
-            x.piece = SPLIT && t >= full_tiles() ? t - full_tiles() : -1;
+            x.piece = SPLIT && t >= sched.full_tiles() ? t - sched.full_tiles() : -1;
             // Block u = 1 (whose step issues the narrow P V) must be one without a mask: the narrow P V is compiled
             // into the mask-free step only.
             const int end = x.w.blocks.end;
-            x.narrow = TAIL_BN > 0 && x.z == 0 && x.n >= 2 && end == kv_blocks() &&
+            x.narrow = TAIL_BN > 0 && x.z == 0 && x.n >= 2 && end == sched.kv_blocks() &&
                        seqlen_k - (end - 1) * BN <= TAIL_BN && end - 2 < x.j_mask;
             x.q_scale = 1.f;
             if constexpr (FP8)
-                x.q_scale = p.scale_log2 * p.sq[((i64)x.w.b * p.heads + x.w.h) * q_blocks() + x.w.m0 / BM];
+                x.q_scale = p.scale_log2 * p.sq[((i64)x.w.b * p.heads + x.w.h) * sched.q_blocks() + x.w.m0 / BM];
             if (x.n > 0) {
                 it += x.n;
                 ++q_uses;
@@ -395,7 +282,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             bool moved;
             if constexpr (FP8) {
                 const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
-                const float f = fmaxf(x.q_scale * p.sk[bhk * kv_blocks() + j], min_normal());
+                const float f = fmaxf(x.q_scale * p.sk[bhk * sched.kv_blocks() + j], min_normal());
                 moved = online_softmax_rescale_folded<INT_MAX && !decltype(masked)::value, EXP_FMA>(
                     s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
             } else {
@@ -508,13 +395,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // a coalesced float4. (A ticket, the last piece to end merging, moved ptxas's schedule of the main loop:
         // its P V wait before every exponential. Counting and waiting compile to a reduction and loads.)
         auto split_meet = [&](const TileWork& x) {
-            const int nb = kv_blocks(), w = tail_of(p).blocks, tile = piece_at(x.piece).tile;
-            const int first = tile * nb / w, last = ((tile + 1) * nb - 1) / w;  // its ranges
+            const hopper::TailTile tt = sched.tail_tile(x.piece);
+            const int tile = tt.tile, first = tt.first, last = tt.last;  // its ranges
             if (first == last) return true;
             const int tid = threadIdx.x % 128;
-            int* done = tiles_next + 2 + tile * NC + c;  // its pieces that have left their partial
+            int* done = sched.pieces_done(tile, c);  // its pieces that have left their partial
             auto part = [&](int e) {  // this thread's partial of piece e
-                return reinterpret_cast<float4*>(tail_of(p).ws) + (i64)(e * NC + c) * (DT + 1) * 128 + tid;
+                return reinterpret_cast<float4*>(hopper::tail_of(p).ws) + (i64)(e * NC + c) * (DT + 1) * 128 + tid;
             };
             if ((x.piece >> 1) < last) {
                 float4* dst = part(x.piece);
@@ -537,7 +424,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // The rows' new reference is the largest of the pieces'; each piece's O and l are taken to it (a row
             // a piece saw no key of has O = l = 0 there), its own first, then the others in key order (range
             // first + s; its second piece where the range began in the tile before).
-            auto piece_no = [&](int i) { return 2 * i + (i * w < tile * nb ? 1 : 0); };
+            auto piece_no = [&](int i) { return tt.piece_no(i); };
             float top[2] = {m[0][0], m[0][1]};
             for (int i = first; i < last; ++i) {
                 const float4 ml = __ldcg(part(piece_no(i)) + DT * 128);
@@ -644,12 +531,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             // (one ping-pong turn instead of two, the same for every consumer, so the turns stay matched).
             TileWork prev{};
             for (int k = 0;; ++k) {
-                mbar_wait(L.tile_full(k), (k / 2) & 1);
-                // The warp's leader reads the slot and releases it; the others take its value by a shuffle, so
-                // that no read is left unordered before the producer's next write (racecheck: bench/NOTES.md).
-                const int t = __shfl_sync(0xffffffffu, leader ? ld_shared(L.tile_slot(k)) : 0, 0);
-                mbar_arrive_if(L.tile_empty(k), leader);
-                const bool done = t >= work_end();
+                const int t = sched.receive(L, k, leader);
+                const bool done = t >= sched.work_end();
                 TileWork x{};
                 if (!done) x = tile_of(t);
                 // (a piece of a split tile ends alone: its meeting needs registers that x's first block would hold)
