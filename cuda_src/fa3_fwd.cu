@@ -184,9 +184,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
             const int end = x.w.blocks.end;
             x.narrow = TAIL_BN > 0 && x.z == 0 && x.n >= 2 && end == sched.kv_blocks() &&
                        seqlen_k - (end - 1) * BN <= TAIL_BN && end - 2 < x.j_mask;
-            x.q_scale = 1.f;
-            if constexpr (FP8)
-                x.q_scale = p.scale_log2 * p.sq[((i64)x.w.b * p.heads + x.w.h) * sched.q_blocks() + x.w.m0 / BM];
+            x.q_scale = Prec::q_scale(p, sched, x.w);
             if (x.n > 0) {
                 it += x.n;
                 ++q_uses;
@@ -215,18 +213,13 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                                                             : TQ::desc(L.q(q), c * 64, kk * 32); };
         auto desc_k = [&](int stage, int kk) { return STEP_DESC ? TK::desc(L.k(stage), 0, 0) + TK::step(0, kk * 32)
                                                                 : TK::desc(L.k(stage), 0, kk * 32); };
-        auto desc_v = [&](int stage, int kk, int nn) {  // fp8: V^T K-major; 16-bit: V read N-major
-            if constexpr (FP8) return TV::desc(L.v(stage), nn * DN, kk * 32);
-            else if constexpr (STEP_DESC) return TV::desc_mn(L.v(stage), 0, 0) + TV::step_mn(kk * 16, nn * DN * 2);
-            else return TV::desc_mn(L.v(stage), kk * 16, nn * DN * 2);
-        };
+        auto desc_v = [&](int stage, int kk, int nn) { return Prec::desc_v(L.v(stage), kk, nn); };
         auto issue_qk = [&](auto& s, int q, int stage) {  // s: float[1][keys / 8][4]
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / KK; ++kk) {
                 const u64 a = desc_a(q, kk), b = desc_k(stage, kk);
-                if constexpr (FP8) wgmma_e4m3_ss(s[0], a, b, kk > 0);
-                else wgmma_16_ss<T>(s[0], a, b, kk > 0);
+                Prec::mma_qk(s[0], a, b, kk > 0);
             }
             wgmma_commit();
         };
@@ -237,19 +230,11 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 #pragma unroll
                 for (int nn = 0; nn < D / DN; ++nn) {
                     auto& acc = reinterpret_cast<float(&)[DN / 8][4]>(o[0][nn * DN / 8]);
-                    if constexpr (FP8) wgmma_e4m3_rs(acc, pa[kk], desc_v(stage, kk, nn), 1);
-                    else wgmma_16_rs<T>(acc, pa[kk], desc_v(stage, kk, nn), 1);
+                    Prec::mma_pv(acc, pa[kk], desc_v(stage, kk, nn));
                 }
             wgmma_commit();
         };
-        auto pack_p = [&](const auto& s) {
-            constexpr int KEYS = sizeof(s[0]) / sizeof(s[0][0]) * 8;
-#pragma unroll
-            for (int kk = 0; kk < KEYS / KK; ++kk)
-                if constexpr (FP8)  // P~ already times P_SCALE (online_softmax_rescale_folded)
-                    repack_a_e4m3(pa[kk], s[0][4 * kk], s[0][4 * kk + 1], s[0][4 * kk + 2], s[0][4 * kk + 3], 1.f);
-                else repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
-        };
+        auto pack_p = [&](const auto& s) { Prec::pack_p(pa, s); };
         // LATE_PV_WAIT: in an overlapped step, where P_{u-1} V_{u-1} is waited for. Written after the softmax,
         // ptxas still hoists that wait above most of the exponentials (it interleaves them with P's packing,
         // which overwrites the A fragments the P V in flight reads), so the softmax of block u starts only once
@@ -279,15 +264,8 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         // fewer, made fa3_fp8 d 64 14-16 % slower on the H200; bench/NOTES.md, sixth session.)
         auto softmax = [&](const TileWork& x, auto& s, int j, float (&mx)[1][2], float (&lx)[1][2],
                            float (&alpha)[1][2], auto masked) {
-            bool moved;
-            if constexpr (FP8) {
-                const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
-                const float f = fmaxf(x.q_scale * p.sk[bhk * sched.kv_blocks() + j], min_normal());
-                moved = online_softmax_rescale_folded<INT_MAX && !decltype(masked)::value, EXP_FMA>(
-                    s, mx, lx, f, (float)P_SCALE_LOG2, alpha, RESCALE_TAU, exp_turn);
-            } else {
-                moved = online_softmax_rescale<true>(s, mx, lx, softmax_log2, alpha, RESCALE_TAU);
-            }
+            const bool moved = Prec::template softmax<decltype(masked)::value, K::EXP_FMA>(p, x, j, s, mx, lx, alpha,
+                                                                                          softmax_log2, exp_turn);
             // LATE_PV_WAIT: lx < 0 never holds (a sum of exponentials, or NaN), but reading it makes the vote, and
             // so the rescale's branch in the step, wait for every exponential: ptxas cannot sink them past it. The
             // branch then holds a wgmma wait, which every warp of the warpgroup must execute at the same place
@@ -430,7 +408,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 const float4 ml = __ldcg(part(piece_no(i)) + DT * 128);
                 top[0] = fmaxf(top[0], ml.x), top[1] = fmaxf(top[1], ml.y);
             }
-            const float m_log2 = FP8 ? 1.f : softmax_log2;  // (fp8's m is in log2 units already)
+            const float m_log2 = Prec::m_scale(softmax_log2);
             const float ref0 = exp2_ref(top[0], m_log2), ref1 = exp2_ref(top[1], m_log2);
             auto factor = [&](float mp, float ref) { return mp == neg_inf() ? 0.f : exp2f_approx(mp * m_log2 - ref); };
             {
@@ -465,21 +443,19 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                 }
         };
         auto store_out = [&](const TileWork& x) {  // O / l and the LSE of tile x's rows
-            const WarpRows<1, DT> rows{o, m, l, FP8 ? 1.f : p.scale_log2, x.w.b, x.w.h, x.w.m0 + row0};
-            const float* sv = nullptr;  // fp8: V's channel scales of this tile's kv head
-            if constexpr (FP8) sv = p.sv + ((i64)x.w.b * p.heads_kv + x.h_kv) * D;
+            const WarpRows<1, DT> rows{o, m, l, Prec::m_scale(p.scale_log2), x.w.b, x.w.h, x.w.m0 + row0};
+            const float* sv = Prec::col_scales(p, x.w.b, x.h_kv);  // fp8: V's channel scales of this tile's kv head
             if constexpr (TMA_OUT) {
                 if (x.n == 0) {  // no key: no Q buffer of its own either (16-bit)
-                    if constexpr (FP8) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
-                    else DirectOut<T, D>::store(rows, p);
+                    Prec::store_direct(rows, p, sv);
                     return;
                 }
-                if constexpr (FP8) {  // sO is free once the TMA unit has read the previous tile's rows out of it: the
-                    if (threadIdx.x % 128 == 0) bulk_wait_read<0>();  // storing thread waits, its consumer with it
-                    named_sync(5 + c, 128);
+                if constexpr (!O_IN_Q) {  // O's own buffer is free once the TMA unit has read the previous tile's
+                    if (threadIdx.x % 128 == 0) bulk_wait_read<0>();  // rows out of it: the storing thread waits,
+                    named_sync(5 + c, 128);                           // its consumer with it
                 }
                 const u32 tile = O_IN_Q ? L.q(x.q) : L.o;
-                SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, FP8 ? P_SCALE_LOG2 : 0);
+                SwizzledOut<T, TO>::store(rows, p, tile, row0, sv, Prec::LSE_LOG2);
                 fence_proxy_async();     // this thread's rows, before the TMA unit reads them
                 named_sync(5 + c, 128);  // all of this consumer's rows
                 if (threadIdx.x % 128 == 0) {
@@ -489,13 +465,10 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
                     bulk_commit();
                     if constexpr (O_IN_Q) o_pending = x.q;  // released by release_o
                 }
-            } else if constexpr (FP8) {
-                if constexpr (PERSISTENT) Fp8DequantOut<T, P_SCALE_LOG2, true>::store(rows, p, sv);
-                else Fp8DequantOut<T, P_SCALE_LOG2, true>::template staged<D>(rows, p, sv, staging());
             } else if constexpr (PERSISTENT) {
-                DirectOut<T, D>::store(rows, p);
+                Prec::store_direct(rows, p, sv);
             } else {
-                NormalizedOut<T, D>::store(rows, p, staging());
+                Prec::store_staged(rows, p, sv, staging());
             }
         };
 

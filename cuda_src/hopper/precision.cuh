@@ -75,17 +75,13 @@ struct Precision16 {
     // fp8's Q scale of a tile: none here.
     template <class Sched, class Work>
     __forceinline__ __device__ static float q_scale(const Params&, const Sched&, const Work&) { return 1.f; }
-    // What block j's scores are multiplied by to be in log2 units: softmax_scale * log2(e), read once per kernel.
-    template <class Sched, class Tile>
-    __forceinline__ __device__ static float score_scale(const Params&, const Sched&, const Tile&, int,
-                                                        float scale_log2) {
-        return scale_log2;
-    }
-    // The online softmax of one block (softmax.cuh's, with the lazy rescale), m in score units.
-    template <bool MASKED, int EXP_FMA, int NS, class Turn>
-    __forceinline__ __device__ static bool softmax(float (&s)[1][NS][4], float (&m)[1][2], float (&l)[1][2],
-                                                   float (&alpha)[1][2], float f, const Turn&) {
-        return online_softmax_rescale<true>(s, m, l, f, alpha, RESCALE_TAU);
+    // The online softmax of block j of tile x (softmax.cuh's, with the lazy rescale), m in score units;
+    // scale_log2 = softmax_scale * log2(e) takes the scores to log2 units.
+    template <bool MASKED, int EXP_FMA, class Tile, int NS, class Turn>
+    __forceinline__ __device__ static bool softmax(const Params&, const Tile&, int, float (&s)[1][NS][4],
+                                                   float (&m)[1][2], float (&l)[1][2], float (&alpha)[1][2],
+                                                   float scale_log2, const Turn&) {
+        return online_softmax_rescale<true>(s, m, l, scale_log2, alpha, RESCALE_TAU);
     }
     // What m is multiplied by to be in log2 units.
     __forceinline__ __device__ static float m_scale(float scale_log2) { return scale_log2; }
@@ -159,21 +155,18 @@ struct PrecisionFp8 {
     __forceinline__ __device__ static float q_scale(const Params& p, const Sched& sched, const Work& w) {
         return p.scale_log2 * p.sq[((i64)w.b * p.heads + w.h) * sched.q_blocks() + w.m0 / Sched::BM];
     }
+    // The online softmax of block j of tile x with f and P_SCALE folded into the exponent's FMA, m in log2 units:
     // S_j in log2 units is S_j times f, the scales of Q's tile and of K's block j times scale_log2. f is kept at
     // least FLT_MIN, so that a masked -inf times f stays -inf at softmax_scale 0; the launcher makes f positive (a
     // negative softmax_scale runs on -Q). K's scale is addressed afresh every block: a row pointer held for the
-    // tile made ptxas schedule the main loop worse.
-    template <class Sched, class Tile>
-    __forceinline__ __device__ static float score_scale(const Params& p, const Sched& sched, const Tile& x, int j,
-                                                        float) {
+    // tile made ptxas schedule the main loop worse. The turn brackets the exponentials (NoTurn, or the
+    // consumers' turns at the SFU).
+    template <bool MASKED, int EXP_FMA, class Tile, int NS, class Turn>
+    __forceinline__ __device__ static bool softmax(const Params& p, const Tile& x, int j, float (&s)[1][NS][4],
+                                                   float (&m)[1][2], float (&l)[1][2], float (&alpha)[1][2], float,
+                                                   const Turn& turn) {
         const i64 bhk = (i64)x.w.b * p.heads_kv + x.h_kv;
-        return fmaxf(x.q_scale * p.sk[bhk * sched.kv_blocks() + j], min_normal());
-    }
-    // The softmax with f and P_SCALE folded into the exponent's FMA, m in log2 units; the turn brackets the
-    // exponentials (NoTurn, or the consumers' turns at the SFU).
-    template <bool MASKED, int EXP_FMA, int NS, class Turn>
-    __forceinline__ __device__ static bool softmax(float (&s)[1][NS][4], float (&m)[1][2], float (&l)[1][2],
-                                                   float (&alpha)[1][2], float f, const Turn& turn) {
+        const float f = fmaxf(x.q_scale * p.sk[bhk * ((p.seqlen_k + BN - 1) / BN) + j], min_normal());
         return online_softmax_rescale_folded<INT_MAX && !MASKED, EXP_FMA>(s, m, l, f, (float)P_SCALE_LOG2, alpha,
                                                                            RESCALE_TAU, turn);
     }

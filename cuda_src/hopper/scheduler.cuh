@@ -20,21 +20,11 @@
 // where range i runs into a second tile); work_end() is past the last. The counts are recomputed where used
 // (from the constant bank), not held: a value live into the producer's 24 registers is spilled.
 #pragma once
-#include "../common/block_range.cuh"
+#include "../common/mask.cuh"
 #include "smem.cuh"
 
 namespace fav {
 namespace hopper {
-
-// Which K/V blocks the queries [m0, m0 + BM) visit: the 16-bit forward takes a sub-range (split-KV), fp8 all.
-template <int BM, int BN>
-__forceinline__ __device__ BlockRange blocks_of(const FwdParams& p, int m0) {
-    return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal, p.kv_block_begin, p.kv_block_end);
-}
-template <int BM, int BN>
-__forceinline__ __device__ BlockRange blocks_of(const Fp8FwdParams& p, int m0) {
-    return kv_block_range<BM, BN>(m0, p.seqlen_q, p.seqlen_k, p.causal);
-}
 
 // The split tail's parameters and its fp32 workspace (none for fa2_fp8's parameters: one CTA per tile).
 struct Tail { int tiles, blocks, ranges; float* ws; };
@@ -83,7 +73,7 @@ struct TileScheduler {
         }
         const int qb = q_blocks(), i_block = qb - 1 - t % qb, hb = t / qb;
         const int m0 = i_block * BM;
-        return Work{m0, hb % p.heads, hb / p.heads, split ? piece : blocks_of<BM, BN>(p, m0)};
+        return Work{m0, hb % p.heads, hb / p.heads, split ? piece : CausalMask::blocks<BM, BN>(p, m0)};
     }
     // The ranges of the tail tile that piece e is part of.
     __forceinline__ __device__ TailTile tail_tile(int e) const {
