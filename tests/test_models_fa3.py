@@ -196,11 +196,12 @@ def test_is_fa2s_update_in_descending_order_bit_for_bit(rng, causal, n_q, n_k, b
 # ---------------------------------------------------------------------------------------------- lazy rescaling
 
 def test_rescale_thresholds_are_the_kernels():
-    """The model's thresholds are the ones cuda_src/fa3_fwd.cu compiles in (RESCALE_TAU = FP8 ? fp8 : 16-bit)."""
-    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "fa3_fwd.cu").read_text()
-    found = re.search(r"RESCALE_TAU = FP8 \? ([0-9.]+)f : ([0-9.]+)f;", src)
-    assert found, "RESCALE_TAU's definition in fa3_fwd.cu"
-    assert (float(found.group(1)), float(found.group(2))) == (fa3.FP8_RESCALE_TAU, fa3.RESCALE_TAU)
+    """The model's thresholds are the ones fa3_fwd.cu compiles in (hopper/precision.cuh's RESCALE_TAU: Precision16's,
+    then PrecisionFp8's)."""
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "hopper" / "precision.cuh").read_text()
+    found = re.findall(r"RESCALE_TAU = ([0-9.]+)f;", src)
+    assert len(found) == 2, "RESCALE_TAU's definitions in hopper/precision.cuh"
+    assert (float(found[0]), float(found[1])) == (fa3.RESCALE_TAU, fa3.FP8_RESCALE_TAU)
 
 
 @pytest.mark.parametrize("tau", [0.0, 0.75, 8.0, 30.0])
