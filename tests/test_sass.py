@@ -15,6 +15,7 @@ import pytest
 
 from fa_variants import jit, registry, sass
 from fa_variants.kernels import fa3, fa3_fp8
+from fa_variants.tiles import Fa3Tile
 from fa_variants.sass import cuobjdump_missing, instructions_by_function, sass_by_function
 
 NO_CUOBJDUMP = cuobjdump_missing()
@@ -37,7 +38,7 @@ def fa3_stores_o_by_tma(expr: str) -> bool:
     """kernels/fa3.py's stores_o_by_tma (the kernel's TMA_OUT) for an instance name
     fa3_fwd<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT[, FP8]>."""
     t, d, bn, stages, pp, overlap, nc, pers, *fp8 = (a.strip() for a in expr[expr.index("<") + 1:-1].split(","))
-    cfg = (64 * int(nc), int(bn), int(stages), pp == "true", pers == "true")
+    cfg = Fa3Tile(64 * int(nc), int(bn), int(stages), pp == "true", pers == "true")
     return fa3.stores_o_by_tma(int(d), cfg, overlap == "true", itemsize=1 if fp8 == ["true"] else 2)
 
 
