@@ -56,6 +56,11 @@ def cases():
             yield f"{'x'.join(map(str, shape[:6]))}-{'causal' if shape[6] else 'full'}-{dtype}", shape, dtype, i
 
 
+def _write(path: str, digests: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(digests, f, indent=0, sort_keys=True)
+
+
 def save(path: str) -> int:
     import cupy
     import fa_variants as fav
@@ -79,8 +84,7 @@ def save(path: str) -> int:
         del q, k, v, dout
         cupy.get_default_memory_pool().free_all_blocks()
         print(f"{name}: {len(out)} digests", file=sys.stderr, flush=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=0, sort_keys=True)
+        _write(path, out)  # after every case: a run cut short still leaves what it computed
     print(f"{len(out)} digests -> {path}")
     return 0
 

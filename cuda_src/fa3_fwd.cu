@@ -31,7 +31,7 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         const __grid_constant__ fav::TmaDesc to,  // O (TMA_OUT instances), boxes of 64 rows
         // fp8: Fp8FwdParams, on the persistent grid with its split tail (Fa3Fp8FwdParams)
         const typename fav::Pick<FP8, typename fav::Pick<PERSISTENT, fav::Fa3Fp8FwdParams, fav::Fp8FwdParams>::type,
-                                 fav::FwdParams>::type p,
+                                 fav::Fa3FwdParams>::type p,
         int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
     using namespace fav;
     using K = hopper::Config<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT, FP8>;

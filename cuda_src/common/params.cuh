@@ -7,8 +7,9 @@
 
 namespace fav {
 
-// The 16-bit forwards (fa1, fa2). Strides are in elements; every pointer is 16-byte aligned and every stride
-// but the last a multiple of 8 elements (the launcher copies inputs that are not).
+// The 16-bit forwards (fa1, fa2, fa3; fa3 with its extension, Fa3FwdParams). Strides are in elements; every
+// pointer is 16-byte aligned and every stride but the last a multiple of 8 elements (the launcher copies inputs that
+// are not).
 struct FwdParams {
     const u16* q;          // (batch, seqlen_q, heads, head_dim)
     const u16* k;          // (batch, seqlen_k, heads_kv, head_dim)
@@ -30,9 +31,13 @@ struct FwdParams {
     int kv_block_end;      // causal range clips it further
     float scale_log2;      // softmax_scale * log2(e)
     int causal;            // bottom-right aligned
-    int tail_tiles;        // fa3's persistent grid: its last tail_tiles tiles are cut along their K/V blocks into
-    int tail_blocks;       // tail_ranges ranges of tail_blocks blocks (the last one shorter), one work item each
-    int tail_ranges;       // (0: no split; fa3_fwd.cu's SPLIT)
+};
+
+// fa3's: FwdParams and the persistent grid's split tail (hopper/scheduler.cuh): its last tail_tiles tiles are cut
+// along their K/V blocks into tail_ranges ranges of tail_blocks blocks (the last one shorter), one work item each
+// (0: no split); their partials go to FwdParams' o_ws. (Derived: the base has no tail padding, so these follow it.)
+struct Fa3FwdParams : FwdParams {
+    int tail_tiles, tail_blocks, tail_ranges;
 };
 
 // The fp8 forwards (fa2_fp8, fa3_fp8): e4m3 operands in the quantizer's layouts (fp8_quantize.cu) and their scales.
@@ -54,9 +59,9 @@ struct Fp8FwdParams {
     int heads_kv;             // heads / group, so that a kernel's per-block scale lookup needs no division
 };
 
-// fa3_fp8's on the persistent grid: fa2_fp8's struct and the split last wave, as FwdParams holds it. (A struct of
-// its own: four fields more in Fp8FwdParams made fa2_fp8's 255-register mma.sync kernel at d 256 spill, and moved
-// ptxas's code of fa3_fp8's one-CTA-per-tile instances.)
+// fa3_fp8's on the persistent grid: fa2_fp8's struct and the split tail, as Fa3FwdParams adds it, with the
+// partials' workspace. (An extension, not fields of Fp8FwdParams: fa2_fp8's 255-register mma.sync kernel at d 256
+// spills with four fields more there.)
 struct Fa3Fp8FwdParams : Fp8FwdParams {
     int tail_tiles, tail_blocks, tail_ranges;
     float* o_ws;              // the split tail's fp32 partials, patched in per stream

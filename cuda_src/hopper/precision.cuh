@@ -29,7 +29,7 @@ namespace hopper {
 
 template <class T, int D, int BN, bool PERSISTENT>
 struct Precision16 {
-    using Params = FwdParams;
+    using Params = Fa3FwdParams;
     static constexpr int EB = 2;                // bytes per element of Q, K, V
     static constexpr int KK = 16;               // reduction step of one wgmma: k16
     static constexpr int DN = D < 128 ? D : 128;  // output columns per P V wgmma (n64 or n128)

@@ -28,7 +28,7 @@ namespace hopper {
 
 // The split tail's parameters and its fp32 workspace (none for fa2_fp8's parameters: one CTA per tile).
 struct Tail { int tiles, blocks, ranges; float* ws; };
-__forceinline__ __device__ Tail tail_of(const FwdParams& p) {
+__forceinline__ __device__ Tail tail_of(const Fa3FwdParams& p) {
     return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
 }
 __forceinline__ __device__ Tail tail_of(const Fp8FwdParams&) { return {0, 1, 0, nullptr}; }

@@ -82,19 +82,20 @@ def elem_strides(a) -> tuple:
 
 
 def fwd_params(q, k, v, *, head_dim: int, causal: bool, softmax_scale: float, out_strides: tuple,
-               kv_blocks=(0, None), tail=(0, 0, 0)) -> bytes:
-    """FwdParams (cuda_src/common/params.cuh) for aligned q, k, v, all pointers zero: a launch fills them."""
-    from .params import FWD, KV_BLOCKS_ALL
+               kv_blocks=(0, None), tail=None) -> bytes:
+    """FwdParams (cuda_src/common/params.cuh) for aligned q, k, v, all pointers zero: a launch fills them; given
+    the split tail's (tail_tiles, tail_blocks, tail_ranges), fa3's Fa3FwdParams."""
+    from .params import FA3_FWD, FWD, KV_BLOCKS_ALL
+    extra = {} if tail is None else dict(tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2])
     b, nq, h, _ = q.shape
     qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
-    return FWD.pack(q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
+    return (FWD if tail is None else FA3_FWD).pack(q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
                     q_b=qs[0], q_n=qs[1], q_h=qs[2], k_b=ks[0], k_n=ks[1], k_h=ks[2], v_b=vs[0], v_n=vs[1],
                     v_h=vs[2], o_b=out_strides[0], o_n=out_strides[1], o_h=out_strides[2], batch=b, seqlen_q=nq,
                     seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=head_dim,
                     kv_block_begin=kv_blocks[0],
                     kv_block_end=KV_BLOCKS_ALL if kv_blocks[1] is None else kv_blocks[1],
-                    scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)),
-                    tail_tiles=tail[0], tail_blocks=tail[1], tail_ranges=tail[2])
+                    scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)), **extra)
 
 
 def forward_via_plan(make_plan, q, k, v, *, causal, softmax_scale, return_lse):

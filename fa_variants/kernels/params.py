@@ -81,8 +81,14 @@ FWD = ParamStruct("FwdParams", (
     *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h", "i64"),
     *_fields("batch seqlen_q seqlen_k heads group head_dim kv_block_begin kv_block_end", "int"),
     ("scale_log2", "float"), ("causal", "int"),
-    *_fields("tail_tiles tail_blocks tail_ranges", "int"),
 ))
+
+# The split tail's fields, fa3's extension of a forward's struct (its fields start at the base's size: no tail
+# padding in either base).
+SPLIT_TAIL = _fields("tail_tiles tail_blocks tail_ranges", "int")
+
+# fa3's (derived from FwdParams in C++)
+FA3_FWD = ParamStruct("Fa3FwdParams", (*FWD.fields, *SPLIT_TAIL))
 
 FP8_FWD = ParamStruct("Fp8FwdParams", (
     *_fields("q k vt sq sk sv o lse", "ptr"),
@@ -93,7 +99,7 @@ FP8_FWD = ParamStruct("Fp8FwdParams", (
 
 # fa3_fp8's (derived from Fp8FwdParams in C++: its fields start at the base's size, which has no tail padding)
 FA3_FP8_FWD = ParamStruct("Fa3Fp8FwdParams", (
-    *FP8_FWD.fields, *_fields("tail_tiles tail_blocks tail_ranges", "int"), ("o_ws", "ptr"),
+    *FP8_FWD.fields, *SPLIT_TAIL, ("o_ws", "ptr"),
 ))
 
 BWD = ParamStruct("BwdParams", (
@@ -115,7 +121,7 @@ QUANT = ParamStruct("QuantParams", (
     *_fields("heads heads_kv seqlen_q seqlen_k seqlen_k_pad q_items k_items", "int"),
 ))
 
-STRUCTS = (FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT)
+STRUCTS = (FWD, FA3_FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 
