@@ -1,36 +1,37 @@
 // Masks and logit transforms as policies: what a main loop asks about the keys a query may see, answered in one
-// place, so that a new mask touches this header and not the kernels. A kernel builds its policy once from its
-// parameters (Mask::of(params)) and asks it (docs/kernels/masks.md: which kernel asks what):
+// place, so that a new mask is one more struct here with the same members (docs/kernels/masks.md: which kernel
+// asks what, and how a mask is added). A kernel builds its policy once from its parameters, Mask::of(params).
 //
-// which blocks a loop visits (a block is never visited where none of its keys is seen)
-//   kv_blocks<BM, BN>(m0, within)   the K/V blocks [begin, end) of BN keys that the queries [m0, m0 + BM) see,
-//                                   inside `within` (split-KV: the launch's sub-range); the Q-outer loops
-//   q_blocks<BM>(key0)              the Q blocks [begin, end) of BM queries that see any key from key0 on; the
-//                                   K/V-outer loops (fa1's forward, the backwards' dK/dV passes)
-//   first_masked_block<BN>(q0)      from which K/V block on some key is hidden from some query >= q0 (fa3 runs the
-//                                   blocks below it in a loop with no mask)
-//   last_key(q0, q1)                the last key any query of [q0, q1] sees, -1 where none (fa3 skips past it)
-// whether a block needs the element test (the edge test: a block without a hidden key runs none)
-//   needs_mask<QUERIES, KEYS>(q0, k0)  some key of [k0, k0 + KEYS) is hidden from some query of [q0, q0 + QUERIES)
-// the element test and what it does to a block
-//   visible(query, key)             the test itself; the backwards select P = 0 where it fails (a select, never a
-//                                   product with a mask: P = exp2(S - LSE), LSE = -inf, must not make a NaN)
-//   apply<MASKED>(s, row0, key0)    the forward's scores of one block (softmax.cuh's fragment layout, the warp's
-//                                   rows from row0, keys from key0): hidden ones to -inf where MASKED (the block
-//                                   holds one); a transform of every score (a softcap) acts whatever MASKED says
-//   apply_if_needed(s, row0, key0)  apply with MASKED decided by needs_mask (the loops that do not split their
-//                                   blocks into masked and mask-free ones)
-// Static, for fa3's producer, which keeps no mask in its 24 registers: blocks<BM, BN>(params, m0), kv_blocks
-// within the launch's split, read from the parameters where it is asked.
+// which blocks a loop visits (a block none of whose keys is seen is never visited)
+//   kv_blocks<BM, BN>(m0, within)      the K/V blocks [begin, end) of BN keys that the queries [m0, m0 + BM) see,
+//                                      inside `within` (split-KV: the launch's sub-range); the Q-outer loops
+//   q_blocks<BM>(key0)                 the Q blocks [begin, end) of BM queries that see any key from key0 on; the
+//                                      K/V-outer loops (fa1's forward, the backwards' dK/dV passes)
+//   blocks<BM, BN>(params, m0)         (static) kv_blocks within the launch's split, read from the parameters where
+//                                      it is asked (fa3's producer keeps no mask in its 24 registers)
+//   first_masked_block<BN>(q0)         from which K/V block on some key is hidden from some query >= q0 (fa3 runs
+//                                      the blocks below it in a loop with no mask)
+//   last_key(q0, q1)                   the last key any query of [q0, q1] sees, -1 where none (fa3 skips past it)
+// whether a block needs the element test (the edge test: a block with no hidden key runs none)
+//   needs_mask<QUERIES, KEYS>(q0, q_off, k0)    some key of [k0, k0 + KEYS) is hidden from some query of
+//                                      [q0 + q_off, q0 + q_off + QUERIES); if_needs_mask(..., then) runs then() there
+// the element test, and what it does to a block
+//   visible(query, key)                the test itself; a backward selects P = 0 where it fails (a select, never a
+//                                      product with a mask: P = exp2(S - LSE), LSE = -inf, must not make a NaN)
+//   apply<MASKED>(s, row0, key0)       the forward's scores of one block (softmax.cuh's fragment layout, the warp's
+//                                      rows from row0, keys from key0): hidden ones to -inf where MASKED (the block
+//                                      holds one); a transform of every score (a softcap) acts whatever MASKED says
+//   apply_if_needed(s, m0, row0, key0) apply with MASKED decided by the edge test (the loops that do not split their
+//                                      blocks into masked and mask-free ones), rows m0 + row0 on
+// A query range is passed as (tile origin, warp offset) where the kernels formed the sum inside the test: formed in
+// the caller, NVVM ordered the operands of the test otherwise and the machine code changed.
 //
 // CausalMask, the one policy today: the seqlen_k tail (keys >= seqlen_k in the block that straddles it) and,
 // with causal, the bottom-right aligned diagonal: query i sees key j iff j <= i + seqlen_k - seqlen_q (the
-// flash-attn >= 2.1 convention when seqlen_q != seqlen_k). A window, a softcap, attention sinks, ALiBi or varlen
-// bounds are policies here with the same members.
+// flash-attn >= 2.1 convention when seqlen_q != seqlen_k).
 #pragma once
 #include "block_range.cuh"
 #include "math.cuh"
-#include "softmax.cuh"
 #include "params.cuh"
 
 namespace fav {
@@ -39,6 +40,25 @@ namespace fav {
 __forceinline__ __device__ BlockRange kv_split(const FwdParams& p) { return {p.kv_block_begin, p.kv_block_end}; }
 __forceinline__ __device__ BlockRange kv_split(const Fp8FwdParams&) { return all_blocks(); }
 __forceinline__ __device__ BlockRange kv_split(const BwdParams&) { return all_blocks(); }
+
+// CausalMask's mask on a warp's block of scores (softmax.cuh's fragment layout): -inf for every score whose key is
+// past the end (>= seqlen_k) or, with causal, right of the bottom-right aligned diagonal (key > query + diag, diag =
+// seqlen_k - seqlen_q). row0: this warp's first query row; key0: the block's first key. Called only on blocks that
+// hold a hidden key.
+template <int MT, int NT>
+__forceinline__ __device__ void mask_scores(float (&s)[MT][NT][4], int row0, int key0, int seqlen_k, int diag,
+                                            bool causal) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + mt * 16 + g + 8 * (e / 2), key = key0 + nt * 8 + 2 * t + (e % 2);
+                if (key >= seqlen_k || (causal && key > row + diag)) s[mt][nt][e] = neg_inf();
+            }
+}
 
 struct CausalMask {
     int seqlen_q, seqlen_k;
@@ -84,7 +104,7 @@ struct CausalMask {
         if (k0 + KEYS > sk || (c && k0 + KEYS - 1 > q0 + q_off + d)) then();
     }
     template <int QUERIES, int KEYS>
-    __forceinline__ __device__ bool needs_mask(int q0, int k0, int q_off = 0) const {
+    __forceinline__ __device__ bool needs_mask(int q0, int q_off, int k0) const {
         bool needs = false;
         if_needs_mask<QUERIES, KEYS>(q0, q_off, k0, [&] { needs = true; });
         return needs;
@@ -92,9 +112,7 @@ struct CausalMask {
 
     // ---- the element test, and the forward's use of it
     __forceinline__ __device__ bool visible(int query, int key) const {
-        const int sk = seqlen_k, d = diag;
-        const bool c = causal;
-        return key < sk && !(c && key > query + d);
+        return key < seqlen_k && !(causal && key > query + diag);
     }
     template <bool MASKED, int MT, int NT>
     __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
