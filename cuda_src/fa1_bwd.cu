@@ -22,8 +22,8 @@
 // Column slices (DC < D, head dims above 128): as fa2_bwd_dkdv, a CTA accumulates only columns [c0, c0 + DC) of
 // dK_j and dV_j, and adds only those columns of dQ_i; S, P, dP and dS are recomputed whole by each slice.
 #include "common/backward.cuh"
-#include "common/block_range.cuh"
 #include "common/epilogue.cuh"
+#include "common/mask.cuh"
 
 namespace fav {
 
@@ -75,11 +75,11 @@ fa1_bwd(const fav::BwdParams p) {
 
     const int j = blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC, h_kv = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q, d = p.head_dim;
-    const bool causal = p.causal;
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k, d = p.head_dim;
     const int key0 = j * BN, kr0 = warp * 16;
-    const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);  // Q blocks above the diagonal: skipped
-    const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);
+    const BlockRange q_range = mask.q_blocks<BM>(key0);  // Q blocks above the diagonal: skipped
+    const int i_first = q_range.begin, n_i = max(0, q_range.end - i_first);
     const int steps = p.group * n_i;                              // (query head, Q block i), head-major
     float* dq_acc = reinterpret_cast<float*>(p.dq);               // fp32 (batch, seqlen_q, heads, head_dim)
 
@@ -132,7 +132,7 @@ fa1_bwd(const fav::BwdParams p) {
         // Lines 11-20, 22: S^T, P^T, dV_j += P^T dO_i, dP^T, dS^T, dK_j += dS^T Q_i (its scale at the end).
         float ds[1][NT][4];
         key_rows_step<T, D, BM, BN>(dk, dv, ds, sK, sV, kr0, sQ(stage), sdO(stage), c0, lse2s + stage * BM, sD,
-                                    p.scale_log2, key0, m0, seqlen_k, diag, causal);
+                                    p.scale_log2, key0, m0, mask);
 
         // dS^T (16-bit, the dQ product's operand) to shared memory: this warp's 16 key rows.
         u16* ds_rows = reinterpret_cast<u16*>(smem + S::DS);

@@ -9,9 +9,9 @@
 //
 // O, l, m live in a float32 workspace (the honest choice for a value rescaled Tc times); the output is cast once
 // at the end. Read beside fa2_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
-#include "common/block_range.cuh"
 #include "common/epilogue.cuh"
 #include "common/fragments.cuh"
+#include "common/mask.cuh"
 
 template <class T, int D, int BM, int BN, int NWARPS>
 struct Fa1Smem {  // byte offsets into dynamic shared memory
@@ -50,11 +50,10 @@ fa1_fwd(const fav::FwdParams p) {
 
     const int h = blockIdx.x, b = blockIdx.y, h_kv = h / p.group, warp = threadIdx.x / 32;
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, d = p.head_dim;
-    const bool causal = p.causal;
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k, d = p.head_dim;
     const float scale_log2 = p.scale_log2;
     const int Tr = (seqlen_q + BM - 1) / BM, Tc = (seqlen_k + BN - 1) / BN, rows_pad = Tr * BM;
-    const int diag = seqlen_k - seqlen_q;  // key j is visible to query i iff j <= i + diag
     const i64 bh = (i64)b * p.heads + h;
     const i64 q_n = p.q_n, k_n = p.k_n, v_n = p.v_n;
     const u16* Qb = p.q + b * p.q_b + h * p.q_h;
@@ -70,7 +69,7 @@ fa1_fwd(const fav::FwdParams p) {
     for (int j = 0; j < Tc; ++j) {
         const int key0 = j * BN;
         // Q blocks wholly above the causal diagonal for this K/V block are skipped.
-        const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
+        const int i_first = mask.q_blocks<BM>(key0).begin;
         if (i_first >= Tr) break;  // later K/V blocks are invisible to every row too
 
         // Line 6: load K_j, V_j to shared memory (once per outer step), and Q_{i_first}.
@@ -116,9 +115,7 @@ fa1_fwd(const fav::FwdParams p) {
                     }
                 }
             }
-            const int wkey0 = key0 + warp * KW;
-            if (wkey0 + KW > seqlen_k || (causal && wkey0 + KW - 1 > m0 + diag))
-                mask_scores(s, m0, wkey0, seqlen_k, diag, causal);
+            mask.apply_if_needed(s, m0, 0, key0 + warp * KW);
             float mw[MT][2], ref[MT][2], lw[MT][2] = {};
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) mw[mt][0] = mw[mt][1] = neg_inf();

@@ -20,8 +20,8 @@
 // S^T and dP^T over the whole head dim: a slice costs the QK^T and dO V^T products again, not registers.
 // DC = D is the unsplit kernel. Every slice's results are its own columns: still deterministic.
 #include "common/backward.cuh"
-#include "common/block_range.cuh"
 #include "common/epilogue.cuh"
+#include "common/mask.cuh"
 
 // The delta pass is independent of the head dim's template (any head_dim a multiple of 8): other backwards (the
 // Hopper one) launch it too, through kernels/fa2_bwd.py's delta().
@@ -61,11 +61,12 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
 
     const int j = blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC, h_kv = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
-    const bool causal = p.causal;
+    const int seqlen_q = p.seqlen_q;
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_k = mask.seqlen_k;
     const int key0 = j * BN, kr0 = warp * 16;  // the block's first key; this warp's first row of it
-    const int i_first = first_q_block<BM>(key0, seqlen_q, seqlen_k, causal);
-    const int n_i = max(0, (seqlen_q + BM - 1) / BM - i_first);  // Q blocks per query head that see block j
+    const BlockRange q_range = mask.q_blocks<BM>(key0);                 // the Q blocks that see block j
+    const int i_first = q_range.begin, n_i = max(0, q_range.end - i_first);  // (per query head)
     const int steps = p.group * n_i;                              // (query head, Q block), head-major
 
     load_tile_async<BN, D, THREADS>(sK, p.k + b * p.k_b + h_kv * p.k_h + (i64)key0 * p.k_n, p.k_n, seqlen_k - key0,
@@ -96,7 +97,7 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
         if (s + 1 < steps) load_q(s + 1, stage ^ 1);
         float ds[1][NT][4];
         key_rows_step<T, D, BM, BN>(dk, dv, ds, sK, sV, kr0, sQ(stage), sdO(stage), c0, stats + (2 * stage) * BM,
-                                    stats + (2 * stage + 1) * BM, p.scale_log2, key0, m0, seqlen_k, diag, causal);
+                                    stats + (2 * stage + 1) * BM, p.scale_log2, key0, m0, mask);
     }
     cp_async_wait<0>();
     __syncthreads();  // with no step to run, K_j's and V_j's copies (from every thread) may still be landing
@@ -134,10 +135,11 @@ fa2_bwd_dq(const fav::BwdParams p) {
     const int i_block = gridDim.x / SLICES - 1 - blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC;
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, diag = seqlen_k - seqlen_q;
-    const bool causal = p.causal;
+    const int seqlen_q = p.seqlen_q;
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_k = mask.seqlen_k;
     const int m0 = i_block * BM, row0 = warp * 16;
-    const BlockRange blocks = kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal);
+    const BlockRange blocks = mask.kv_blocks<BM, BN>(m0);
 
     load_tile_async<BM, D, THREADS>(sQ, p.q + b * p.q_b + h * p.q_h + (i64)m0 * p.q_n, p.q_n, seqlen_q - m0,
                                     p.head_dim);
@@ -171,7 +173,7 @@ fa2_bwd_dq(const fav::BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 pr[0][nt][e] = recompute_p(pr[0][nt][e], p.scale_log2, lse2[e / 2], key0 + nt * 8 + 2 * t + (e % 2),
-                                           m0 + row0 + g + 8 * (e / 2), seqlen_k, diag, causal);
+                                           m0 + row0 + g + 8 * (e / 2), seqlen_k, mask.diag, mask.causal);
 
         // dP = dO_w V_j^T, then dS = P * (dP - D) in place
         float ds[1][NT][4] = {};

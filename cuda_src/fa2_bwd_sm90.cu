@@ -203,7 +203,7 @@ __forceinline__ __device__ void fused_items(const BwdParams& p, int batch) {
     for (int item = block / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
         const bool down = p.causal && (m & 1);
         const int j = down ? n_kv - 1 - c : c;
-        const int i_first = first_q_block<BM>(j * BN, p.seqlen_q, p.seqlen_k, p.causal);
+        const int i_first = BwdMask(p).q_blocks<BM>(j * BN).begin;
         const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_kv, n_q,
                             i_first, j * n_q / n_kv};
         dkdv_block<C>(p, j, item % heads_kv, item / heads_kv, order, &shares);
@@ -254,7 +254,7 @@ fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
     const int x = blockIdx.x * 256 + threadIdx.x;
     if (x >= p.seqlen_q * chunks) return;
     const BwdMask mask(p);
-    const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = mask.q_blocks<BM>();
+    const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = mask.q_blocks<BM>(0).end;
     const bool seen = mask.kv_blocks<BM, BN>(i * BM).count() > 0;
     // halves by rows at BM 128 (d 64), by columns at BM 64 (d 128)
     const int rq = q % BM, half = BM == 128 ? rq / 64 : col / 64, row = rq % 64, n = col % 64 / 8;
@@ -334,8 +334,8 @@ fa2_bwd_dq_sm90(const fav::BwdParams p) {
         wgmma_wait<1>();  // S is in (dP may still run)
         hold_registers(s);
 
-        // P in place (rows: queries, LSE per row), visible keys only: BwdMask's test, with keys as columns (written
-        // out here, see BwdMask::apply_key_rows)
+        // P in place (rows: queries, LSE per row), visible keys only: the mask's test on its fields, with keys as
+        // columns (written out here, see BwdMask::apply_key_rows)
         const int qw = m0 + row0, g = mask.g, t = mask.t;
         const bool edge = key0 + BN > seqlen_k || (mask.causal && key0 + BN - 1 > qw + mask.diag);
 #pragma unroll

@@ -13,16 +13,16 @@
 // {2t, 2t+1, 8+2t, 9+2t} and {16+2t, 17+2t, 24+2t, 25+2t}; the A operand of m16n8k32 wants the reduction
 // indices {4t..4t+3} and {16+4t..16+4t+3}. Rather than shuffle P between threads, the quantizer stores V's keys
 // in that order (fp8_quantize.cu: vt_key), so the thread's own values are the right A operand as they stand.
-#include "common/block_range.cuh"
 #include "common/fp8.cuh"
 #include "common/fragments.cuh"
+#include "common/mask.cuh"
 
 template <class T, int D, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_fp8_fwd(const fav::Fp8FwdParams p) {
     using namespace fav;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, seqlen_k_pad = p.seqlen_k_pad, group = p.group;
-    const bool causal = p.causal;
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k, seqlen_k_pad = p.seqlen_k_pad, group = p.group;
     constexpr int THREADS = NWARPS * 32;
     constexpr int WM = BM / NWARPS, MT = WM / 16, NT = BN / 8, DT = D / 8;
     constexpr int KC = D / 32;               // k-chunks of Q K^T (32 e4m3 each)
@@ -40,8 +40,7 @@ fa2_fp8_fwd(const fav::Fp8FwdParams p) {
 
     const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;
-    const int diag = seqlen_k - seqlen_q;
-    const int n_blocks = kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal).end;
+    const int n_blocks = mask.kv_blocks<BM, BN>(m0).end;
 
     const i64 bh = (i64)b * p.heads + h, bhk = (i64)b * (p.heads / group) + h_kv;
     const u16* Qi = reinterpret_cast<const u16*>(p.q) + (bh * seqlen_q + m0) * (D / 2);  // e4m3 pairs
@@ -106,9 +105,7 @@ fa2_fp8_fwd(const fav::Fp8FwdParams p) {
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][nt][e] *= pair_scale;
-        const int key0 = j * BN;
-        if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
-            mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
+        mask.apply_if_needed(s, m0, row0, j * BN);
 
         online_softmax_step(s, m, l, o, 1.f);  // l sums the fp32 P~, before rounding
         if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);  // the other stage: every warp is past block j-1

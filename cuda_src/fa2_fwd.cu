@@ -7,9 +7,9 @@
 //                                     one barrier per block
 //
 // Read beside fa1_fwd.cu: same pieces (common/), other loop order, other warp split, other normalization.
-#include "common/block_range.cuh"
 #include "common/epilogue.cuh"
 #include "common/fragments.cuh"
+#include "common/mask.cuh"
 
 // EARLY_PREFETCH: issue block j+1's loads right after block j's barrier (longest overlap) or after block j's
 // softmax (shorter live ranges: needed at d = 128, where the early position spills). Chosen per head dim by
@@ -38,10 +38,9 @@ fa2_fwd(const fav::FwdParams p) {
     // Causal CTAs near the bottom do the most work: launch them first so the tail of the grid is short.
     const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
     const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;  // row0: first row of this warp in Q_i
-    const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;  // key j is visible to query i iff j <= i + diag
-    const bool causal = p.causal;
-    const BlockRange blocks = kv_block_range<BM, BN>(m0, p.seqlen_q, seqlen_k, causal, p.kv_block_begin,
-                                                     p.kv_block_end);
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_k = mask.seqlen_k;
+    const BlockRange blocks = mask.kv_blocks<BM, BN>(m0, kv_split(p));
 
     const u16* Qi = p.q + b * p.q_b + h * p.q_h + m0 * p.q_n;
     const u16* Kb = p.k + b * p.k_b + h_kv * p.k_h;
@@ -100,10 +99,7 @@ fa2_fwd(const fav::FwdParams p) {
                 }
             }
         }
-        const int key0 = j * BN;
-        if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
-            mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
-
+        mask.apply_if_needed(s, m0, row0, j * BN);
         online_softmax_step(s, m, l, o, p.scale_log2);
         // The other stage is free for block j+1: every warp passed this block's barrier, so all are done
         // with block j-1. With no barrier before P V any more, V's ldmatrix must not be hoisted above the

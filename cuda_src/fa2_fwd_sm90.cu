@@ -9,9 +9,9 @@
 //                        transpose is needed; P stays in registers as the A operand of P V (repack_a)
 // Nothing else of FlashAttention-3 is here (no TMA, no producer warp, no ping-pong, no overlap of one block's
 // softmax with another's MMA): fa3_fwd.cu adds those. Read beside fa2_fwd.cu.
-#include "common/block_range.cuh"
 #include "common/epilogue.cuh"
 #include "common/fragments.cuh"
+#include "common/mask.cuh"
 #include "common/wgmma.cuh"
 
 template <class T, int D, int BN>
@@ -33,10 +33,9 @@ fa2_fwd_sm90(const fav::FwdParams p) {
     const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
     const int wg = threadIdx.x / 128, m0 = i_block * BM;
     const int row0 = wg * 64 + (threadIdx.x / 32 % 4) * 16;  // this warp's first row within the CTA's block
-    const int seqlen_k = p.seqlen_k, diag = seqlen_k - p.seqlen_q;
-    const bool causal = p.causal;
-    const BlockRange blocks = kv_block_range<BM, BN>(m0, p.seqlen_q, seqlen_k, causal, p.kv_block_begin,
-                                                     p.kv_block_end);
+    const CausalMask mask = CausalMask::of(p);
+    const int seqlen_k = mask.seqlen_k;
+    const BlockRange blocks = mask.kv_blocks<BM, BN>(m0, kv_split(p));
     const int row_bytes = 2 * p.head_dim;  // columns past it are zero-filled
 
     const auto* Qi = reinterpret_cast<const unsigned char*>(p.q + b * p.q_b + h * p.q_h + m0 * p.q_n);
@@ -74,9 +73,7 @@ fa2_fwd_sm90(const fav::FwdParams p) {
         wgmma_wait<0>();
         hold_registers(s[0]);
 
-        const int key0 = j * BN;
-        if (key0 + BN > seqlen_k || (causal && key0 + BN - 1 > m0 + row0 + diag))
-            mask_scores(s, m0 + row0, key0, seqlen_k, diag, causal);
+        mask.apply_if_needed(s, m0, row0, j * BN);
         online_softmax_step(s, m, l, o, p.scale_log2);
 
         // O += P~ V_j, P~ taken from the S registers as the A operand, BN / 16 k-steps of D / DN wgmmas

@@ -33,7 +33,9 @@ __forceinline__ __device__ void fragment_row_stats(const BwdParams& p, int b, in
 }
 
 // P = exp2(s * scale_log2 - lse_log2) where the key is visible (key < seqlen_k; causal: key <= query + diag), else
-// exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN).
+// exactly 0 (a select, not a product with a mask: LSE = -inf on a row that saw no key must not make a NaN). The
+// values are the mask policy's (mask.cuh); its visible(), called here, compiled the dK/dV pass to other
+// instructions, so the causal test stays written out (docs/kernels/masks.md).
 __forceinline__ __device__ float recompute_p(float s, float scale_log2, float lse_log2, int key, int query,
                                              int seqlen_k, int diag, bool causal) {
     const bool visible = key < seqlen_k && !(causal && key > query + diag);
@@ -75,12 +77,15 @@ __forceinline__ __device__ void warp_mma_atb(float (&acc)[1][DT][4], u32 tile_a,
 //   dV_w[:, c0 + 8DCT) += P^T dO[:, c0 + 8DCT)                        P^T repacked as the A operand
 //   dP^T = V_w dO^T (over all D columns), dS^T = P^T (dP^T - D)       left in ds for the caller (fa1: dQ)
 //   dK_w[:, c0 + 8DCT) += dS^T Q[:, c0 + 8DCT)                        unscaled: the caller multiplies by scale
-// c0: the first column of the gradients' slice (a multiple of 8; 0 and 8DCT = D when there is no split).
-template <class T, int D, int BM, int BN, int DCT>
+// c0: the first column of the gradients' slice (a multiple of 8; 0 and 8DCT = D when there is no split). mask: the
+// mask policy (mask.cuh); its values are read once, here.
+template <class T, int D, int BM, int BN, int DCT, class Mask>
 __forceinline__ __device__ void key_rows_step(float (&dk)[1][DCT][4], float (&dv)[1][DCT][4], float (&ds)[1][BM / 8][4],
                                               u32 sK, u32 sV, int kr0, u32 sQ, u32 sdO, int c0,
                                               const float* lse2, const float* delta, float scale_log2, int key0,
-                                              int m0, int seqlen_k, int diag, bool causal) {
+                                              int m0, const Mask& mask) {
+    const int seqlen_k = mask.seqlen_k, diag = mask.diag;
+    const bool causal = mask.causal;
     using TQ = Tile<BM, D>;
     using TKV = Tile<BN, D>;
     constexpr int NT = BM / 8;

@@ -12,6 +12,8 @@ struct BlockRange {
     int begin, end;
     __forceinline__ __device__ int count() const { return end > begin ? end - begin : 0; }
 };
+// Every block: the range a launch without a split-KV sub-range is given.
+__forceinline__ __device__ BlockRange all_blocks() { return {0, 1 << 30}; }
 
 template <int BM, int BN>
 __forceinline__ __device__ BlockRange kv_block_range(int m0, int seqlen_q, int seqlen_k, bool causal,

@@ -17,24 +17,6 @@ __forceinline__ __device__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Set to -inf every score whose key is past the end (>= seqlen_k) or, with causal, right of the bottom-right
-// aligned diagonal (key > query + diag, diag = seqlen_k - seqlen_q). row0: this warp's first query row;
-// key0: the block's first key. Called only on blocks that straddle an edge.
-template <int MT, int NT>
-__forceinline__ __device__ void mask_scores(float (&s)[MT][NT][4], int row0, int key0, int seqlen_k, int diag,
-                                            bool causal) {
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = row0 + mt * 16 + g + 8 * (e / 2), key = key0 + nt * 8 + 2 * t + (e % 2);
-                if (key >= seqlen_k || (causal && key > row + diag)) s[mt][nt][e] = neg_inf();
-            }
-}
-
 // Row maxima of a block (over the quad too), one per (m-tile, half): max[mt][0] row g, max[mt][1] row g+8,
 // each folded into the value mx holds. A thread's 2 NT values of a row are reduced as a tree (depth log2 2 NT
 // rather than a chain of 2 NT dependent FMNMX: the row max is on every block's critical path).

@@ -110,8 +110,8 @@ struct QSteps {
     DqOrder order;
     int i_first, n_i, count;  // the first Q block; Q blocks per query head that see block j; steps in all
     __forceinline__ __device__ QSteps(const BwdParams& p, const BwdMask& mask, int key0, const DqOrder& order)
-        : order(order), i_first(C::FUSED ? order.i_first : mask.first_q_block<C::BM>(key0)),
-          n_i(max(0, mask.q_blocks<C::BM>() - i_first)), count(p.group * n_i) {}
+        : order(order), i_first(C::FUSED ? order.i_first : mask.q_blocks<C::BM>(key0).begin),
+          n_i(max(0, mask.q_blocks<C::BM>(key0).end - i_first)), count(p.group * n_i) {}
     __forceinline__ __device__ QStep first(int group) const { return QStep{n_i > 0 ? 0 : group, 0}; }
     __forceinline__ __device__ QStep after(QStep c) const {
         return c.k + 1 < n_i ? QStep{c.hq, c.k + 1} : QStep{c.hq + 1, 0};
