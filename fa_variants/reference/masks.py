@@ -230,6 +230,13 @@ class Mask:
                    alibi=None if slopes is None else Alibi(slopes[:, :, None, None], diag),
                    sinks=None if values is None else Sinks(values[:, None]))
 
+    @classmethod
+    def of_arrays(cls, Q, K, *, causal: bool = False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  sinks=None) -> "Mask":
+        """``Mask.of`` for a model's heads-major Q (batch, heads, seqlen_q, d) and K (batch, heads, seqlen_k, d)."""
+        return cls.of(Q.shape[2], K.shape[2], causal=causal, window=window, softcap=softcap,
+                      alibi_slopes=alibi_slopes, sinks=sinks, heads=Q.shape[1], batch=Q.shape[0])
+
     def pick(self, b: int, h: int) -> "Mask":
         """This mask for the one (batch b, query head h) pair, its transforms acting on 2-D (rows, cols) scores and
         (rows,) statistics (the dense reference's layout)."""
