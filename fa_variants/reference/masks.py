@@ -261,17 +261,19 @@ class Mask:
         j = np.arange(cols.start, cols.stop)[None, :]
         return (j >= first) & (j <= last)
 
+    @staticmethod
+    def _span(first, last) -> tuple[int, int]:
+        """(the first, the last) key that any row of a ``key_range`` sees; (-1, -1) where none sees one."""
+        seen = first <= last
+        return (int(first[seen].min()), int(last[seen].max())) if seen.any() else (-1, -1)
+
     def first_key(self, r0: int, r1: int) -> int:
         """The first key that any of the rows r0..r1 sees, or -1 where none sees a key."""
-        first, last = self.key_range(slice(r0, r1 + 1))
-        seen = first <= last
-        return int(first[seen].min()) if seen.any() else -1
+        return self._span(*self.key_range(slice(r0, r1 + 1)))[0]
 
     def last_key(self, r0: int, r1: int) -> int:
         """The last key that any of the rows r0..r1 sees, or -1 where none sees a key (mask.cuh's last_key)."""
-        first, last = self.key_range(slice(r0, r1 + 1))
-        seen = first <= last
-        return int(last[seen].max()) if seen.any() else -1
+        return self._span(*self.key_range(slice(r0, r1 + 1)))[1]
 
     # -------------------------------------------------------------------- blocks
 
@@ -279,11 +281,21 @@ class Mask:
         """The K/V blocks (of ``block_k`` keys, cut at seqlen_k) that the Q rows ``rows`` visit, ascending: those
         that hold a key some row sees. The rows see one contiguous range of keys (module docstring), so these are
         consecutive blocks, and every other block is skipped."""
-        lo, hi = self.first_key(rows.start, rows.stop - 1), self.last_key(rows.start, rows.stop - 1)
+        return [cols for cols, _ in self.blocks_and_masks(rows, block_k)]
+
+    def blocks_and_masks(self, rows: slice, block_k: int) -> list[tuple[slice, bool]]:
+        """``blocks``, each with ``needs_mask``: (cols, needs the elementwise mask), ascending."""
+        first, last = self.key_range(rows)
+        lo, hi = self._span(first, last)
         if hi < 0:
             return []
-        return [slice(j * block_k, min((j + 1) * block_k, self.seqlen_k))
-                for j in range(lo // block_k, hi // block_k + 1)]
+        cuts = [slice(j * block_k, min((j + 1) * block_k, self.seqlen_k)) for j in range(lo // block_k, hi // block_k + 1)]
+        return [(cols, self._hides(first, last, cols)) for cols in cuts]
+
+    @staticmethod
+    def _hides(first, last, cols: slice) -> bool:
+        """Whether some row of a ``key_range`` (first, last) misses some key of ``cols``."""
+        return bool(((first > cols.start) | (last < cols.stop - 1)).any())
 
     def visits(self, rows: slice, cols: slice) -> bool:
         """Whether some row of ``rows`` sees some key of ``cols`` (the pair is computed, not skipped)."""
@@ -303,8 +315,7 @@ class Mask:
         """Whether some row of ``rows`` misses some key of ``cols``: the block needs the elementwise mask. The
         blocks that do not are computed without one (the kernels' unmasked steps); the models' agreement with
         the dense reference is what shows they need none."""
-        first, last = self.key_range(rows)
-        return bool(((first > cols.start) | (last < cols.stop - 1)).any())
+        return self._hides(*self.key_range(rows), cols)
 
     def pairs(self, block_q: int, block_k: int) -> int:
         """The (Q block, K block) pairs a blocked model visits over this sequence."""
@@ -373,9 +384,9 @@ def tile_count(seqlens_q, seqlens_k, block_q: int, block_k: int, *, causal=False
             continue
         mask = Mask.of(int(n_q), int(n_k), causal=causal, window=window)
         for rows in block_slices(int(n_q), block_q):
-            cols = mask.blocks(rows, block_k)
-            visited += len(cols)
-            masked += sum(mask.needs_mask(rows, c) for c in cols)
+            flags = [needs for _, needs in mask.blocks_and_masks(rows, block_k)]
+            visited += len(flags)
+            masked += sum(flags)
     dense = len(lq) * -(-int(lq.max(initial=0)) // block_q) * -(-int(lk.max(initial=0)) // block_k)
     return TileCount(visited, masked, dense)
 
