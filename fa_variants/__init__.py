@@ -20,7 +20,8 @@ from .backward import attention_backward
 from .dispatch import BackendUnavailable, explain_choice
 from .jit import CompileError
 from .registry import Variant, get, variants
+from .varlen import attention_varlen
 
 __all__ = ["attention", "attention_backward", "explain_choice", "variants", "get", "Variant", "CompileError",
-           "BackendUnavailable", "fp8", "clear_plans"]
+           "BackendUnavailable", "fp8", "clear_plans", "attention_varlen"]
 __version__ = "0.1.0"

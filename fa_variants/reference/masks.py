@@ -94,6 +94,20 @@ def check_alibi(alibi_slopes, heads: int, batch: int) -> np.ndarray | None:
     return a
 
 
+def window_as_causal(seqlen_q: int, seqlen_k: int, causal: bool, window) -> bool | None:
+    """The ``causal`` flag of a call without a window that hides exactly the keys this one hides, or None where the
+    window hides keys no such call does. A left side hides nothing when left >= seqlen_k - 1 (the last row's window
+    starts at key 0 or before); a right side hides nothing when right >= seqlen_q - 1 (the first row's window ends
+    at the last key or after), or under ``causal`` (the diagonal ends every row's keys first); right = 0 is causal
+    (flash-attn's own reading of window (-1, 0))."""
+    left, right = check_window(window)
+    if left != UNBOUNDED and left < seqlen_k - 1:
+        return None
+    if causal or right == UNBOUNDED or right >= seqlen_q - 1:
+        return bool(causal)
+    return True if right == 0 else None
+
+
 # ----------------------------------------------------------------------------------------------- restrictions
 
 @dataclasses.dataclass(frozen=True)

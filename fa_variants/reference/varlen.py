@@ -18,24 +18,31 @@ from .masks import Mask, VarlenBounds, check_alibi, check_sinks
 
 
 def check_packed(q, k, v) -> None:
-    """q (total_q, heads, d), k and v (total_k, heads_kv, d), floating NumPy arrays, heads % heads_kv == 0 (totals
-    may be 0: every sequence empty)."""
+    """q, k, v floating NumPy arrays of the varlen layout (``check_packed_dims``)."""
     for name, a in zip("qkv", (q, k, v)):
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{name} must be a NumPy array, got {type(a).__name__}")
-        if a.ndim != 3:
-            raise ValueError(f"{name} must have 3 dimensions (total_{'q' if name == 'q' else 'k'}, heads, head_dim) "
-                             f"in the varlen layout, got shape {a.shape}")
         if not is_float_dtype(a.dtype):
             raise TypeError(f"{name} must have a floating-point dtype, got {a.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim), got {k.shape} and {v.shape}")
-    if q.shape[1] < 1 or q.shape[2] < 1 or k.shape[1] < 1:
-        raise ValueError(f"heads and head_dim must be >= 1, got q {q.shape}, k {k.shape}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head_dim differs: q {q.shape[2]}, k and v {k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of heads of k/v ({k.shape[1]}) for MQA/GQA")
+    check_packed_dims(q, k, v)
+
+
+def check_packed_dims(q, k, v) -> None:
+    """q (total_q, heads, d), k and v (total_k, heads_kv, d) (any array type), heads % heads_kv == 0; the totals
+    may be 0 (every sequence empty)."""
+    for name, a in zip("qkv", (q, k, v)):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_{'q' if name == 'q' else 'k'}, heads, head_dim) "
+                             f"in the varlen layout, got shape {tuple(a.shape)}")
+    q, k, v = (tuple(a.shape) for a in (q, k, v))
+    if k != v:
+        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim), got {k} and {v}")
+    if q[1] < 1 or q[2] < 1 or k[1] < 1:
+        raise ValueError(f"heads and head_dim must be >= 1, got q {q}, k {k}")
+    if q[2] != k[2]:
+        raise ValueError(f"head_dim differs: q {q[2]}, k and v {k[2]}")
+    if q[1] % k[1]:
+        raise ValueError(f"heads of q ({q[1]}) must be a multiple of heads of k/v ({k[1]}) for MQA/GQA")
 
 
 def _merge(into: AccessCounter, part: AccessCounter) -> None:
