@@ -439,3 +439,19 @@ def test_cu_seqlens_must_be_int32(rng):
         varlen.forward(fa2.forward, q, k, v, cu_q, [0, 2, 4])
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         varlen.forward(fa2.forward, q, k, v, cu_q, cu_k, alibi_slopes=np.zeros((3, 4), np.float32))
+
+
+# ------------------------------------------------------------------------------------------ explain
+
+def test_explain_mask_prints_the_tile_counts(capsys):
+    from fa_variants import cli
+    assert cli.main(["explain", "mask", "--seqlen", "4096", "--causal", "--window", "512", "0",
+                     "--blocks", "128x64"]) == 0
+    t = masks.tile_count(4096, 4096, 128, 64, causal=True, window=(512, 0))
+    text = capsys.readouterr().out
+    assert "window (512, 0) over seqlen 4096; tiles 128x64" in text
+    assert f"tiles computed: {t.visited:,} of {t.dense:,} dense" in text and f"{t.masked:,} of them" in text
+    assert cli.main(["explain", "mask", "--seqlens", "100,0,900", "--blocks", "64x64"]) == 0
+    assert "tiles computed: 229 of 675 dense" in capsys.readouterr().out   # 2 x 2 + 15 x 15 of 3 x 15 x 15
+    with pytest.raises(SystemExit, match="--window"):
+        cli.main(["explain", "mask", "--window", "-2", "0"])
