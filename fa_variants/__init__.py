@@ -5,6 +5,7 @@
     out = fav.attention(q, k, v, variant="fa1", causal=True)           # or any of fav.variants() by name
     out, lse = fav.attention(q, k, v, causal=True, return_lse=True)    # what the backward needs
     dq, dk, dv = fav.attention_backward(dout, q, k, v, out, lse, causal=True)
+    out = fav.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
     fav.explain_choice(q, k, v)   # what "auto" runs forward and backward here, and why
     fav.variants()     # the registry
     fav.get("fa1")     # one entry: .launcher (GPU), .reference / .reference_backward (NumPy models), .io_model

@@ -45,7 +45,6 @@ def is_plain(window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, *, cu_
 def _check_scalars(variant, backend, causal, softmax_scale, return_lse, window, softcap):
     """The scalar arguments, before any array: (backend, scale or None, window, softcap)."""
     dispatch.check_variant(variant)
-    backend = "auto" if backend is None else backend
     dispatch.check_backend(backend)
     scale = arrays.check_scalars(causal, softmax_scale, return_lse)
     return backend, scale, masks.check_window(window), masks.check_softcap(softcap)
@@ -165,8 +164,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     with backend "auto" or "cuda" raise NotImplementedError; backend="numpy" runs the model on host copies.
     ``backend`` None means "auto".
     """
-    backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, return_lse, window,
-                                                     softcap)
+    backend, scale, window, softcap = _check_scalars(variant, "auto" if backend is None else backend, causal,
+                                                     softmax_scale, return_lse, window, softcap)
     inp = arrays.import_arrays(q, k, v)
     model_varlen.check_packed_dims(inp.q, inp.k, inp.v)
     dtype = arrays.common_dtype(inp)
