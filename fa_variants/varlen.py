@@ -38,7 +38,8 @@ def is_plain(window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, *, cu_
     anything else, the defaults spelled otherwise included, goes through this module, which checks it."""
     return (sinks is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
             and max_seqlen_q is None and max_seqlen_k is None
-            and isinstance(window, tuple) and window == (-1, -1)
+            and type(window) is tuple and len(window) == 2 and type(window[0]) is type(window[1]) is int
+            and window == (-1, -1)
             and type(softcap) in (float, int) and softcap == 0)
 
 
