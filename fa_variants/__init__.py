@@ -5,6 +5,7 @@
     out = fav.attention(q, k, v, variant="fa1", causal=True)           # or any of fav.variants() by name
     out, lse = fav.attention(q, k, v, causal=True, return_lse=True)    # what the backward needs
     dq, dk, dv = fav.attention_backward(dout, q, k, v, out, lse, causal=True)
+    out = fav.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
     fav.explain_choice(q, k, v)   # what "auto" runs forward and backward here, and why
     fav.variants()     # the registry
     fav.get("fa1")     # one entry: .launcher (GPU), .reference / .reference_backward (NumPy models), .io_model
@@ -20,7 +21,8 @@ from .backward import attention_backward
 from .dispatch import BackendUnavailable, explain_choice
 from .jit import CompileError
 from .registry import Variant, get, variants
+from .varlen import attention_varlen
 
 __all__ = ["attention", "attention_backward", "explain_choice", "variants", "get", "Variant", "CompileError",
-           "BackendUnavailable", "fp8", "clear_plans"]
+           "BackendUnavailable", "fp8", "clear_plans", "attention_varlen"]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from . import forward, plans
+from . import forward, plans, varlen
 from .dispatch import BackendUnavailable
 
 __all__ = ["attention", "clear_plans", "BackendUnavailable"]
@@ -19,7 +19,8 @@ _PLANS = plans.PLANS
 
 
 def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, backend: str = "auto"):
+              return_lse: bool = False, backend: str = "auto", window=(-1, -1), softcap: float = 0.0, sinks=None,
+              alibi_slopes=None):
     """Scaled dot-product attention softmax(q k^T * scale) v in flash-attn's layout.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), heads % heads_kv == 0.
@@ -30,7 +31,15 @@ def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_s
     says which and why), or without a usable GPU fa2's NumPy model; a name from ``fav.variants()`` runs that one.
     ``backend``: "auto" (the GPU when the variant runs here, else the NumPy model for host arrays), "cuda" or
     "numpy". Torch tensors that require grad are recorded for autograd (integrations/torch.py).
+
+    ``window=(left, right)``, ``softcap``, ``sinks`` (heads,) and ``alibi_slopes`` (heads,) or (batch, heads):
+    masks and logit transforms (varlen.py, docs/masks.md); as of 2026-12-05 the NumPy models run them, and GPU
+    arrays raise NotImplementedError naming the argument.
     """
+    if not varlen.is_plain(window, softcap, sinks, alibi_slopes):
+        return varlen.attention_masked(q, k, v, variant=variant, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=return_lse, backend=backend, window=window, softcap=softcap,
+                                       sinks=sinks, alibi_slopes=alibi_slopes, plain=attention)
     try:
         key = forward.signature(q, k, v, variant, causal, softmax_scale, return_lse, backend)
         launch = None if key is None else _PLANS.get(key)

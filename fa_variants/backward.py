@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, dispatch, lse_check
+from . import arrays, dispatch, lse_check, varlen
 
 NAMES = ("dout", "q", "k", "v", "out", "lse")
 
 
 def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal: bool = False,
-                       softmax_scale: float | None = None, backend: str = "auto", check_lse: bool = True):
+                       softmax_scale: float | None = None, backend: str = "auto", check_lse: bool = True,
+                       window=(-1, -1), softcap: float = 0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Gradients of ``attention(q, k, v, causal=, softmax_scale=)`` for the output gradient ``dout``.
 
     ``out`` and ``lse`` are that forward's results (``return_lse=True``), from any variant: dout and out have q's
@@ -33,7 +35,18 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     they disagree with the given lse beyond what any forward's rounding explains (fp8 forwards included), which
     is what a forward run with other flags gives. It reads those rows' keys once and waits for the device;
     callers that carry the forward's flags themselves (the torch and JAX integrations) pass False.
+
+    ``window``, ``softcap``, ``sinks``, ``alibi_slopes``: the forward's masks (then (dq, dk, dv, dsinks) with
+    sinks); ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``: attention_varlen's packed
+    layout (lse (heads, total_q)). As of 2026-12-05 the NumPy models run these (varlen.py).
     """
+    if not varlen.is_plain(window, softcap, sinks, alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k):
+        return varlen.attention_backward_masked(
+            dout, q, k, v, out, lse, variant=variant, causal=causal, softmax_scale=softmax_scale, backend=backend,
+            check_lse=check_lse, window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, plain=attention_backward)
     dispatch.check_variant(variant)
     dispatch.check_backend(backend)
     scale = arrays.check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after

@@ -71,6 +71,7 @@ class BackwardResult:
     hbm: AccessCounter
     blocks: tuple | None = None  # (B_r, B_c) the model ran with; None for naive (no tiling)
     flops: int = 0             # matmul FLOPs (2mnk per product) of the whole call, recomputation included
+    dsinks: np.ndarray | None = None  # float64 (heads,): the sinks' gradient, where sinks were given
 
 
 # ----------------------------------------------------------------------------------------------- inputs

@@ -13,7 +13,9 @@ What differs from ``reference/fa2.py``, and what this model reproduces:
   (``kv_visits``). The blocks that need a mask (the causal diagonal's, the short tail block of N_k) are the
   highest-numbered ones a CTA visits, so they come first, and the rest of the loop runs without masks. Here a
   mask is applied only where ``kv_visits`` says the kernel applies one: the comparison with the dense reference
-  (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none. The short tail block is a
+  (tests/test_models_fa3.py) is what shows that the unmasked blocks really need none. With a window's left
+  bound (reference/masks.py) the lowest blocks a CTA visits need a mask as well: masked blocks first, unmasked
+  ones, then masked ones again, last. The short tail block is a
   short slice here; the kernel computes it at B_c - 32 keys where it holds no more (fp8: B_c - 64; fa3_fwd.cu's
   TAIL_BN), at B_c otherwise: the keys past N_k are masked to exact zeros either way.
 * Per consumer, intra-warpgroup overlap (the kernel's OVERLAP): S_j = Q K_j^T is issued together with, and
@@ -47,9 +49,9 @@ import numpy as np
 
 from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_FP8_TILES, FA3_TILES, fa3_tile
 from . import fp8 as _fp8
-from .common import (AccessCounter, ModelResult, block_scores, block_slices, block_visited, causal_visible,
-                     check_block, logsumexp_from, normalize, prepare, rescale, row_exp,
-                     to_flash_layout, validate)
+from .common import (AccessCounter, ModelResult, block_slices, check_block, logsumexp_from, normalize, prepare,
+                     rescale, row_exp, to_flash_layout, validate)
+from .masks import Mask
 
 #: Query rows per consumer warpgroup: a CTA of B_r rows has ceil(B_r / 64) consumers (the kernel's BM = 64 NC).
 CONSUMER_ROWS = 64
@@ -91,28 +93,37 @@ def consumer_rows(rows: slice) -> list[slice]:
     return [slice(a, min(a + CONSUMER_ROWS, rows.stop)) for a in range(rows.start, rows.stop, CONSUMER_ROWS)]
 
 
-def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool) -> list[tuple[slice, bool]]:
+def _mask(seqlen_q: int, seqlen_k: int, causal: bool, mask: Mask | None) -> Mask:
+    """``mask``, or the plain causal (or no) mask of the call: the structure functions below take either."""
+    return Mask.of(seqlen_q, seqlen_k, causal=causal) if mask is None else mask
+
+
+def kv_visits(rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool,
+              mask: Mask | None = None) -> list[tuple[slice, bool]]:
     """The K/V blocks the CTA owning Q rows ``rows`` visits, in the kernel's order, each with "needs a mask".
 
-    Descending: from the last block any of its rows sees (causal: the blocks wholly above the bottom-right
-    diagonal are skipped, as in fa2) down to block 0. A block needs a mask when it is the short tail block of
-    N_k (the kernel's TMA fills the missing keys with zeros, scores 0 rather than -inf) or, causal, when the
-    block's first row misses its last key. Those are always the first ones visited: the masked blocks form a
-    prefix of the list and the kernel's loop splits into masked steps, then unmasked ones.
+    Descending: from the last block any of its rows sees down to the first (``Mask.blocks``: causal, the blocks
+    wholly above the bottom-right diagonal are skipped, as in fa2; with a window, those left of it too). A block
+    needs a mask when it is the short tail block of N_k (the kernel's TMA fills the missing keys with zeros,
+    scores 0 rather than -inf) or some row of the CTA misses a key of it (causal: the block's first row misses its
+    last key). Causal, those are always the first ones visited: the masked blocks form a prefix of the list and
+    the kernel's loop splits into masked steps, then unmasked ones (a window's left bound adds masked steps at the
+    end). ``mask``: a reference/masks.py ``Mask`` (default: the plain ``causal`` one).
     """
-    visited = [c for c in block_slices(seqlen_k, block_k)
-               if not causal or block_visited(rows.stop - 1, c.start, seqlen_q, seqlen_k)]
-    return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal)) for cols in reversed(visited)]
+    mask = _mask(seqlen_q, seqlen_k, causal, mask)
+    return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal, mask))
+            for cols in reversed(mask.blocks(rows, block_k))]
 
 
-def needs_mask(cols: slice, rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool) -> bool:
-    """Whether K block ``cols`` needs a mask for Q rows ``rows``: it is N_k's short tail block, or (causal) the
-    first row misses its last key."""
-    return (cols.stop - cols.start < block_k) or (causal and cols.stop - 1 > rows.start + (seqlen_k - seqlen_q))
+def needs_mask(cols: slice, rows: slice, seqlen_q: int, seqlen_k: int, block_k: int, causal: bool,
+               mask: Mask | None = None) -> bool:
+    """Whether K block ``cols`` needs a mask for Q rows ``rows``: it is N_k's short tail block, or some row misses
+    a key of it (causal: the first row misses its last key; ``Mask.needs_mask``)."""
+    return (cols.stop - cols.start < block_k) or _mask(seqlen_q, seqlen_k, causal, mask).needs_mask(rows, cols)
 
 
 def consumer_visits(visits, rows: slice, seqlen_q: int, seqlen_k: int, block_k: int,
-                    causal: bool) -> list[tuple[slice, bool]]:
+                    causal: bool, mask: Mask | None = None) -> list[tuple[slice, bool]]:
     """The blocks of its CTA's ``visits`` that the consumer owning Q rows ``rows`` works on, each with "needs a
     mask" for its own rows (the kernel's per-consumer j_mask: the short tail block, or causal, a block whose
     last key its first row does not see).
@@ -120,13 +131,14 @@ def consumer_visits(visits, rows: slice, seqlen_q: int, seqlen_k: int, block_k: 
     Causal, the first blocks the CTA visits may hold no key that any of this consumer's rows sees (they lie right
     of its last row's diagonal: with B_r = 192 on 128-key blocks, consumer 0 misses one or two blocks of every
     tile). The kernel's consumer skips those (it hands their stages back unread and lets its ping-pong turn pass
-    without a wgmma) but never the CTA's last block, so every consumer has a first and a last P V.
+    without a wgmma) but never the CTA's last block, so every consumer has a first and a last P V. (Under a
+    window, blocks at the end of the list that none of its rows sees are computed, masked whole.)
     """
-    diag = seqlen_k - seqlen_q
+    mask = _mask(seqlen_q, seqlen_k, causal, mask)
     first = 0
-    while causal and first < len(visits) - 1 and visits[first][0].start > rows.stop - 1 + diag:
+    while first < len(visits) - 1 and not mask.visits(rows, visits[first][0]):
         first += 1
-    return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal)) for cols, _ in visits[first:]]
+    return [(cols, needs_mask(cols, rows, seqlen_q, seqlen_k, block_k, causal, mask)) for cols, _ in visits[first:]]
 
 
 def accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False, fp8=False) -> dict:
@@ -223,9 +235,11 @@ def _pieces(visits, B_c, split):
     return [groups[k] for k in sorted(groups)]
 
 
-def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0.0, split=None):
-    """The CTA loop both models share: (O heads-major, LSE, hbm). The producer's loads are counted once per
-    CTA (its consumers read the same shared-memory stage); ``scores(i, rows, j, cols, masked)``,
+def _pipeline(Q, K, V, B_r, B_c, mask, scores, product, operand, finish, tau=0.0, split=None):
+    """The CTA loop both models share: (O heads-major, LSE, hbm). ``mask``: the call's reference/masks.py
+    ``Mask`` (which blocks each CTA and consumer visits, and the sinks folded in before ``finish``). The producer's
+    loads are counted once per CTA (its consumers read the same shared-memory stage); ``scores(i, rows, j, cols,
+    masked)``,
     ``product(P, j, cols, O)``, ``operand(P)`` and ``finish(i, O, l)`` (O / l and any dequantization) are the
     arithmetic, i and j the Q and K block numbers; ``tau`` the lazy rescaling's threshold (``_consume``).
     ``split``: every tile cut into pieces of that many K/V blocks, each consumed alone (its Q loaded again, its
@@ -238,7 +252,7 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0
     O = np.zeros_like(Q)
     LSE = np.empty((batch, heads, N_q))
     for i, rows in enumerate(block_slices(N_q, B_r)):         # one CTA per Q block
-        visits = kv_visits(rows, N_q, N_k, B_c, causal)
+        visits = kv_visits(rows, N_q, N_k, B_c, False, mask)
         if visits:                                             # (a CTA that sees no key loads nothing)
             hbm.read("Q", programs * (rows.stop - rows.start) * d)  # producer: Q_i once ...
         for cols, _ in visits:                                 # ... then K_j, V_j through the ring, descending
@@ -253,11 +267,12 @@ def _pipeline(Q, K, V, B_r, B_c, causal, scores, product, operand, finish, tau=0
                 hbm.read(t, programs * n * (d if t == "O" else 1) * (len(pieces) - 1))
         for c_rows in consumer_rows(rows):                     # the consumer warpgroups
             O_c, m, l = merge_pieces([_consume(
-                consumer_visits(piece, c_rows, N_q, N_k, B_c, causal),
+                consumer_visits(piece, c_rows, N_q, N_k, B_c, False, mask),
                 lambda cols, masked, c_rows=c_rows: scores(i, c_rows, cols.start // B_c, cols, masked),
                 lambda P, cols, acc: product(P, cols.start // B_c, cols, acc),
                 operand, (batch, heads, c_rows.stop - c_rows.start, d), tau) for piece in pieces])
-            O[:, :, c_rows] = finish(i, O_c, l)                # deferred normalization: once per row
+            m, l, alpha = mask.fold_sinks(m, l)                # a sink: one more score, with no value
+            O[:, :, c_rows] = finish(i, alpha[..., None] * O_c, l)  # deferred normalization: once per row
             LSE[:, :, c_rows] = logsumexp_from(m, l)
         hbm.write("O", programs * (rows.stop - rows.start) * d)
         hbm.write("LSE", programs * (rows.stop - rows.start))
@@ -289,7 +304,8 @@ def _p_operand(q, round_p):
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, round_p=False,
-            rescale_tau=RESCALE_TAU, split_blocks=None) -> ModelResult:
+            rescale_tau=RESCALE_TAU, split_blocks=None, window=(-1, -1), softcap=0.0, sinks=None,
+            alibi_slopes=None) -> ModelResult:
     """FA3's forward on float64 copies; q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k, heads_kv, d).
 
     ``block_q``/``block_k`` default to the kernel's tiles (``default_blocks``). ``round_p``: P rounded to the
@@ -298,18 +314,21 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
     running max, with which this is FA2's update in descending block order, bit for bit).
     ``split_blocks``: every tile cut into pieces of that many K/V blocks and merged as the persistent grid's split
     last wave does (``merge_pieces``; non-causal only, as the kernel's).
+    ``window``, ``softcap``, ``sinks`` (heads,), ``alibi_slopes`` (heads,) or (batch, heads): reference/masks.py.
     Returns ``ModelResult`` (out float64 in flash layout, lse, hbm, blocks)."""
     operand = _p_operand(q, round_p)
     split_blocks = _check_split(split_blocks, causal)
     rescale_tau = _check_tau(rescale_tau)
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
-    N_q, d, N_k = Q.shape[2], Q.shape[3], K.shape[2]
+    mask = Mask.of_arrays(Q, K, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                          sinks=sinks)
+    d, N_k = Q.shape[3], K.shape[2]
     B_r, B_c = default_blocks(d, block_q, block_k, causal=causal, seqlen_k=N_k)
     O, LSE, hbm = _pipeline(
-        Q, K, V, B_r, B_c, causal,
-        scores=lambda i, rows, j, cols, masked: block_scores(Q[:, :, rows], K[:, :, cols], scale, rows, cols,
-                                                             N_q, N_k, causal and masked),
+        Q, K, V, B_r, B_c, mask,
+        scores=lambda i, rows, j, cols, masked: mask.apply(Q[:, :, rows] @ K[:, :, cols].swapaxes(-1, -2) * scale,
+                                                           rows, cols, masked),
         product=lambda P, j, cols, acc: acc + P @ V[:, :, cols],
         operand=operand,
         finish=lambda i, O_c, l: normalize(O_c, l), tau=rescale_tau, split=split_blocks)
@@ -352,12 +371,11 @@ def forward_fp8(q, k, v, *, causal=False, softmax_scale=None, block_q=None, bloc
     def scores(i, rows, j, cols, masked):
         S = _fp8.tc_matmul(Q[:, :, rows], K[:, :, cols].swapaxes(-1, -2), accumulate_bits)
         S = S * (sq[:, :, i] * sk[:, :, j] * scale)[..., None, None]   # the pair's scales fold into the softmax's
-        if causal and masked:
-            S = np.where(causal_visible(np.arange(N_q)[rows], np.arange(N_k)[cols], N_q, N_k), S, -np.inf)
-        return S
+        return mask.apply(S, rows, cols, masked)
 
+    mask = Mask.of(N_q, N_k, causal=causal)
     O, LSE, hbm = _pipeline(
-        Q, K, V, B_r, B_c, causal, scores,
+        Q, K, V, B_r, B_c, mask, scores,
         product=lambda P8, j, cols, acc: _fp8.tc_matmul(P8, V[:, :, cols], accumulate_bits, acc=acc),
         operand=lambda P: (P * p_scale).astype(_fp8.E4M3).astype(np.float64),  # exact scaling, e4m3 rounding
         finish=lambda i, O_c, l: normalize(O_c * (sv / p_scale)[:, :, None, :], l), tau=rescale_tau,

@@ -5,16 +5,15 @@
     load P, V;        O = P V;               write O
 
 Per head that is 4 N^2 + 4 N d element accesses (seqlen_q = seqlen_k = N): the N^2 terms are what
-FlashAttention removes. Causal masking does not shrink S here: the full matrix is written and read.
+FlashAttention removes. Causal masking does not shrink S here: the full matrix is written and read; nor does
+any mask of reference/masks.py (softcap and ALiBi transform S, sinks join each row's sum).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .budget import NAIVE_BACKWARD_MATRICES, NAIVE_MATRICES, check_naive
-from .common import (AccessCounter, BackwardResult, ModelResult, block_scores, causal_visible, logsumexp_from,
-                     matmul_flops, normalize, prepare, prepare_backward, row_exp, rowsum_product, softmax_backward,
-                     sum_over_groups, to_flash_layout)
+from .common import (AccessCounter, BackwardResult, ModelResult, logsumexp_from, matmul_flops, normalize, prepare,
+                     prepare_backward, row_exp, rowsum_product, softmax_backward, sum_over_groups, to_flash_layout)
+from .masks import Mask
 
 LOOPS = """\
 S = Q K^T * scale          read Q, K; write S (N_q x N_k)
@@ -30,11 +29,15 @@ dQ = dS K * scale          read dS, K; write dQ
 dK = dS^T Q * scale        read dS, Q; write dK"""
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None) -> ModelResult:
+def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None, window=(-1, -1),
+            softcap=0.0, sinks=None, alibi_slopes=None) -> ModelResult:
     """softmax(q k^T * scale) v, the direct way. Block sizes (checked like the tiled models') and ``sram``
-    are accepted and unused: there is no tiling."""
+    are accepted and unused: there is no tiling. ``window``, ``softcap``, ``sinks``, ``alibi_slopes``:
+    reference/masks.py."""
     Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               block_q=block_q, block_k=block_k)
+    mask = Mask.of_arrays(Q, K, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                          sinks=sinks)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
     check_naive(batch, heads, n_q, n_k, NAIVE_MATRICES, "forward")
@@ -43,16 +46,15 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
 
     hbm.read("Q", programs * n_q * d)
     hbm.read("K", programs * n_k * d)
-    S = Q @ K.swapaxes(-1, -2) * scale
-    if causal:
-        S = np.where(causal_visible(np.arange(n_q), np.arange(n_k), n_q, n_k), S, -np.inf)
+    everything = slice(0, n_q), slice(0, n_k)
+    S = mask.apply(Q @ K.swapaxes(-1, -2) * scale, *everything, mask.needs_mask(*everything))
     hbm.write("S", programs * n_q * n_k)
 
     hbm.read("S", programs * n_q * n_k)
     m = S.max(axis=-1)
     E = row_exp(S, m)
-    l = E.sum(axis=-1)
-    P = normalize(E, l)
+    m, l, alpha = mask.fold_sinks(m, E.sum(axis=-1))   # a sink: one more term of each row's sum, with no value
+    P = normalize(alpha[..., None] * E, l)
     hbm.write("P", programs * n_q * n_k)
 
     hbm.read("P", programs * n_q * n_k)
@@ -63,7 +65,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block_q=None, block_k=None,
-             sram=None) -> BackwardResult:
+             sram=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None) -> BackwardResult:
     """The standard backward (FlashAttention-1 paper, Algorithm 3) of the forward above, which stored P.
 
     Five passes over HBM, each N x N matrix written once and read where the next pass needs it (per head):
@@ -79,18 +81,22 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
     Causal masking does not shrink the matrices (as in the forward). P's values are recomputed here as
     exp(S - LSE), the forward's softmax up to rounding, but counted as the read they model. ``lse`` is used for
     nothing else; block sizes (checked) and ``sram`` are accepted and unused: there is no tiling.
-    dk, dv are summed over each group of query heads (``sum_over_groups``).
+    dk, dv are summed over each group of query heads (``sum_over_groups``). Softcap: dS through the cap's
+    derivative (``Mask.chain``); sinks: their gradient -sum_i e^(sink - LSE_i) D_i from pass 3's D (``dsinks``).
     """
     dO, Q, K, V, O, LSE, scale, heads_kv = prepare_backward(dout, q, k, v, out, lse, causal=causal,
                                                             softmax_scale=softmax_scale, block_q=block_q,
                                                             block_k=block_k)
+    mask = Mask.of_arrays(Q, K, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                          sinks=sinks)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
     check_naive(batch, heads, n_q, n_k, NAIVE_BACKWARD_MATRICES, "backward")
     programs = batch * heads  # one per (batch, query head); K, V counted per query head (see prepare)
     hbm = AccessCounter()
     everything = slice(0, n_q), slice(0, n_k)
-    P = row_exp(block_scores(Q, K, scale, *everything, n_q, n_k, causal), LSE)   # the forward's P
+    S = Q @ K.swapaxes(-1, -2) * scale
+    P = row_exp(mask.apply(S, *everything, mask.needs_mask(*everything)), LSE)   # the forward's P
 
     hbm.read("P", programs * n_q * n_k)                       # 1. dV = P^T dO
     hbm.read("dO", programs * n_q * d)
@@ -104,7 +110,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
 
     for name, size in (("P", n_q * n_k), ("dP", n_q * n_k), ("dO", n_q * d), ("O", n_q * d)):
         hbm.read(name, programs * size)                       # 3. dS = P o (dP - rowsum(dO o O))
-    dS = softmax_backward(P, dP, rowsum_product(dO, O))
+    D = rowsum_product(dO, O)
+    dS = mask.chain(softmax_backward(P, dP, D), S)
+    dsinks = None if mask.sinks is None else mask.sinks.grad(LSE, D)
     hbm.write("dS", programs * n_q * n_k)
 
     hbm.read("dS", programs * n_q * n_k)                      # 4. dQ = dS K * scale
@@ -117,4 +125,4 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
     dK = dS.swapaxes(-1, -2) @ Q * scale
     hbm.write("dK", programs * n_k * d)
     return BackwardResult(dq=to_flash_layout(dQ), dk=sum_over_groups(dK, heads_kv), dv=sum_over_groups(dV, heads_kv),
-                          hbm=hbm, blocks=None, flops=matmul_flops(programs, n_q, n_k, d, products=4))
+                          hbm=hbm, blocks=None, flops=matmul_flops(programs, n_q, n_k, d, products=4), dsinks=dsinks)

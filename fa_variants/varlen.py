@@ -1,0 +1,297 @@
+"""``attention_varlen`` and the mask keywords of ``attention()`` and ``attention_backward()``.
+
+The keywords (reference/masks.py has the conventions, docs/masks.md their sources):
+    window=(left, right)   key j is seen by query i when i + diag - left <= j <= i + diag + right, diag =
+                           seqlen_k - seqlen_q, -1 unbounded (flash-attn's)
+    softcap                scores become softcap tanh(s / softcap) before the softmax (0: none)
+    sinks                  (heads,) one logit per head in every row's denominator, without a value (gpt-oss)
+    alibi_slopes           (heads,) or (batch, heads) float32: bias -slope |i + diag - j|
+    cu_seqlens_q/_k        flash-attn's packed (varlen) layout, int32 cumulative lengths, max_seqlen_q/_k ints
+
+Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
+Then, as of 2026-12-05: the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU
+arrays), and no GPU kernel takes them yet, so a call that would run on the GPU raises NotImplementedError naming
+the argument, before any launch. A window that hides nothing a plain call would not (a side at least the sequence
+long, or (-1, 0), which is causal) runs as that plain call, on the GPU too.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from . import arrays, dispatch, lse_check
+from .reference import dense, masks
+from .reference import varlen as model_varlen
+from .tolerances import LSE_ATOL, LSE_RTOL
+
+SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
+ALIBI_DTYPES = ("float32",)                       # flash-attn's: the slopes are fp32
+CU_SEQLENS_DTYPES = ("int32",)
+NOT_SHIPPED = "on the GPU: not shipped yet; NumPy arrays run the model (backend='numpy' runs it on host copies)"
+
+
+# ------------------------------------------------------------------------------------------------ shared checks
+def is_plain(window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None) -> bool:
+    """Whether a call passes every mask keyword at its default (attention()'s own path). Cheap, checks nothing:
+    anything else, the defaults spelled otherwise included, goes through this module, which checks it."""
+    return (sinks is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
+            and max_seqlen_q is None and max_seqlen_k is None
+            and type(window) is tuple and len(window) == 2 and type(window[0]) is type(window[1]) is int
+            and window == (-1, -1)
+            and type(softcap) in (float, int) and softcap == 0)
+
+
+def _check_scalars(variant, backend, causal, softmax_scale, return_lse, window, softcap):
+    """The scalar arguments, before any array: (backend, scale or None, window, softcap)."""
+    dispatch.check_variant(variant)
+    dispatch.check_backend(backend)
+    scale = arrays.check_scalars(causal, softmax_scale, return_lse)
+    return backend, scale, masks.check_window(window), masks.check_softcap(softcap)
+
+
+def _side_array(name: str, x, inp, dtypes, required=False):
+    """An auxiliary array (sinks, alibi_slopes, cu_seqlens): None, or a host NumPy copy of it, which must live
+    where q does and have one of ``dtypes``."""
+    a = _side_import(name, x, inp, dtypes, required)
+    return None if a is None else np.array(arrays.to_numpy(a))   # a copy: the models never see the caller's memory
+
+
+def _side_import(name: str, x, inp, dtypes, required=False):
+    """``x`` imported as an array of q's library (not copied), checked to live where q does and to have one of
+    ``dtypes``; None for None unless ``required``."""
+    if x is None:
+        if required:
+            raise TypeError(f"{name} is required")
+        return None
+    a, on_gpu, _ = arrays._import_one(name, x)
+    if on_gpu != inp.on_gpu:
+        raise ValueError(f"{name} must be on q's device, got {name} on {'GPU' if on_gpu else 'host'} and q on "
+                         f"{'GPU' if inp.on_gpu else 'host'}")
+    if on_gpu and a.device.id != inp.q.device.id:
+        raise ValueError(f"{name} must be on q's device, got device {a.device.id} and q on {inp.q.device.id}")
+    if arrays.dtype_name(a.dtype) not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {arrays.dtype_name(a.dtype)}")
+    return a
+
+
+def _refuse_autograd(*xs) -> None:
+    """Torch tensors that require grad would lose their graph here: these calls have no autograd op yet."""
+    if any(getattr(x, "requires_grad", False) for x in xs if type(x).__module__.split(".")[0] == "torch"):
+        raise NotImplementedError("window, softcap, sinks, alibi_slopes and varlen under torch autograd: not shipped "
+                                  "yet; call with tensors that do not require grad, and attention_backward for the "
+                                  "gradients")
+
+
+def _runs_on_gpu(inp, backend: str) -> bool:
+    """backend="cuda", or GPU arrays with "auto"; host arrays with "auto" run the model even where a GPU is usable."""
+    return backend == "cuda" or (inp.on_gpu and backend == "auto")
+
+
+def _unshipped(window, softcap, sinks, alibi_slopes) -> str:
+    """The first mask argument a call gives that no kernel takes (its window does not reduce to a plain call)."""
+    given = [("window", window != (-1, -1)), ("softcap", softcap > 0), ("sinks", sinks is not None),
+             ("alibi_slopes", alibi_slopes is not None)]
+    return next(name for name, on in given if on)
+
+
+def _model(direction: str, variant: str, dtype: str, head_dim: int):
+    """The registry entry whose NumPy model runs a masked call; a variant whose model takes no masks (the fp8
+    ones) is refused by name."""
+    entry, _ = dispatch.resolve(direction, variant, dtype, head_dim, False, "numpy")
+    fn = entry.reference if direction == "forward" else entry.reference_backward
+    if "window" not in inspect.signature(fn).parameters:
+        raise NotImplementedError(f"variant {entry.name!r}: its NumPy model takes no window, softcap, sinks, ALiBi "
+                                  f"or varlen; naive, fa1, fa2 and fa3's do (variant='auto' runs fa2's)")
+    return entry
+
+
+def _back(inp, host_arrays, dtypes):
+    """Model results (float64 NumPy) cast to ``dtypes`` and handed back as q's array type (on its device)."""
+    with np.errstate(over="ignore"):   # past float16's range: inf, as a kernel would store it
+        cast = [a.astype(dt) for a, dt in zip(host_arrays, dtypes)]
+    if inp.on_gpu:
+        cast = [arrays.to_cupy(a) for a in cast]
+    return [inp.wrap(a) for a in cast]
+
+
+# ------------------------------------------------------------------------------------------------ forward
+def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, backend, window, softcap, sinks,
+                     alibi_slopes, plain):
+    """``attention()`` with mask keywords (api.attention calls it; ``plain`` is api.attention itself, which runs a
+    window that reduces to a plain call)."""
+    backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, return_lse, window,
+                                                     softcap)
+    inp = arrays.import_arrays(q, k, v)
+    arrays.check_dims(inp.q, inp.k, inp.v)
+    dtype = arrays.common_dtype(inp)
+    arrays.check_layout(dict(q=inp.q, k=inp.k, v=inp.v))
+    batch, seqlen_q, heads, d = inp.q.shape
+    sinks_h = _side_array("sinks", sinks, inp, SINK_DTYPES)
+    slopes_h = _side_array("alibi_slopes", alibi_slopes, inp, ALIBI_DTYPES)
+    masks.check_sinks(sinks_h, heads)
+    masks.check_alibi(slopes_h, heads, batch)
+    reduced = masks.window_as_causal(seqlen_q, inp.k.shape[1], causal, window)
+    if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
+        return plain(q, k, v, variant=variant, causal=reduced, softmax_scale=softmax_scale, return_lse=return_lse,
+                     backend=backend)
+    _refuse_autograd(q, k, v, sinks)
+    if _runs_on_gpu(inp, backend):
+        raise NotImplementedError(f"{_unshipped(window, softcap, sinks, alibi_slopes)} {NOT_SHIPPED}")
+    entry = _model("forward", variant, dtype, d)
+    qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
+    res = entry.reference(qh, kh, vh, causal=bool(causal), softmax_scale=arrays.default_scale(scale, d),
+                          window=window, softcap=softcap, sinks=sinks_h, alibi_slopes=slopes_h)
+    out, lse = _back(inp, (res.out, res.lse), (qh.dtype, np.float32))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, softmax_scale=None,
+                     return_lse=False, variant="auto", backend=None):
+    """Attention over a packed batch of sequences of different lengths (flash-attn's varlen layout).
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_kv, head_dim), heads % heads_kv == 0. Sequence b's
+    queries are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]], its keys and values k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]:
+    int32 arrays of batch + 1 cumulative lengths from 0, non-decreasing (sequences of length 0 allowed), on q's
+    device; max_seqlen_q, max_seqlen_k at least the longest lengths. Each sequence is attended on its own, causal
+    bottom-right per sequence, with ``window``, ``softcap``, ``sinks`` (heads,) and ``alibi_slopes`` (heads,) or
+    (batch, heads) float32 as ``attention()`` takes them. Returns out of q's type, shape and dtype (and lse, float32
+    (heads, total_q), with return_lse); rows that see no key, or lie past cu_seqlens_q[-1], give 0 and lse -inf
+    (with sinks, a row of a sequence without keys has lse = its sink).
+
+    2026-12-05: the NumPy models run it (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
+    with backend "auto" or "cuda" raise NotImplementedError; backend="numpy" runs the model on host copies.
+    ``backend`` None means "auto".
+    """
+    backend, scale, window, softcap = _check_scalars(variant, "auto" if backend is None else backend, causal,
+                                                     softmax_scale, return_lse, window, softcap)
+    inp = arrays.import_arrays(q, k, v)
+    model_varlen.check_packed_dims(inp.q, inp.k, inp.v)
+    dtype = arrays.common_dtype(inp)
+    arrays.check_layout({n: a for n, a in dict(q=inp.q, k=inp.k, v=inp.v).items() if a.size})  # (empty: no strides)
+    bounds, sinks_h, slopes_h = _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+                                              alibi_slopes)
+    _refuse_autograd(q, k, v, sinks)
+    if _runs_on_gpu(inp, backend):
+        raise NotImplementedError(f"varlen (cu_seqlens_q, cu_seqlens_k) {NOT_SHIPPED}")
+    d = inp.q.shape[2]
+    entry = _model("forward", variant, dtype, d)
+    qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
+    res = model_varlen.forward(entry.reference, qh, kh, vh, bounds.cu_q.astype(np.int32),
+                               bounds.cu_k.astype(np.int32), causal=bool(causal),
+                               softmax_scale=arrays.default_scale(scale, d), window=window, softcap=softcap,
+                               sinks=sinks_h, alibi_slopes=slopes_h)
+    out, lse = _back(inp, (res.out, res.lse), (qh.dtype, np.float32))
+    return (out, lse) if return_lse else out
+
+
+def _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, alibi_slopes):
+    """(VarlenBounds, sinks, slopes) of a packed call, every one checked, host NumPy copies."""
+    cu_q = _side_array("cu_seqlens_q", cu_seqlens_q, inp, CU_SEQLENS_DTYPES, required=True)
+    cu_k = _side_array("cu_seqlens_k", cu_seqlens_k, inp, CU_SEQLENS_DTYPES, required=True)
+    bounds = masks.VarlenBounds.of(cu_q, cu_k, inp.q.shape[0], inp.k.shape[0])
+    bounds.check_max(max_seqlen_q, max_seqlen_k)
+    sinks_h = _side_array("sinks", sinks, inp, SINK_DTYPES)
+    slopes_h = _side_array("alibi_slopes", alibi_slopes, inp, ALIBI_DTYPES)
+    masks.check_sinks(sinks_h, inp.q.shape[1])
+    masks.check_alibi(slopes_h, inp.q.shape[1], bounds.batch)
+    return bounds, sinks_h, slopes_h
+
+
+# ------------------------------------------------------------------------------------------------ backward
+def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softmax_scale, backend, check_lse,
+                              window, softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, plain):
+    """``attention_backward()`` with mask keywords or the varlen layout (``plain``: attention_backward itself, for
+    a window that reduces to a plain call). Returns (dq, dk, dv), and dsinks (heads,) in sinks' dtype where sinks
+    are given."""
+    backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, False, window, softcap)
+    if not isinstance(check_lse, (bool, np.bool_)):
+        raise TypeError(f"check_lse must be a bool, got {type(check_lse).__name__}")
+    packed = not (cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None)
+    inp = arrays.import_arrays(q, k, v)
+    saved = {n: _side_import(n, x, inp, (arrays.dtype_name(inp.q.dtype),) if n != "lse" else ("float32",),
+                             required=True) for n, x in (("dout", dout), ("out", out), ("lse", lse))}
+    if packed:
+        model_varlen.check_packed_dims(inp.q, inp.k, inp.v)
+    else:
+        arrays.check_dims(inp.q, inp.k, inp.v)
+    dtype = arrays.common_dtype(inp)
+    arrays.check_layout({n: a for n, a in dict(q=inp.q, k=inp.k, v=inp.v).items() if a.size})
+    heads, d = inp.q.shape[-2], inp.q.shape[-1]
+    lse_shape = (heads, inp.q.shape[0]) if packed else (inp.q.shape[0], heads, inp.q.shape[1])
+    _check_saved(saved, tuple(inp.q.shape), lse_shape, "(heads, total_q)" if packed else "(batch, heads, seqlen_q)")
+    if packed:
+        bounds, sinks_h, slopes_h = _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  sinks, alibi_slopes)
+    else:
+        bounds = None
+        sinks_h = _side_array("sinks", sinks, inp, SINK_DTYPES)
+        slopes_h = _side_array("alibi_slopes", alibi_slopes, inp, ALIBI_DTYPES)
+        masks.check_sinks(sinks_h, heads)
+        masks.check_alibi(slopes_h, heads, inp.q.shape[0])
+        reduced = masks.window_as_causal(inp.q.shape[1], inp.k.shape[1], causal, window)
+        if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
+            return plain(dout, q, k, v, out, lse, variant=variant, causal=reduced, softmax_scale=softmax_scale,
+                         backend=backend, check_lse=check_lse)
+    if _runs_on_gpu(inp, backend):
+        what = "varlen (cu_seqlens_q, cu_seqlens_k)" if packed else _unshipped(window, softcap, sinks, alibi_slopes)
+        raise NotImplementedError(f"{what} {NOT_SHIPPED}")
+    entry = _model("backward", variant, dtype, d)
+    qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
+    saved = {n: arrays.to_numpy(a) for n, a in saved.items()}
+    kw = dict(causal=bool(causal), softmax_scale=arrays.default_scale(scale, d), window=window, softcap=softcap,
+              sinks=sinks_h, alibi_slopes=slopes_h)
+    if check_lse:
+        _check_lse(qh, kh, saved["lse"], bounds, kw)
+    if packed:
+        res = model_varlen.backward(entry.reference_backward, saved["dout"], qh, kh, vh, saved["out"], saved["lse"],
+                                    bounds.cu_q.astype(np.int32), bounds.cu_k.astype(np.int32), **kw)
+    else:
+        res = entry.reference_backward(saved["dout"], qh, kh, vh, saved["out"], saved["lse"], **kw)
+    grads = [res.dq, res.dk, res.dv] + ([] if sinks_h is None else [res.dsinks])
+    dtypes = [qh.dtype, kh.dtype, vh.dtype] + ([] if sinks_h is None else [sinks_h.dtype])
+    return tuple(_back(inp, grads, dtypes))
+
+
+def _check_saved(saved: dict, q_shape: tuple, lse_shape: tuple, lse_text: str) -> None:
+    for n in ("dout", "out"):
+        if tuple(saved[n].shape) != q_shape:
+            raise ValueError(f"{n} must have q's shape {q_shape}, got {tuple(saved[n].shape)}")
+    if tuple(saved["lse"].shape) != lse_shape:
+        raise ValueError(f"lse must have shape {lse_text} = {lse_shape}, got {tuple(saved['lse'].shape)}")
+
+
+def _check_lse(q, k, lse, bounds, kw) -> None:
+    """A ValueError when the forward's ``lse`` cannot come from these masks: a few rows of a few (sequence, head)
+    pairs recomputed with the dense reference (lse_check's rows and pairs). Host arrays only (the NumPy models
+    made it, in float64, then rounded to float32): a genuine match is within LSE_ATOL + LSE_RTOL |lse|."""
+    scale = kw["softmax_scale"]
+    mask_kw = {n: kw[n] for n in ("causal", "window", "softcap", "sinks")}
+    if bounds is None:
+        problems = [(q, k, lse, kw["alibi_slopes"], lse_check.pairs_to_check(q.shape[0], q.shape[2]))]
+    else:
+        seqs = [s for s in bounds.sequences() if s[1].stop > s[1].start and s[2].stop > s[2].start]
+        picks = lse_check.pairs_to_check(len(seqs), 1) if seqs else []
+        slopes = kw["alibi_slopes"]
+        problems = [(q[None, seqs[i][1]], k[None, seqs[i][2]], lse[None, :, seqs[i][1]],
+                     None if slopes is None else slopes[seqs[i][0] if slopes.shape[0] > 1 else 0],
+                     lse_check.pairs_to_check(1, q.shape[1])) for i, _ in picks]
+    for qq, kk, given, slopes, pairs in problems:
+        rows = lse_check.rows_to_check(qq.shape[1], kk.shape[1])
+        _, mine = dense.attention64(qq, kk, kk, scale=scale, pairs=pairs, alibi_slopes=slopes, **mask_kw)
+        got = np.stack([given[b, h, rows] for b, h in pairs]).astype(np.float64)
+        mine = mine[:, rows]
+        why = None
+        if (np.isneginf(got) != np.isneginf(mine)).any():
+            why = "a row that sees no key under one sees keys under the other"
+        else:
+            both = np.isfinite(got) & np.isfinite(mine)
+            diff = np.abs(got[both] - mine[both])
+            if (diff > LSE_ATOL + LSE_RTOL * np.abs(mine[both])).any():
+                why = f"a row's lse differs by {diff.max():.3g}"
+        if why:
+            raise ValueError(f"lse does not match these causal, window, softcap, sinks, alibi_slopes and "
+                             f"softmax_scale: {why}. Pass the arguments of the forward that returned out and lse")
