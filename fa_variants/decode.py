@@ -136,7 +136,8 @@ def merge_states(out_a, lse_a, out_b=None, lse_b=None):
     if outs.ndim not in STACKED:
         raise ValueError(f"outs must be stacked states {STACKED[5].out} or {STACKED[4].out}, got shape "
                          f"{outs.shape}; for two states: merge_states(out_a, lse_a, out_b, lse_b)")
-    return _merge(outs, lses, "lses", STACKED[outs.ndim], STATE_AXIS[outs.ndim])
+    return _merge(outs, lses, "lses", STACKED[outs.ndim], STATE_AXIS[outs.ndim],
+                  hint="; for two states: merge_states(out_a, lse_a, out_b, lse_b)")
 
 
 def _check_states(outs: dict, lses: dict) -> None:
@@ -173,11 +174,12 @@ def _merge_list(outs: list, lses: list, out_names: list, lse_names: list):
     return _merge(np.stack(outs), np.stack(lses), lse_names[0], stacked, 0)
 
 
-def _merge(outs, lses, lse_name: str, layout: _Layout, state_axis: int):
+def _merge(outs, lses, lse_name: str, layout: _Layout, state_axis: int, hint: str = ""):
     """The model's merge on states stacked along ``state_axis`` of outs; lses' axes are ``layout.lse_axes``."""
     want = tuple(outs.shape[i] for i in layout.lse_axes)
     if lses.shape != want:
-        raise ValueError(f"{lse_name} must have shape {layout.lse} = {want} for outs {layout.out}, got {lses.shape}")
+        raise ValueError(f"{lse_name} must have shape {layout.lse} = {want} for outs {layout.out}, got "
+                         f"{lses.shape}{hint}")
     in_out_order = lses.transpose(np.argsort(layout.lse_axes))            # lse's axes in out's order
     out, lse = model.merge(np.moveaxis(outs, state_axis, 0), np.moveaxis(in_out_order, state_axis, 0))
     rest = [a - (a > state_axis) for a in layout.lse_axes if a != state_axis]   # back to lse's layout
