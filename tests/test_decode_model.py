@@ -197,7 +197,7 @@ def test_gqa_packing_reads_each_kv_byte_once(rng):
 
 # ------------------------------------------------------------------------------------------------ split rule
 @pytest.mark.parametrize("batch,heads_kv,seqlen_k,expected", [
-    (1, 8, 131072, 14),    # 8 programs: 14 splits -> 112 CTAs (0.85 of a wave), the fewest near the best
+    (1, 8, 131072, 16),    # 8 programs: 16 splits -> 128 CTAs (0.97 of a wave); 14 (0.85) is too far from it
     (1, 8, 8192, 16),      # 64 blocks: 16 splits -> 128 CTAs
     (4, 8, 131072, 4),     # 32 programs -> 128 CTAs
     (8, 8, 8192, 2),       # 64 programs -> 128 CTAs
@@ -255,3 +255,34 @@ def test_model_refuses_bad_block_and_splits(rng):
                     (dict(num_splits=True), TypeError)]:
         with pytest.raises(err):
             model.forward(q, cache.k_cache, cache.v_cache, cache_seqlens=3, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ explain decode
+def _explain(capsys, *flags):
+    from fa_variants import cli
+    rc = cli.main(["explain", "decode", *flags])
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [[], ["--batch", "3", "--seqlen", "1000", "--seqlen-q", "4", "--page-size", "7",
+                                        "--heads", "16", "--heads-kv", "2", "--head-dim", "32", "--splits", "5"]])
+def test_explain_decode_counts_match_the_closed_form(capsys, flags):
+    rc, out = _explain(capsys, *flags)
+    assert rc == 0
+    table = out[out.index("Bytes of one call"):out.index("The merge.")]
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] and line.split()[0] in
+            (*model.TENSORS, "total")]
+    assert len(rows) >= 6 and rows[-1][0] == "total"
+    assert all(r[-1] == r[-2] for r in rows), table             # counted == closed form, tensor by tensor
+    assert "Why split" in out and "LSE = log sum_s e^(LSE_s)" in out
+    chosen = [line for line in out.splitlines() if line.startswith("->")]
+    assert len(chosen) == 1 and chosen[0].split()[1] == ("5" if flags else "8")
+
+
+@pytest.mark.parametrize("flags,words", [(["--heads", "6", "--heads-kv", "4"], "must be a multiple of --heads-kv"),
+                                         (["--splits", "300"], "--splits: num_splits must be 0"),
+                                         (["--seqlen", "40000000"], "too many for the NumPy model")])
+def test_explain_decode_refuses_bad_flags(capsys, flags, words):
+    with pytest.raises(SystemExit) as info:
+        _explain(capsys, *flags)
+    assert words in str(info.value)
