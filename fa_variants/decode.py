@@ -15,7 +15,7 @@ from . import arrays
 from .reference import decode as model
 from .reference.common import is_float_dtype
 
-DTYPES = ("float16", "bfloat16")     # q's dtypes; the cache has q's dtype or float8_e4m3fn
+DTYPES = ("float16", "bfloat16")     # q's dtypes
 VARIANTS = ("auto", "decode")
 BACKENDS = (None, "auto", "numpy", "cuda")
 OPTIONAL = ("page_table", "k", "v", "k_descale", "v_descale")
@@ -68,7 +68,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     _check_placement("attention_with_kvcache", named, backend, optional=("cache_seqlens", *OPTIONAL))
     arrays.check_scalars(causal, softmax_scale, return_lse)
     if q.dtype.name not in DTYPES:
-        raise TypeError(f"q must be one of {list(DTYPES)}, got {q.dtype}")
+        raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {q.dtype}")
     res = model.forward(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v,
                         causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, k_descale=k_descale,
                         v_descale=v_descale)

@@ -24,6 +24,8 @@ from .arrays import refuse_masked
 from .reference.common import is_float_dtype
 
 FP8_CACHE_DTYPE = "float8_e4m3fn"
+CONTIGUOUS = "(batch_cache, seqlen_cache, heads_kv, head_dim)"
+PAGED = "(num_pages, page_size, heads_kv, head_dim)"
 INDEX_DTYPE = np.int32
 
 
@@ -90,7 +92,7 @@ def _index_array(name: str, x, shape: tuple, layout: str) -> np.ndarray:
 
 def _check_caches(q, k_cache, v_cache, paged: bool):
     """(batch, seqlen_q, heads, heads_kv, head_dim) after the rank, size, dtype and head checks."""
-    layout = "(num_pages, page_size, heads_kv, head_dim)" if paged else "(batch_cache, seqlen_cache, heads_kv, head_dim)"
+    layout = PAGED if paged else CONTIGUOUS
     q = _float_array("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
     k_cache = _float_array("k_cache", k_cache, 4, layout)
     v_cache = _float_array("v_cache", v_cache, 4, layout)

@@ -72,14 +72,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _why_split(batch: int, heads: int, heads_kv: int, sms: int) -> str:
     packed = batch * heads_kv
-    return textwrap.fill(f"Why split. The prefill kernels run one CTA per (batch, query head, Q block): {batch * heads} CTAs "
-            f"here, each walking the whole cache; GQA packing makes it one per (batch, KV head): {packed}. On "
-            f"{sms} SMs that is {min(1.0, packed / sms):.0%} of the SMs busy, and a CTA streams the cache at what one "
-            f"SM's loads in flight allow, so the card's read rate is out of reach however long the cache. Measured "
-            f"2026-12-05 on an H100 (one run; GB/s of K and V, 32:8 heads, d 128): fa3's prefill kernel with "
-            f"seqlen_q 1 read a 128K cache at 508 GB/s at batch 1 (32 CTAs) and 2038 GB/s at batch 4 (128 CTAs); "
-            f"cuDNN 2787 and 3023. Cutting each cache into S splits makes {packed} x S CTAs; the price is the "
-            f"partial results (O_s, LSE_s in fp32) written and read back by the merge.", WIDTH)
+    return textwrap.fill(
+        f"Why split. The prefill kernels run one CTA per (batch, query head, Q block): {batch * heads} CTAs here, "
+        f"each walking the whole cache; GQA packing makes it one per (batch, KV head): {packed}. On {sms} SMs that "
+        f"is {min(1.0, packed / sms):.0%} of the SMs busy, and a CTA streams the cache at what one SM's loads in "
+        f"flight allow, so the card's read rate is out of reach however long the cache. Measured 2026-12-05 on an "
+        f"H100 (one run; GB/s of K and V, 32:8 heads, d 128): fa3's prefill kernel with seqlen_q 1 read a 128K "
+        f"cache at 508 GB/s at batch 1 (32 CTAs) and 2038 GB/s at batch 4 (128 CTAs); cuDNN 2787 and 3023. "
+        f"Cutting each cache into S splits makes {packed} x S CTAs; the price is the partial results (O_s, LSE_s "
+        f"in fp32) written and read back by the merge.", WIDTH)
 
 
 def _splits_table(batch, heads, heads_kv, nq, n, d, sms, chosen, kv_bytes) -> str:
@@ -90,8 +91,8 @@ def _splits_table(batch, heads, heads_kv, nq, n, d, sms, chosen, kv_bytes) -> st
         ctas = batch * heads_kv * s
         partials = 2 * s * batch * nq * heads * (d + 1) * model.PARTIAL_BYTES if s > 1 else 0
         per_split = math.ceil(blocks / s) * model.DEFAULT_BLOCK_N
-        rows.append(("->" if s == chosen else "", s, ctas, f"{ctas / sms:.2f}", f"{model.wave_efficiency(ctas, sms):.0%}",
-                     min(per_split, n), f"{partials / kv:.2%}" if kv else "-"))
+        rows.append(("->" if s == chosen else "", s, ctas, f"{ctas / sms:.2f}",
+                     f"{model.wave_efficiency(ctas, sms):.0%}", min(per_split, n), f"{partials / kv:.2%}"))
     table = tabulate(rows, headers=("", "splits", "CTAs", "waves", "last-wave fill", "keys per split",
                                     "merge bytes / K,V bytes"), colalign=("left",) + ("right",) * 6)
     return textwrap.fill(f"What the split count buys (num_splits=0: the fewest splits within {model.NEAR_BEST:.0%} of "
@@ -123,10 +124,12 @@ def _bytes_table(args: argparse.Namespace, splits: int) -> str:
     total_f, total_c = sum(formula.values()), sum(counted.values())
     rows.append(("total", "", f"{total_f:,}", f"{total_c:,}"))
     kv = formula[("k_cache", "read")] + formula[("v_cache", "read")]
-    head = textwrap.fill(f"Bytes of one call with {splits} split{'s' * (splits > 1)} (the NumPy model's count, run once "
-                         f"on random values, beside the closed form reference/decode.py:traffic_formula; metadata not "
-                         f"counted):", WIDTH)
-    return (head + "\n" + tabulate(rows, headers=("tensor", "", "closed form", "counted"), colalign=("left", "left", "right", "right"))
+    head = textwrap.fill(f"Bytes of one call with {splits} split{'s' * (splits > 1)} (the NumPy model's count, run "
+                         f"once on random values, beside the closed form reference/decode.py:traffic_formula; "
+                         f"metadata not counted):", WIDTH)
+    table = tabulate(rows, headers=("tensor", "", "closed form", "counted"),
+                     colalign=("left", "left", "right", "right"))
+    return (head + "\n" + table
             + "\n" + textwrap.fill(f"K and V read once each: {kv / total_f:.1%} of the bytes (GQA packing: the "
                                    f"{heads // heads_kv} query heads of a KV head share its reads; unpacked, K and V "
                                    f"would be read {heads // heads_kv} times)", WIDTH))
