@@ -19,6 +19,7 @@ DTYPES = ("float16", "bfloat16")     # q's dtypes
 VARIANTS = ("auto", "decode")
 BACKENDS = (None, "auto", "numpy", "cuda")
 OPTIONAL = ("page_table", "k", "v", "k_descale", "v_descale")
+STREAMED = ("q", "k_cache", "v_cache", "k", "v")   # contiguous in their last dimension, as the kernels read them
 NO_GPU_KERNEL = ("has no GPU kernel yet (2026-12-05: the NumPy model only, on NumPy arrays); nothing was read, "
                  "appended or launched")
 
@@ -69,6 +70,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     arrays.check_scalars(causal, softmax_scale, return_lse)
     if q.dtype.name not in DTYPES:
         raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {q.dtype}")
+    arrays.check_layout({n: x for n, x in named.items() if n in STREAMED and x is not None})
     res = model.forward(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v,
                         causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, k_descale=k_descale,
                         v_descale=v_descale)

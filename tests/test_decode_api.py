@@ -165,6 +165,8 @@ MISUSE = {
     "return_lse not a bool": (lambda kw, rng: dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
     "variant unknown": (lambda kw, rng: dict(variant="fa2"), ValueError, "variant must be one of ['auto', 'decode']"),
     "backend unknown": (lambda kw, rng: dict(backend="gpu"), ValueError, "backend must be one of"),
+    "strided head_dim": (lambda kw, rng: dict(k_cache=np.repeat(kw["k_cache"], 2, axis=3)[..., ::2]), ValueError,
+                         "k_cache must be contiguous in its last dimension"),
     "a list for q": (lambda kw, rng: dict(q=kw["q"].tolist()), TypeError, "q must be a NumPy array"),
     "a masked cache": (lambda kw, rng: dict(k_cache=np.ma.masked_array(kw["k_cache"])), TypeError,
                        "masked array"),

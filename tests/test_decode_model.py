@@ -37,7 +37,7 @@ def run_case(rng, *, batch, lengths, seqlen_q, heads, heads_kv, d=16, page_size=
     return res
 
 
-@pytest.mark.parametrize("length", [1, 37, 4097])
+@pytest.mark.parametrize("length", [0, 1, 37, 4097])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 def test_odd_cache_lengths(rng, length, num_splits):
     run_case(rng, batch=1, lengths=[length], seqlen_q=1, heads=2, heads_kv=1, num_splits=num_splits, block_n=128)
