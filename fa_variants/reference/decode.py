@@ -69,9 +69,11 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     whole blocks make some counts add a CTA without shortening any split). The rule returns the smallest eligible
     s whose efficiency is within NEAR_BEST (95 %) of the best eligible one: fewer splits, fewer partials to merge.
 
-    flash-attn's num_splits_heuristic is this rule with 85 %; at batch 1, 8 KV heads and 128K tokens it takes 14
-    splits (112 CTAs: 15 % of the SMs idle) where 95 % takes 16 (128 CTAs). A decoding step is bound by its reads,
-    and the 2 extra splits' partials add 0.01 % to them, so the idle SMs cost more than the splits.
+    flash-attn's num_splits_heuristic is this rule with 85 %, over its programs (one per query head) and twice the
+    SMs (two of its 128-thread CTAs per SM; a kernel that keeps k CTAs per SM passes num_sms * k here). With 85 %,
+    batch 1, 8 KV heads and 128K tokens would take 14 splits (112 CTAs: 15 % of the SMs idle) where 95 % takes 16
+    (128 CTAs). A decoding step is bound by its reads, and the 2 extra splits' partials add 0.01 % to them, so the
+    idle SMs cost more than the splits.
     """
     programs = batch * heads_kv
     n_blocks = -(-seqlen_k // block_n)
