@@ -18,11 +18,13 @@ arrays, plans, gpu, jit at the bottom.
 from . import fp8
 from .api import attention, clear_plans
 from .backward import attention_backward
+from .decode import attention_with_kvcache, merge_states
 from .dispatch import BackendUnavailable, explain_choice
 from .jit import CompileError
 from .registry import Variant, get, variants
 from .varlen import attention_varlen
 
 __all__ = ["attention", "attention_backward", "explain_choice", "variants", "get", "Variant", "CompileError",
-           "BackendUnavailable", "fp8", "clear_plans", "attention_varlen"]
+           "BackendUnavailable", "fp8", "clear_plans", "attention_varlen",
+           "attention_with_kvcache", "merge_states"]
 __version__ = "0.1.0"
