@@ -24,6 +24,10 @@ NO_GPU_KERNEL = ("has no GPU kernel yet (2026-12-05: the NumPy model only, on Nu
                  "appended or launched")
 
 
+def _on_gpu(*xs) -> bool:
+    return any(x is not None and arrays._claims_gpu(x) for x in xs)
+
+
 def _check_placement(func: str, named: dict, backend, optional: tuple = ()) -> None:
     """NumPy arrays only, and not backend="cuda": NotImplementedError for GPU arrays (before anything else is
     looked at), TypeError for the rest. The names in ``optional`` may be None."""
@@ -64,10 +68,22 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    scale = arrays.check_scalars(causal, softmax_scale, return_lse)
+    if _on_gpu(q, k_cache, v_cache) or backend == "cuda":
+        if backend == "numpy":
+            raise ValueError("backend='numpy' runs the NumPy model on NumPy arrays; q, k_cache, v_cache are on the "
+                             "GPU")
+        if getattr(q, "dtype", None) is not None and str(q.dtype).removeprefix("torch.") not in DTYPES:
+            raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {q.dtype}")
+        from . import decode_cuda
+        head_dim = q.shape[-1] if getattr(q, "ndim", 0) == 4 else 1
+        return decode_cuda.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v, causal=bool(causal),
+            softmax_scale=arrays.default_scale(scale, head_dim), num_splits=model.check_num_splits(num_splits),
+            return_lse=bool(return_lse), k_descale=k_descale, v_descale=v_descale)
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=None if np.isscalar(cache_seqlens) else
                  cache_seqlens, page_table=page_table, k=k, v=v, k_descale=k_descale, v_descale=v_descale)
     _check_placement("attention_with_kvcache", named, backend, optional=("cache_seqlens", *OPTIONAL))
-    arrays.check_scalars(causal, softmax_scale, return_lse)
     if q.dtype.name not in DTYPES:
         raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {q.dtype}")
     arrays.check_layout({n: x for n, x in named.items() if n in STREAMED and x is not None})
@@ -119,6 +135,14 @@ def merge_states(out_a, lse_a, out_b=None, lse_b=None):
     is zeros and -inf, never NaN; a NaN LSE gives a NaN row. 2026-12-05: NumPy arrays (the model, in float64);
     GPU arrays raise NotImplementedError.
     """
+    members = [y for x in (out_a, lse_a) for y in (x if isinstance(x, (list, tuple)) else [x])]
+    if _on_gpu(*members, out_b, lse_b):
+        from . import decode_cuda
+        if out_b is not None:
+            return decode_cuda.merge_states([out_a, out_b], [lse_a, lse_b], stacked=False)
+        listed = isinstance(out_a, (list, tuple))
+        return decode_cuda.merge_states(list(out_a) if listed else out_a, list(lse_a) if listed else lse_a,
+                                        stacked=not listed)
     if (out_b is None) != (lse_b is None):
         given, missing = ("out_b", "lse_b") if lse_b is None else ("lse_b", "out_b")
         raise TypeError(f"merge_states takes (out_a, lse_a, out_b, lse_b) or (outs, lses): got {given} without "

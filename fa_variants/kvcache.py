@@ -139,14 +139,14 @@ def _check_new(k, v, k_cache, v_cache, batch: int, heads_kv: int, d: int) -> int
     return k.shape[1]
 
 
-def _check_lengths(cache_seqlens, batch: int) -> np.ndarray:
+def _check_lengths(cache_seqlens, batch: int, values_known: bool = True) -> np.ndarray:
     if isinstance(cache_seqlens, (numbers.Integral, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
         lengths = np.full(batch, int(cache_seqlens), np.int64)
     elif not isinstance(cache_seqlens, np.ndarray):
         raise TypeError(f"cache_seqlens must be an int or an int32 array (batch,), got {type(cache_seqlens).__name__}")
     else:
         lengths = _index_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
-    if (lengths < 0).any():
+    if values_known and (lengths < 0).any():
         b = int(np.argmax(lengths < 0))
         raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths[b])} for sequence {b}")
     return lengths
@@ -188,7 +188,7 @@ def _check_pages(page_table: np.ndarray, lengths: np.ndarray, seqlen_new: int, p
                              f"sequence")
 
 
-def _check_descale(name: str, x, fp8: bool, batch: int, heads_kv: int) -> np.ndarray | None:
+def _check_descale(name: str, x, fp8: bool, batch: int, heads_kv: int, values_known: bool = True) -> np.ndarray | None:
     if x is None:
         return None
     if not fp8:
@@ -199,15 +199,21 @@ def _check_descale(name: str, x, fp8: bool, batch: int, heads_kv: int) -> np.nda
     if x.shape != (batch, heads_kv):
         raise ValueError(f"{name} must have shape (batch, heads_kv) = {(batch, heads_kv)}, got {x.shape}")
     bad = ~(np.isfinite(x) & (x > 0))
-    if bad.any():
+    if values_known and bad.any():
         raise ValueError(f"{name} must be finite and > 0 (a dequantization factor), got {x[bad][0]} at "
                          f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
     return x.astype(np.float64)
 
 
 def check_call(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, k_descale=None,
-               v_descale=None) -> CacheCall:
-    """Every check of the arrays of an ``attention_with_kvcache`` call, before anything is read or written."""
+               v_descale=None, device_values: tuple = ()) -> CacheCall:
+    """Every check of the arrays of an ``attention_with_kvcache`` call, before anything is read or written.
+
+    ``device_values``: the names among cache_seqlens, page_table, k_descale, v_descale whose values live on the
+    GPU. The arrays passed for them are stand-ins (``stand_in``) whose shape and dtype are checked and whose
+    values are not: reading them would cost a device synchronization each step and break CUDA-graph capture,
+    so the kernels guard those values instead (kv_append.cu writes no row outside the cache, decode_fwd.cu turns
+    a sequence that does not fit its cache, or names a page outside it, into NaN rows)."""
     paged = page_table is not None
     batch, seqlen_q, heads, heads_kv, d = _check_caches(q, k_cache, v_cache, paged)
     seqlen_new = _check_new(k, v, k_cache, v_cache, batch, heads_kv, d)
@@ -223,15 +229,24 @@ def check_call(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v
                                                              f"{page_size} tokens)")
     else:
         capacity, where = k_cache.shape[1], "k_cache (seqlen_cache)"
-    lengths = _check_lengths(cache_seqlens, batch)
-    _check_room(lengths, seqlen_new, capacity, where)
-    if paged:
-        _check_pages(page_table, lengths, seqlen_new, page_size, k_cache.shape[0])
+    lengths = _check_lengths(cache_seqlens, batch, "cache_seqlens" not in device_values)
+    if "cache_seqlens" not in device_values:
+        _check_room(lengths, seqlen_new, capacity, where)
+        if paged and "page_table" not in device_values:
+            _check_pages(page_table, lengths, seqlen_new, page_size, k_cache.shape[0])
     fp8 = k_cache.dtype == np.dtype(FP8_CACHE_DTYPE)
+    descale = {name: _check_descale(name, x, fp8, batch, heads_kv, name not in device_values)
+               for name, x in (("k_descale", k_descale), ("v_descale", v_descale))}
     return CacheCall(batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=d,
                      cache_seqlens=lengths, seqlen_new=seqlen_new, capacity=capacity, page_table=page_table,
-                     page_size=page_size, k_descale=_check_descale("k_descale", k_descale, fp8, batch, heads_kv),
-                     v_descale=_check_descale("v_descale", v_descale, fp8, batch, heads_kv))
+                     page_size=page_size, **descale)
+
+
+def stand_in(shape: tuple, dtype) -> np.ndarray:
+    """A writeable NumPy array of ``shape`` and ``dtype`` that owns one element (every stride 0): what
+    ``check_call`` is given for a GPU array, whose shape and dtype it checks without reading it."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=tuple(shape), strides=(0,) * len(shape),
+                                           writeable=True)
 
 
 def append(call: CacheCall, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:

@@ -26,7 +26,9 @@
 // A query range is passed as (tile origin, warp offset) where the kernels formed the sum inside the test: formed in
 // the caller, NVVM ordered the operands of the test otherwise and the machine code changed.
 //
-// CausalMask, the one policy today: the seqlen_k tail (keys >= seqlen_k in the block that straddles it) and,
+// PackedCausalMask (the end of this file) is decoding's: the same questions for GQA-packed rows.
+//
+// CausalMask, the prefill kernels' policy: the seqlen_k tail (keys >= seqlen_k in the block that straddles it) and,
 // with causal, the bottom-right aligned diagonal: query i sees key j iff j <= i + seqlen_k - seqlen_q (the
 // flash-attn >= 2.1 convention when seqlen_q != seqlen_k).
 #pragma once
@@ -121,6 +123,38 @@ struct CausalMask {
     template <int MT, int NT>
     __forceinline__ __device__ void apply_if_needed(float (&s)[MT][NT][4], int m0, int row0, int key0) const {
         if_needs_mask<16 * MT, 8 * NT>(m0, row0, key0, [&] { apply<true>(s, m0 + row0, key0); });
+    }
+};
+
+// Decoding's policy (decode_fwd.cu): a tile's rows are query tokens packed with the query heads that share one KV
+// head (GQA packing: row r is token r / group), and a CTA's keys end where its split does (key_end <= seqlen_k).
+// Row r sees key j iff j < key_end and, with causal, j <= r / group + diag (bottom-right within the sequence).
+struct PackedCausalMask {
+    int key_end;
+    int diag;     // seqlen_k - seqlen_q
+    int group;    // rows per query token
+    bool causal;
+
+    // some key of [k0, k0 + KEYS) is hidden from some row >= r0 (the first row's token sees the fewest keys)
+    template <int KEYS>
+    __forceinline__ __device__ bool needs_mask(int r0, int k0) const {
+        return k0 + KEYS > key_end || (causal && k0 + KEYS - 1 > r0 / group + diag);
+    }
+    __forceinline__ __device__ bool visible(int row, int key) const {
+        return key < key_end && !(causal && key > row / group + diag);
+    }
+    // a warp's scores (softmax.cuh's fragment layout), rows from row0, keys from key0: hidden ones to -inf
+    template <int MT, int NT>
+    __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!visible(row0 + mt * 16 + g + 8 * (e / 2), key0 + nt * 8 + 2 * t + (e % 2)))
+                        s[mt][nt][e] = neg_inf();
     }
 };
 

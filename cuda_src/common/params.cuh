@@ -114,6 +114,68 @@ struct QuantParams {
     int q_items, k_items;     // quantize_qk_amax's CTAs of Q's row blocks and of K's; V's amax chunks follow
 };
 
+// Decoding over a KV cache (decode_fwd.cu, kv_append.cu). The cache is contiguous, (batch_cache, seqlen_cache,
+// heads_kv, head_dim), or paged, (num_pages, page_size, heads_kv, head_dim) with page_table; its elements are 16-bit
+// (q's format) or e4m3. Strides in elements of their own tensor. Sequence b holds cache_seqlens[b] + seqlen_new keys
+// once the call's new ones are appended; a sequence whose length or pages fall outside the cache is never read or
+// written past it, and its rows come out NaN (the host checks what it can see before a launch).
+struct DecodeParams {
+    const u16* q;                // (batch, seqlen_q, heads, head_dim)
+    const void* k;               // the cache
+    const void* v;
+    const int* cache_seqlens;    // (batch,) keys before this call's append
+    const int* page_table;       // (batch, max_pages); null: contiguous
+    const float* k_descale;      // (batch, heads_kv) for an e4m3 cache; null: 1
+    const float* v_descale;
+    u16* o;                      // (batch, seqlen_q, heads, head_dim) strides o_b, o_n, o_h: one split's output
+    float* lse;                  // (batch, heads, seqlen_q); null: not written
+    float* o_part;               // (num_splits, batch, seqlen_q, heads, head_dim) fp32, normalized per split
+    float* lse_part;             // (num_splits, batch, heads, seqlen_q)
+    i64 q_b, q_n, q_h;
+    i64 k_b, k_n, k_h;           // k_b: stride of the cache's first axis (a sequence's or a page's)
+    i64 v_b, v_n, v_h;
+    i64 o_b, o_n, o_h;
+    int batch, seqlen_q, heads, heads_kv, group, head_dim;
+    int seqlen_new;              // keys appended by this call
+    int capacity;                // keys one sequence can hold: seqlen_cache, or max_pages * page_size
+    int page_size, max_pages, num_pages;
+    int num_splits;
+    int row_tiles;               // Q tiles per (batch, KV head): ceil(seqlen_q * group / rows per tile)
+    float scale_log2;            // softmax_scale * log2(e)
+    int causal;                  // bottom-right within each sequence
+};
+
+// The in-place append of a call's new keys and values (kv_append.cu): k, v (batch, seqlen_new, heads_kv, head_dim)
+// into the cache at rows cache_seqlens[b] .. + seqlen_new, in the cache's element type.
+struct AppendParams {
+    const void* k;
+    const void* v;
+    void* k_cache;
+    void* v_cache;
+    const int* cache_seqlens;
+    const int* page_table;
+    i64 kn_b, kn_n, kn_h;        // k's strides
+    i64 vn_b, vn_n, vn_h;
+    i64 k_b, k_n, k_h;           // the caches'
+    i64 v_b, v_n, v_h;
+    int batch, seqlen_new, heads_kv, head_dim;
+    int capacity, page_size, max_pages, num_pages;
+};
+
+// merge_states.cu: n attention states over disjoint key sets -> one. State s of row (b, n, h): out_s at
+// o_parts + s*p_s + b*p_b + n*p_n + h*p_h (head_dim values), lse_s at lse_parts + s*l_s + b*l_b + h*l_h + n*l_n.
+// The result: out + b*o_b + n*o_n + h*o_h, lse (batch, heads, seqlen) contiguous (null: not written).
+struct MergeParams {
+    const void* o_parts;
+    const void* lse_parts;
+    void* out;
+    void* lse;
+    i64 p_s, p_b, p_n, p_h;
+    i64 l_s, l_b, l_h, l_n;
+    i64 o_b, o_n, o_h;
+    int states, batch, seqlen, heads, head_dim;
+};
+
 // The head-dim padding copy (pad_head_dim.cu): a (batch, seqlen, heads, head_dim) tensor with any strides into a
 // contiguous one whose rows are `width` elements, zeros past head_dim.
 struct PadParams {

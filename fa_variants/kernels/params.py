@@ -121,7 +121,27 @@ QUANT = ParamStruct("QuantParams", (
     *_fields("heads heads_kv seqlen_q seqlen_k seqlen_k_pad q_items k_items", "int"),
 ))
 
-STRUCTS = (FWD, FA3_FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT)
+DECODE = ParamStruct("DecodeParams", (
+    *_fields("q k v cache_seqlens page_table k_descale v_descale o lse o_part lse_part", "ptr"),
+    *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h", "i64"),
+    *_fields("batch seqlen_q heads heads_kv group head_dim seqlen_new capacity page_size max_pages num_pages "
+             "num_splits row_tiles", "int"),
+    ("scale_log2", "float"), ("causal", "int"),
+))
+
+APPEND = ParamStruct("AppendParams", (
+    *_fields("k v k_cache v_cache cache_seqlens page_table", "ptr"),
+    *_fields("kn_b kn_n kn_h vn_b vn_n vn_h k_b k_n k_h v_b v_n v_h", "i64"),
+    *_fields("batch seqlen_new heads_kv head_dim capacity page_size max_pages num_pages", "int"),
+))
+
+MERGE = ParamStruct("MergeParams", (
+    *_fields("o_parts lse_parts out lse", "ptr"),
+    *_fields("p_s p_b p_n p_h l_s l_b l_h l_n o_b o_n o_h", "i64"),
+    *_fields("states batch seqlen heads head_dim", "int"),
+))
+
+STRUCTS = (FWD, FA3_FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT, DECODE, APPEND, MERGE)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 

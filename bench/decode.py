@@ -1,0 +1,162 @@
+"""Decoding over a KV cache: fa-variants' attention_with_kvcache against torch SDPA's flash and cuDNN backends and
+FlashAttention-4 (where installed), on the same torch tensors, in one run.
+
+    python bench/decode.py [--quick] [--json FILE]
+
+GB/s counts K and V read once (the bytes a decoding step cannot avoid). Kernel time: CUDA events around one call,
+the L2 flushed before each (a 1 x 8K cache fits in L2), median of --reps. As a user sees it: triton's do_bench
+(host cost included, L2 not flushed), and one step captured in a CUDA graph and replayed. SDPA's is_causal is
+top-left when seqlen_q > 1, so the peers get seqlen_q = 1 only (there causal and full coincide).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from tabulate import tabulate
+
+import fa_variants as fav
+
+HEADS, HEADS_KV, D = 32, 8, 128
+SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (32, 4096), (4, 131072), (64, 2048)]
+
+
+def flush_l2(buf):
+    buf.zero_()
+
+
+def kernel_ms(fn, reps: int, flush) -> float:
+    times = []
+    for _ in range(reps):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def peers(q, k, v):
+    """{name: fn} of the peers for a seqlen_q = 1 step over contiguous (B, N, Hkv, d) caches."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out = {}
+    for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        try:
+            run()
+            out[name] = run
+        except Exception as e:  # noqa: BLE001 - a backend that refuses the shape is left out, said so
+            print(f"  {name}: {type(e).__name__}: {str(e)[:100]}")
+    try:
+        from flash_attn.cute import flash_attn_func
+        flash_attn_func(q, k, v, causal=True)
+        out["fa4"] = lambda: flash_attn_func(q, k, v, causal=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"  fa4: {type(e).__name__}: {str(e)[:100]}")
+    return out
+
+
+def paged_copy(x, page_size: int, order):
+    """x (B, N, Hkv, d) as pages of page_size tokens: logical page i of the B * N / page_size lands on page order[i]
+    (a shuffle), so sequence b's page table row is order[b * N / page_size:][:N / page_size]."""
+    b, n, h, d = x.shape
+    pages = torch.empty((b * n // page_size, page_size, h, d), dtype=x.dtype, device=x.device)
+    pages[order] = x.reshape(-1, page_size, h, d)
+    return pages
+
+
+def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False):
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    kc, vc, table, kd, vd = k, v, None, None, None
+    if fp8:
+        kd = torch.full((batch, HEADS_KV), 4.0 / 448, device="cuda")
+        vd = kd.clone()
+        kc, vc = (x.float().div(4.0 / 448).to(torch.float8_e4m3fn) for x in (k, v))
+    if paged:
+        order = torch.randperm(batch * n // paged, device="cuda")
+        kc, vc = paged_copy(kc, paged, order), paged_copy(vc, paged, order)
+        table = order.view(batch, n // paged).to(torch.int32)
+    kv_bytes = 2 * batch * n * HEADS_KV * D * (1 if fp8 else 2)
+
+    def ours():
+        return fav.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=kd,
+                                          v_descale=vd, causal=True)
+    rows = {}
+    fns = {"fa-variants": ours}
+    if with_peers and seqlen_q == 1 and not paged and not fp8:
+        fns.update(peers(q, k, v))
+    from triton.testing import do_bench
+    for name, fn in fns.items():
+        fn()
+        ms = kernel_ms(fn, reps, flush)
+        rows[name] = dict(ms=ms, gbps=kv_bytes / ms / 1e6, do_bench_ms=do_bench(fn, warmup=25, rep=100),
+                          graph_ms=graph_ms(fn, 50) if name != "fa4" else float("nan"))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = lambda: flush_l2(flush_buf)  # noqa: E731
+    card = torch.cuda.get_device_name()
+    table, record = [], []
+    shapes = SHAPES[:3] if args.quick else SHAPES
+    variants = [dict(seqlen_q=1), dict(seqlen_q=4), dict(seqlen_q=1, paged=16), dict(seqlen_q=1, paged=256),
+                dict(seqlen_q=1, fp8=True)]
+    for batch, n in shapes:
+        for var in variants:
+            rows = run_shape(batch, n, reps=args.reps, flush=flush, **var)
+            best = max((r["gbps"] for name, r in rows.items() if name != "fa-variants"), default=float("nan"))
+            ours = rows["fa-variants"]
+            table.append([batch, n, var.get("seqlen_q"), var.get("paged") or "-", "fp8" if var.get("fp8") else "bf16",
+                          f"{ours['gbps']:.0f}", f"{ours['ms'] * 1e3:.1f}", f"{ours['do_bench_ms'] * 1e3:.1f}",
+                          f"{ours['graph_ms'] * 1e3:.1f}",
+                          *(f"{rows[p]['gbps']:.0f}" if p in rows else "-" for p in ("torch-flash", "cudnn", "fa4")),
+                          f"{ours['gbps'] / best:.2f}" if best == best else "-"])
+            record.append(dict(batch=batch, n=n, **var, rows=rows))
+            print(table[-1], flush=True)
+    print(f"\n{card}, torch {torch.__version__}; bf16 q, {HEADS}:{HEADS_KV} heads, d {D}; GB/s of K and V read once")
+    print(tabulate(table, headers=["batch", "KV tokens", "q", "page", "cache", "GB/s", "us kernel", "us do_bench",
+                                   "us graph", "torch flash", "cuDNN", "FA4", "x best"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(card=card, torch=torch.__version__, record=record), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+// The KV cache as decoding reads and appends to it: where token t of a sequence lives (contiguous or through the
+// page table), how long each sequence is, and the element formats a cache may hold.
+#pragma once
+#include "params.cuh"
+
+namespace fav {
+
+// A sequence's keys once this call's are appended, and whether the cache can hold them: a sequence whose length
+// is negative or past the cache's capacity is never read or written (its rows come out NaN).
+struct Sequence {
+    int cached;     // cache_seqlens[b]: keys before the append
+    int seqlen_k;   // cached + seqlen_new
+    bool fits;
+    template <class Params>
+    __forceinline__ __device__ static Sequence of(const Params& p, int b) {
+        const int cached = p.cache_seqlens[b], seqlen_k = cached + p.seqlen_new;
+        return {cached, seqlen_k, cached >= 0 && seqlen_k <= p.capacity};
+    }
+};
+
+// Token t's row in a cache of sequence b at one KV head: `at(t)` gives the row's index along the cache's first axis
+// (the sequence itself, or its page) and along the second. PAGED: through page_table; a page index outside
+// [0, num_pages) clears `ok` and points at row (0, 0), which exists, so nothing is read or written out of bounds.
+template <bool PAGED>
+struct CacheRows {
+    int b;
+    const int* pages;   // page_table's row of sequence b (PAGED)
+    int page_size, num_pages;
+
+    template <class Params>
+    __forceinline__ __device__ static CacheRows of(const Params& p, int b) {
+        return {b, PAGED ? p.page_table + (i64)b * p.max_pages : nullptr, p.page_size, p.num_pages};
+    }
+    // (first-axis index, second-axis index) of token t
+    __forceinline__ __device__ int2 at(int t, bool& ok) const {
+        if constexpr (PAGED) {
+            const int page = pages[t / page_size];
+            const bool in_range = (unsigned)page < (unsigned)num_pages;
+            ok = ok && in_range;
+            return in_range ? make_int2(page, t % page_size) : make_int2(0, 0);
+        } else {
+            return make_int2(b, t);
+        }
+    }
+};
+
+// The element formats of a cache: 16-bit (q's) or e4m3 (one byte, dequantized to q's format in shared memory).
+struct Bits16 {
+    using Elem = u16;
+    static constexpr int BYTES = 2;
+};
+struct E4M3 {
+    using Elem = unsigned char;
+    static constexpr int BYTES = 1;
+};
+
+}  // namespace fav

@@ -1,0 +1,316 @@
+// FlashDecoding (Dao, Haziza, Massa, Sizov, 2023): attention of a few query tokens over a long KV cache, with the
+// cache cut along its length so that a small batch still fills the card.
+//
+//   grid: (split s, Q tile x KV head g, batch b)   one CTA reads split s of sequence b's keys at KV head g, once
+//   rows: GQA packing               the query heads that share KV head g, times the seqlen_q tokens, are the rows
+//                                   of one Q tile (row r: token r / group, head g * group + r % group)
+//   warps: split-K within the CTA   warp w takes keys [16w, 16w + 16) of every block of 64: with a handful of rows
+//                                   there is nothing to split along Q. Each warp runs its own online softmax; the
+//                                   CTA merges the four at the end (merge_states' algebra, in shared memory)
+//   pipeline: an NSTAGE-deep cp.async ring of K/V blocks: a loop bound by its reads lives on the bytes in flight
+//   end: one split: O / l and the LSE; more: the split's normalized O and its LSE in fp32 (merge_states.cu)
+//
+// Read beside fa2_fwd.cu: the same fragments, softmax and mask interface; the rows are packed heads, the warps
+// split the keys instead of the queries, and the grid adds the split.
+#include "common/epilogue.cuh"
+#include "common/fragments.cuh"
+#include "common/kvcache.cuh"
+#include "common/mask.cuh"
+
+namespace fav {
+namespace decode {
+
+constexpr int NWARPS = 4, THREADS = NWARPS * 32;
+constexpr int KW = 16;             // keys per warp per block
+constexpr int BN = NWARPS * KW;    // keys per block
+constexpr int SPLIT_N = 128;       // the split granularity (reference/decode.py's DEFAULT_BLOCK_N)
+
+// Split s's keys [x, y) of a sequence of seqlen_k: ceil(n / splits) whole SPLIT_N-key blocks each (the model's
+// split_ranges); splits past the end are empty.
+__forceinline__ __device__ int2 split_keys(int seqlen_k, int s, int splits) {
+    const int n = (seqlen_k + SPLIT_N - 1) / SPLIT_N, per = (n + splits - 1) / splits * SPLIT_N;
+    return make_int2(min(s * per, seqlen_k), min((s + 1) * per, seqlen_k));
+}
+
+// Shared memory: the Q tile, then NSTAGE stages of (K block, V block) as they land (KV's bytes per element, rows
+// padded by 16 bytes), then for an e4m3 cache one 16-bit (K, V) pair they are dequantized into. At the end the
+// warps' partial results take the place of the stages.
+template <int D, int ROWS, int NSTAGE, class KV>
+struct Smem {
+    using TQ = Tile<ROWS, D>;
+    using TKV = Tile<BN, D>;                              // a 16-bit K or V block, as the MMAs read it
+    static constexpr bool DEQUANTIZES = KV::BYTES != 2;
+    static constexpr int RAW_STRIDE = D * KV::BYTES + 16;  // bytes per landed row (16-bit: TKV's row)
+    static constexpr int RAW_BYTES = BN * RAW_STRIDE;
+    static constexpr int STAGES = TQ::BYTES;
+    static constexpr int DEQUANT = STAGES + NSTAGE * 2 * RAW_BYTES;
+    static constexpr int LOOP_BYTES = DEQUANT + (DEQUANTIZES ? 2 * TKV::BYTES : 0);
+    static constexpr int O_STRIDE = D + 4;                // floats per row of a warp's partial O
+    static constexpr int MERGE_BYTES = STAGES + NWARPS * ROWS * (2 + O_STRIDE) * 4;
+    static constexpr int BYTES = LOOP_BYTES > MERGE_BYTES ? LOOP_BYTES : MERGE_BYTES;
+
+    __forceinline__ __device__ static u32 k_raw(u32 base, int stage) { return base + STAGES + stage * 2 * RAW_BYTES; }
+    __forceinline__ __device__ static u32 v_raw(u32 base, int stage) { return k_raw(base, stage) + RAW_BYTES; }
+};
+
+// Rows [r0, r0 + ROWS) of the packed Q tile of (b, KV head g): row r is token r / group of query head
+// g * group + r % group; rows past seqlen_q * group and columns past head_dim are zero-filled.
+template <int D, int ROWS>
+__forceinline__ __device__ void load_q(u32 tile, const DecodeParams& p, int b, int g, int r0) {
+    constexpr int CHUNKS = D / 8;
+    const int rows = p.seqlen_q * p.group;
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, k = (c % CHUNKS) * 8, row = r0 + r;
+        const bool ok = row < rows && k < p.head_dim;
+        const int i = row / p.group, h = g * p.group + row % p.group;
+        cp_async_16(Tile<ROWS, D>::at(tile, r, k), ok ? p.q + b * p.q_b + i * p.q_n + h * p.q_h + k : p.q, ok);
+    }
+}
+
+// Keys [key0, key0 + BN) of one KV head's K and V (byte pointers at the head, byte strides of the cache's first two
+// axes) into a stage, 16 bytes per cp.async; keys at or past key_end and bytes past the row's zero-filled.
+template <int D, class KV, bool PAGED>
+__forceinline__ __device__ void load_block(u32 dst_k, u32 dst_v, const unsigned char* k, const unsigned char* v,
+                                           const i64 (&k_stride)[2], const i64 (&v_stride)[2],
+                                           const CacheRows<PAGED>& rows, int key0, int key_end, int row_bytes,
+                                           bool& pages_ok) {
+    constexpr int CHUNKS = D * KV::BYTES / 16, ROWS_PER_PASS = THREADS / CHUNKS;
+    constexpr int STRIDE = Smem<D, 16, 2, KV>::RAW_STRIDE;
+    static_assert(THREADS % CHUNKS == 0 && BN % ROWS_PER_PASS == 0, "a pass covers whole rows");
+    const int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 16;
+    const bool col_ok = c < row_bytes;
+#pragma unroll
+    for (int i = 0; i < BN / ROWS_PER_PASS; ++i) {
+        const int row = r + i * ROWS_PER_PASS, t = key0 + row;
+        const bool in = col_ok && t < key_end;
+        const int2 at = in ? rows.at(t, pages_ok) : make_int2(0, 0);
+        const u32 off = row * STRIDE + c;
+        cp_async_16(dst_k + off, k + at.x * k_stride[0] + at.y * k_stride[1] + c, in);
+        cp_async_16(dst_v + off, v + at.x * v_stride[0] + at.y * v_stride[1] + c, in);
+    }
+}
+
+// Four e4m3 values (one register, the first in the lowest byte) -> four of T, two to a register.
+template <class T>
+__forceinline__ __device__ void e4m3x4_to(u32 x, u32& lo, u32& hi) {
+    u32 h0, h1;  // f16x2: e4m3 is exact in fp16 (and in bf16)
+    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
+        : "=r"(h0), "=r"(h1) : "r"(x));
+    if constexpr (T::is_bf16) {
+        lo = T::pack(Half::to_float(h0 & 0xffff), Half::to_float(h0 >> 16));
+        hi = T::pack(Half::to_float(h1 & 0xffff), Half::to_float(h1 >> 16));
+    } else {
+        lo = h0, hi = h1;
+    }
+}
+
+// A landed e4m3 block (RAW_STRIDE-byte rows) into a 16-bit Tile<BN, D> of T: the MMAs then read it as any other.
+template <class T, int D>
+__forceinline__ __device__ void dequantize_block(unsigned char* smem, u32 dst, u32 src, u32 base) {
+    constexpr int CHUNKS = D / 16, RAW = Smem<D, 16, 2, E4M3>::RAW_STRIDE;
+#pragma unroll
+    for (int i = 0; i < BN * CHUNKS / THREADS; ++i) {
+        const int c = i * THREADS + threadIdx.x, r = c / CHUNKS, k = (c % CHUNKS) * 16;
+        const uint4 x = *reinterpret_cast<const uint4*>(smem + (src - base) + r * RAW + k);
+        uint4 a, b;
+        e4m3x4_to<T>(x.x, a.x, a.y);
+        e4m3x4_to<T>(x.y, a.z, a.w);
+        e4m3x4_to<T>(x.z, b.x, b.y);
+        e4m3x4_to<T>(x.w, b.z, b.w);
+        uint4* out = reinterpret_cast<uint4*>(smem + (Tile<BN, D>::at(dst, r, k) - base));
+        out[0] = a, out[1] = b;
+    }
+}
+
+// The end of a CTA: the four warps' (O, m, l) merged in shared memory (each warp's O scaled by its weight
+// e^(m_w - M) / L, then summed), then the rows written: O and LSE (one split), or the split's fp32 partial. bad: the
+// sequence did not fit its cache (or its pages): NaN rows. v_scale: an e4m3 cache's V dequantization factor.
+template <class T, int D, int MT, class L>
+__forceinline__ __device__ void merge_warps_and_store(const float (&o)[MT][D / 8][4], const float (&m)[MT][2],
+                                                      const float (&l)[MT][2], float scale_log2, float v_scale,
+                                                      bool bad, unsigned char* smem, const DecodeParams& p, int b,
+                                                      int g, int s, int r0) {
+    constexpr int ROWS = 16 * MT, DT = D / 8;
+    float* m_w = reinterpret_cast<float*>(smem + L::STAGES);  // [warp][row], log2 units
+    float* l_w = m_w + NWARPS * ROWS;
+    float* o_w = l_w + NWARPS * ROWS;                         // [warp][row][O_STRIDE]
+    const int warp = threadIdx.x / 32, gq = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const float sum = quad_sum(l[mt][h2]);
+            if (t == 0) {
+                const int row = mt * 16 + gq + 8 * h2;
+                m_w[warp * ROWS + row] = m[mt][h2] * scale_log2;
+                l_w[warp * ROWS + row] = sum;
+            }
+        }
+    __syncthreads();
+    // A row's max over the warps (0 where every warp's is -inf: then every weight is 0) and its total sum.
+    auto row_total = [&](int row, float& top) {
+        top = neg_inf();
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) top = fmaxf(top, m_w[w * ROWS + row]);
+        top = top == neg_inf() ? 0.f : top;
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) total += l_w[w * ROWS + row] * exp2f(m_w[w * ROWS + row] - top);
+        return total;
+    };
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const int row = mt * 16 + gq + 8 * h2;
+            float top;
+            const float total = row_total(row, top);
+            const float f = exp2f(m_w[warp * ROWS + row] - top) * inv_or_zero(total) * v_scale;
+            float* dst = o_w + (warp * ROWS + row) * L::O_STRIDE + 2 * t;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[mt][dt][2 * h2] * f, o[mt][dt][2 * h2 + 1] * f);
+        }
+    __syncthreads();
+    const int rows = p.seqlen_q * p.group;
+    const float nan = __int_as_float(0x7fc00000);
+    for (int c = threadIdx.x; c < ROWS * (D / 4); c += THREADS) {
+        const int row = c / (D / 4), col = (c % (D / 4)) * 4, packed = r0 + row;
+        if (packed >= rows || col >= p.head_dim) continue;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float4 x = *reinterpret_cast<const float4*>(o_w + (w * ROWS + row) * L::O_STRIDE + col);
+            acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+        }
+        if (bad) acc = make_float4(nan, nan, nan, nan);
+        const int i = packed / p.group, h = g * p.group + packed % p.group;
+        if (p.num_splits == 1) {
+            *reinterpret_cast<uint2*>(p.o + b * p.o_b + i * p.o_n + h * p.o_h + col) =
+                make_uint2(T::pack(acc.x, acc.y), T::pack(acc.z, acc.w));
+        } else {
+            float* dst = p.o_part + ((((i64)s * p.batch + b) * p.seqlen_q + i) * p.heads + h) * p.head_dim + col;
+            *reinterpret_cast<float4*>(dst) = acc;
+        }
+    }
+    float* lse = p.num_splits == 1 ? p.lse : p.lse_part;
+    if (lse != nullptr && threadIdx.x < ROWS && r0 + (int)threadIdx.x < rows) {
+        const int row = threadIdx.x, packed = r0 + row, i = packed / p.group, h = g * p.group + packed % p.group;
+        float top;
+        const float total = row_total(row, top);
+        const float x = bad ? nan : finish_row(total, top).lse;
+        lse[(((i64)(p.num_splits == 1 ? 0 : s) * p.batch + b) * p.heads + h) * p.seqlen_q + i] = x;
+    }
+}
+
+}  // namespace decode
+}  // namespace fav
+
+// T: q's format (Half, BFloat16); D: the template head dim p.head_dim pads to; MT: m-tiles of 16 packed rows per
+// CTA; NSTAGE: K/V blocks in the ring; PAGED: through page_table; KV: the cache's elements (Bits16, E4M3).
+template <class T, int D, int MT, int NSTAGE, bool PAGED, class KV>
+__global__ void __launch_bounds__(fav::decode::THREADS)
+decode_split(const fav::DecodeParams p) {
+    using namespace fav;
+    using namespace fav::decode;
+    using L = Smem<D, 16 * MT, NSTAGE, KV>;
+    using TQ = typename L::TQ;
+    using TKV = typename L::TKV;
+    constexpr int DT = D / 8, NT = KW / 8;
+    // Q's fragments stay in registers where they fit beside O (fa2_fwd.cu's rule); else ldmatrix each block.
+    constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
+    static_assert(NSTAGE >= 2 && D % 16 == 0, "a ring of at least two stages; head dims in multiples of 16");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 base = smem_u32(smem);
+    const int s = blockIdx.x, g = blockIdx.y % p.heads_kv, r0 = blockIdx.y / p.heads_kv * (16 * MT), b = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const Sequence seq = Sequence::of(p, b);
+    const int2 keys = seq.fits ? split_keys(seq.seqlen_k, s, p.num_splits) : make_int2(0, 0);
+    const int n_blocks = (keys.y - keys.x + BN - 1) / BN;
+    const PackedCausalMask mask{keys.y, seq.seqlen_k - p.seqlen_q, p.group, p.causal != 0};
+    const CacheRows<PAGED> rows = CacheRows<PAGED>::of(p, b);
+    const float k_scale = p.k_descale ? p.k_descale[b * p.heads_kv + g] : 1.f;
+    const float v_scale = p.v_descale ? p.v_descale[b * p.heads_kv + g] : 1.f;
+    const float scale_log2 = p.scale_log2 * k_scale;
+
+    const unsigned char* kc = static_cast<const unsigned char*>(p.k) + g * p.k_h * KV::BYTES;
+    const unsigned char* vc = static_cast<const unsigned char*>(p.v) + g * p.v_h * KV::BYTES;
+    const i64 k_stride[2] = {p.k_b * KV::BYTES, p.k_n * KV::BYTES}, v_stride[2] = {p.v_b * KV::BYTES, p.v_n * KV::BYTES};
+    bool pages_ok = true;
+    auto load = [&](int j) {  // block j into its stage, one cp.async group (empty past the last block)
+        if (j < n_blocks)
+            load_block<D, KV, PAGED>(L::k_raw(base, j % NSTAGE), L::v_raw(base, j % NSTAGE), kc, vc, k_stride,
+                                     v_stride, rows, keys.x + j * BN, keys.y, p.head_dim * KV::BYTES, pages_ok);
+        cp_async_commit();
+    };
+    load_q<D, 16 * MT>(base, p, b, g, r0);  // in block 0's group
+#pragma unroll
+    for (int j = 0; j < NSTAGE - 1; ++j) load(j);
+
+    float o[MT][DT][4] = {};
+    float m[MT][2], l[MT][2] = {};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = neg_inf();
+    u32 q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? D / 16 : 1][4];
+
+    for (int j = 0; j < n_blocks; ++j) {
+        cp_async_wait<NSTAGE - 2>();  // block j has landed
+        // Publishes block j to every warp, and proves every warp done with block j - 1, whose stage is refilled now.
+        __syncthreads();
+        load(j + NSTAGE - 1);
+        u32 sK = L::k_raw(base, j % NSTAGE), sV = L::v_raw(base, j % NSTAGE);
+        if constexpr (L::DEQUANTIZES) {
+            dequantize_block<T, D>(smem, base + L::DEQUANT, sK, base);
+            dequantize_block<T, D>(smem, base + L::DEQUANT + TKV::BYTES, sV, base);
+            __syncthreads();
+            sK = base + L::DEQUANT, sV = base + L::DEQUANT + TKV::BYTES;
+        }
+        if (Q_IN_REGS && j == 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) load_a<TQ>(q_frag[mt][kk], base, mt * 16, kk * 16);
+
+        // S = Q K_w^T over this warp's KW keys
+        float sc[MT][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 bk[4];
+            load_b_rows<TKV>(bk, sK, warp * KW, kk * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 a[4];
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[r] = q_frag[mt][kk][r];
+                } else {
+                    load_a<TQ>(a, base, mt * 16, kk * 16);
+                }
+                mma_16816<T>(sc[mt][0], a, bk[0], bk[1]);
+                mma_16816<T>(sc[mt][1], a, bk[2], bk[3]);
+            }
+        }
+        const int key0 = keys.x + j * BN + warp * KW;
+        if (mask.needs_mask<KW>(r0, key0)) mask.apply(sc, r0, key0);
+        online_softmax_step(sc, m, l, o, scale_log2);
+
+        // O += P~ V_w, P~ straight from the S registers
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) repack_a<T>(a[mt], sc[mt][0], sc[mt][1]);
+#pragma unroll
+        for (int dt = 0; dt < DT; dt += 2) {
+            u32 bv[4];
+            load_b_cols<TKV>(bv, sV, warp * KW, dt * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(o[mt][dt], a[mt], bv[0], bv[1]);
+                mma_16816<T>(o[mt][dt + 1], a[mt], bv[2], bv[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    const bool bad = __syncthreads_or(!pages_ok) || !seq.fits;  // also: every warp is done with the ring
+    merge_warps_and_store<T, D, MT, L>(o, m, l, scale_log2, v_scale, bad, smem, p, b, g, s, r0);
+}

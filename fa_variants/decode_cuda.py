@@ -1,0 +1,192 @@
+"""``attention_with_kvcache`` and ``merge_states`` on GPU arrays: CuPy arrays, torch tensors (read in place, the
+results allocated by torch on its current stream) and other DLPack producers (through CuPy).
+
+Every check runs before the first launch, on the arrays' shapes, dtypes and strides (``kvcache.check_call`` on
+stand-ins). Index arrays given on the host (an int, NumPy) are checked in full and copied to the device; those on
+the device are not read (a step would synchronize and could not be captured in a CUDA graph): the kernels guard
+them (kv_append.cu writes no row outside the cache; decode_fwd.cu gives NaN rows for a sequence that does not fit
+its cache or names a page outside it).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from . import arrays, kvcache
+from .kernels import decode as kern
+from .kernels.decode import DevArray, Framework
+
+BIG = ("q", "k_cache", "v_cache", "k", "v")
+INDEX = ("cache_seqlens", "page_table", "k_descale", "v_descale")
+INDEX_DTYPES = {"cache_seqlens": "int32", "page_table": "int32", "k_descale": "float32", "v_descale": "float32"}
+
+
+def _framework_root(x) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def _device_array(name: str, x):
+    """(the array the launch reads: a torch tensor or a CuPy array, its DevArray)."""
+    if _framework_root(x) == "torch":
+        if not x.is_cuda:
+            raise ValueError(f"{name} is a CPU tensor while q is on the GPU: pass every array on one device")
+        return x, DevArray.of(x)
+    cp = arrays._cupy()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return x, DevArray.of(x)
+    a, on_gpu, _ = arrays._import_one(name, x)
+    if not on_gpu:
+        raise ValueError(f"{name} is on the host while q is on the GPU: pass every array on one device")
+    return a, DevArray.of(a)
+
+
+def _np_dtype(dtype: str):
+    return ml_dtypes.float8_e4m3fn if dtype == "float8_e4m3fn" else np.dtype(dtype)
+
+
+def _check_streamed(name: str, a: DevArray, vector: bool) -> None:
+    """Contiguous last dimension; the 16-byte row loads (``vector``) need a 16-byte aligned base and strides."""
+    if a.shape[-1] > 1 and a.strides[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got element strides {a.strides}")
+    if any(s < 0 for s in a.strides):
+        raise ValueError(f"{name} has negative strides {a.strides}; pass a copy")
+    if vector and (a.ptr % 16 or any(s * a.itemsize % 16 for s in a.strides[:-1])):
+        raise ValueError(f"{name} must start on a 16-byte boundary with strides of whole 16 bytes (the kernel "
+                         f"reads 16-byte rows), got pointer {a.ptr:#x} and element strides {a.strides}")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k, v, causal, softmax_scale,
+                           num_splits, return_lse, k_descale, v_descale):
+    """decode.attention_with_kvcache's GPU path (its scalar arguments already checked)."""
+    big = {n: _device_array(n, x) for n, x in zip(BIG, (q, k_cache, v_cache, k, v)) if x is not None}
+    dev = {n: d for n, (_, d) in big.items()}
+    if len({d.device for d in dev.values()}) != 1:
+        raise ValueError(f"q, k_cache, v_cache (and k, v) must be on one GPU, got devices "
+                         f"{ {n: d.device for n, d in dev.items()} }")
+    device = dev["q"].device
+    if k is not None and _framework_root(k_cache) in ("jax", "jaxlib"):
+        raise TypeError("k_cache is a JAX array, which cannot be written in place: append k, v with JAX's own "
+                        ".at[].set(), or pass the cache as CuPy arrays or torch tensors")
+    index = dict(zip(INDEX, (cache_seqlens, page_table, k_descale, v_descale)))
+    on_device = {n: _device_array(n, x) for n, x in index.items() if x is not None and arrays._claims_gpu(x)}
+    given = {**{n: kvcache.stand_in(d.shape, _np_dtype(d.dtype)) for n, (_, d) in {**big, **on_device}.items()},
+             **{n: x for n, x in index.items() if n not in on_device}}
+    call = kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),
+                              **{n: given[n] for n in INDEX}, device_values=tuple(on_device))
+    _check_kernel_limits(call, dev)
+    for n, (_, d) in on_device.items():
+        if d.device != device:
+            raise ValueError(f"{n} is on GPU {d.device}, q on GPU {device}")
+        want = tuple(int(np.prod(d.shape[i + 1:])) for i in range(len(d.shape)))
+        if d.strides != want:
+            raise ValueError(f"{n} must be contiguous (strides {want}), got {d.strides}")
+
+    # Everything is checked: host index arrays up to the device, the append, the attention.
+    fw = Framework(big["q"][0])
+    held = []   # the device copies of host index arrays, alive until their launches are queued
+    ptrs = {}
+    for n, x in index.items():
+        if n in on_device:
+            ptrs[n] = on_device[n][1]
+        elif x is None:
+            ptrs[n] = None
+        else:
+            host = np.full(call.batch, x, np.int32) if n == "cache_seqlens" and np.isscalar(x) else x
+            arr = fw.from_host(np.ascontiguousarray(host), device)
+            held.append(arr)
+            ptrs[n] = DevArray.of(arr)
+    ptr = {n: 0 if d is None else d.ptr for n, d in ptrs.items()}
+    if k is not None:
+        kern.append(fw, dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], ptr["cache_seqlens"], ptr["page_table"],
+                    call.capacity, call.page_size or 0, call.page_table.shape[1] if call.page_table is not None else 0)
+    max_k = call.capacity if "cache_seqlens" in on_device else int(call.seqlens_k.max())
+    out, lse, _ = kern.split_step(fw, dev["q"], dev["k_cache"], dev["v_cache"], cache_seqlens=ptr["cache_seqlens"],
+                                  page_table=ptrs["page_table"], k_descale=ptr["k_descale"],
+                                  v_descale=ptr["v_descale"], seqlen_new=call.seqlen_new, capacity=call.capacity,
+                                  max_seqlen_k=max_k, causal=causal, softmax_scale=softmax_scale,
+                                  num_splits=num_splits, return_lse=return_lse)
+    del held
+    wrap = _wrap_like(q)
+    return (wrap(out), wrap(lse)) if return_lse else wrap(out)
+
+
+def _check_kernel_limits(call: kvcache.CacheCall, dev: dict) -> None:
+    """What the GPU kernel takes beyond the model: head dims in whole 16-byte rows, at most 256; aligned rows."""
+    fp8 = dev["k_cache"].itemsize == 1
+    step = 16 if fp8 else 8
+    if call.head_dim % step or call.head_dim > 256:
+        raise ValueError(f"head_dim must be a multiple of {step} up to 256 for the GPU kernel with a "
+                         f"{'float8_e4m3fn' if fp8 else '16-bit'} cache (whole 16-byte rows), got {call.head_dim}; "
+                         f"the NumPy model takes any")
+    for n, d in dev.items():
+        _check_streamed(n, d, vector=n != "k" and n != "v")
+    if fp8 and kern.arch_of(dev["q"].device) not in kern.FP8_ARCHS:
+        raise ValueError(f"a float8_e4m3fn cache needs an sm_89+ GPU with the e4m3 conversion; this one is "
+                         f"{kern.arch_of(dev['q'].device)}")
+
+
+def _wrap_like(q):
+    root = _framework_root(q)
+    if root == "torch":
+        return lambda a: a
+    cp = arrays._cupy()
+    if cp is not None and isinstance(q, cp.ndarray):
+        return lambda a: a
+    return arrays._framework_wrap(q)
+
+
+# ------------------------------------------------------------------------------------------------ merge_states
+OUT_DTYPES = tuple(kern.MERGE_TYPES)
+LSE_DTYPES = tuple(kern.LSE_TYPES)
+
+
+def merge_states(outs: list, lses: list | None, stacked: bool):
+    """decode.merge_states on GPU arrays: states as lists (stacked here: one copy) or stacked arrays, in
+    flash-attn's layout (out (batch, seqlen, heads, d), lse (batch, heads, seqlen)) or FlashInfer's (out (tokens,
+    heads, d), lse (tokens, heads)). Returns (out, lse) in the states' dtypes, as the caller's framework."""
+    if not stacked:
+        held = [_device_array(f"outs[{i}]", x)[0] for i, x in enumerate(outs)]
+        lheld = [_device_array(f"lses[{i}]", x)[0] for i, x in enumerate(lses)]
+        fw = Framework(held[0])
+        for n, group in (("outs", held), ("lses", lheld)):
+            shapes = {tuple(x.shape) for x in group}
+            if len(shapes) != 1:
+                raise ValueError(f"the states' {n} must share one shape, got {sorted(shapes)}")
+        rank = len(held[0].shape)
+        axis = 0 if rank == 4 else 1
+        outs_s, lses_s = fw.lib.stack(held, axis), fw.lib.stack(lheld, axis)
+    else:
+        outs_s, lses_s = _device_array("outs", outs)[0], _device_array("lses", lses)[0]
+        fw = Framework(outs_s)
+    o, ls = DevArray.of(outs_s), DevArray.of(lses_s)
+    if o.dtype not in OUT_DTYPES:
+        raise TypeError(f"the states' out must be one of {OUT_DTYPES} on the GPU, got {o.dtype}")
+    if ls.dtype not in LSE_DTYPES:
+        raise TypeError(f"the states' lse must be float32 or float64, got {ls.dtype}")
+    if o.shape[-1] > 1 and o.strides[-1] != 1:
+        raise ValueError(f"the states' out must be contiguous in head_dim, got element strides {o.strides}")
+    if len(o.shape) == 5:                                   # (S, batch, seqlen, heads, d), lse (S, batch, heads, seqlen)
+        s, b, n, h, d = o.shape
+        if ls.shape != (s, b, h, n):
+            raise ValueError(f"lses must have shape (states, batch, heads, seqlen) = {(s, b, h, n)}, got {ls.shape}")
+        parts, lse_strides = o, ls.strides
+        out = fw.empty((b, n, h, d), o.dtype)
+        res_shape = (b, h, n)
+    elif len(o.shape) == 4:                                 # (tokens, S, heads, d), lse (tokens, S, heads)
+        t, s, h, d = o.shape
+        if ls.shape != (t, s, h):
+            raise ValueError(f"lses must have shape (tokens, states, heads) = {(t, s, h)}, got {ls.shape}")
+        parts = DevArray(o.ptr, (s, t, 1, h, d), (o.strides[1], o.strides[0], 0, o.strides[2], 1), o.dtype, o.device)
+        lse_strides = (ls.strides[1], ls.strides[0], ls.strides[2], 0)
+        out = fw.empty((t, h, d), o.dtype)
+        res_shape = (t, h)
+    else:
+        raise ValueError(f"outs must be stacked states (states, batch, seqlen, heads, head_dim) or (tokens, states, "
+                         f"heads, head_dim), got shape {o.shape}")
+    lse = fw.empty(res_shape, ls.dtype)
+    od = DevArray.of(out)
+    out_view = od if len(od.shape) == 4 else DevArray(od.ptr, (od.shape[0], 1, od.shape[1], od.shape[2]),
+                                                      (od.strides[0], 0, od.strides[1], 1), od.dtype, od.device)
+    kern.merge(fw, parts, ls, out_view, fw.ptr(lse), lse_strides)
+    wrap = _wrap_like(outs_s)
+    return wrap(out), wrap(lse)

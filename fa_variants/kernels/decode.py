@@ -1,0 +1,249 @@
+"""The GPU side of decoding over a KV cache: cuda_src/kv_append.cu (the new tokens into the cache), decode_fwd.cu
+(the split-KV kernel) and merge_states.cu (the merge of the splits, and of any attention states).
+
+Arrays arrive as ``DevArray``s: a pointer, shape, element strides, dtype and device, read off CuPy arrays or torch
+tensors without converting either (torch's float8_e4m3fn cache has no CuPy dtype, and a DLPack round trip per
+tensor costs microseconds of a step that lasts tens). Results are allocated by the caller's framework, on its
+current stream: a step is then capturable in a CUDA graph (torch.cuda.CUDAGraph, cupy.cuda.Graph).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import jit
+from ..reference import decode as model
+from .common import CTYPE, cdiv, scale_log2, smem_limit
+from .params import APPEND, DECODE, MERGE
+
+SOURCE, MERGE_SOURCE, APPEND_SOURCE = "decode_fwd.cu", "merge_states.cu", "kv_append.cu"
+THREADS, BLOCK_N = 128, 64          # decode_fwd.cu's CTA and keys per block
+SPLIT_N = model.DEFAULT_BLOCK_N     # the split granularity, the model's
+MERGE_WARPS, APPEND_WARPS = 4, 4
+FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")   # e4m3 -> f16x2 conversion: sm_89+
+TEMPLATE_DIMS = (64, 128, 256)
+MAX_MT = {64: 2, 128: 2, 256: 1}    # m-tiles of 16 packed rows per CTA: O's registers allow MT * D <= 256
+SMEM_BUDGET = {"sm_90a": 220 * 1024, "sm_80": 160 * 1024}   # what the ring may take (1 CTA per SM either way)
+OTHER_BUDGET = 92 * 1024            # sm_86 / sm_89: 99 KB per block
+MAX_STAGES = 8
+KV_KIND = {2: "fav::Bits16", 1: "fav::E4M3"}
+
+
+# ------------------------------------------------------------------------------------------------ the tile table
+def template_dim(head_dim: int) -> int:
+    return next(d for d in TEMPLATE_DIMS if head_dim <= d)
+
+
+def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
+    """The deepest K/V ring that fits the arch's budget beside the Q tile (and an e4m3 cache's 16-bit pair)."""
+    q_tile = 16 * mt * (d + 8) * 2
+    stage = 2 * BLOCK_N * (d * kv_bytes + 16)
+    dequant = 2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
+    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET)
+    return max(2, min(MAX_STAGES, (budget - q_tile - dequant) // stage))
+
+
+def smem_bytes(d: int, mt: int, n_stages: int, kv_bytes: int) -> int:
+    """decode_fwd.cu's Smem<...>::BYTES."""
+    q_tile = 16 * mt * (d + 8) * 2
+    loop = q_tile + n_stages * 2 * BLOCK_N * (d * kv_bytes + 16) + (2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0)
+    merge = q_tile + 4 * 16 * mt * (2 + d + 4) * 4
+    return max(loop, merge)
+
+
+def m_tiles(rows: int, d: int) -> int:
+    """m-tiles per CTA for ``rows`` packed rows (seqlen_q * group): the fewest that hold them, at most MAX_MT[d]
+    (more rows: more Q tiles per (batch, KV head), each reading the split again, mostly from L2)."""
+    return min(MAX_MT[d], 1 if rows <= 16 else 2)
+
+
+def instance(dtype: str, d: int, mt: int, paged: bool, kv_bytes: int, arch: str) -> str:
+    return (f"decode_split<{CTYPE[dtype]}, {d}, {mt}, {stages(d, mt, kv_bytes, arch)}, {str(paged).lower()}, "
+            f"{KV_KIND[kv_bytes]}>")
+
+
+MERGE_TYPES = {"float16": "fav::merge::Bits16Of<fav::Half>", "bfloat16": "fav::merge::Bits16Of<fav::BFloat16>",
+               "float32": "fav::merge::F32", "float64": "fav::merge::F64"}
+LSE_TYPES = {"float32": "fav::merge::F32", "float64": "fav::merge::F64"}
+
+
+def merge_instance(out_dtype: str, lse_dtype: str) -> str:
+    acc = "double" if "float64" in (out_dtype, lse_dtype) else "float"
+    return f"merge_states<{MERGE_TYPES[out_dtype]}, {LSE_TYPES[lse_dtype]}, {acc}>"
+
+
+def append_instance(kv_bytes: int, paged: bool) -> str:
+    return f"kv_append<{'unsigned short' if kv_bytes == 2 else 'unsigned char'}, {str(paged).lower()}>"
+
+
+def compile_units(arch: str | None = None) -> dict:
+    """{source: instances} shipped for ``arch`` (both when None): every dtype, template head dim, m-tile count,
+    layout and cache format of the split kernel, every merge and append."""
+    archs = (arch,) if arch else tuple(SMEM_BUDGET)
+    split = sorted({instance(t, d, mt, paged, kv, a) for a in archs for t in CTYPE for d in TEMPLATE_DIMS
+                    for mt in range(1, MAX_MT[d] + 1) for paged in (False, True)
+                    for kv in ((2, 1) if a in FP8_ARCHS else (2,))})
+    merges = sorted({merge_instance(o, lse) for o in MERGE_TYPES for lse in LSE_TYPES})
+    appends = sorted({append_instance(kv, paged) for kv in (2, 1) for paged in (False, True)})
+    return {SOURCE: tuple(split), MERGE_SOURCE: tuple(merges), APPEND_SOURCE: tuple(appends)}
+
+
+# ------------------------------------------------------------------------------------------------ arrays
+@dataclasses.dataclass(frozen=True)
+class DevArray:
+    """A GPU array as the launch needs it: pointer, shape, strides in elements, dtype name, device."""
+    ptr: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+    device: int
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self.dtype == "float8_e4m3fn" else np.dtype(self.dtype).itemsize
+
+    @staticmethod
+    def of(x) -> "DevArray":
+        if type(x).__module__.split(".")[0] == "torch":
+            dtype = str(x.dtype).removeprefix("torch.")
+            return DevArray(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, x.device.index)
+        item = x.dtype.itemsize
+        return DevArray(x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides), x.dtype.name, x.device.id)
+
+
+class Framework:
+    """Allocation and the current stream of the caller's framework (torch or CuPy), on one device."""
+
+    def __init__(self, like):
+        self.torch = type(like).__module__.split(".")[0] == "torch"
+        if self.torch:
+            import torch
+            self.lib, self.device = torch, like.device
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self.stream = raw(like.device.index) if raw else torch.cuda.current_stream(like.device).cuda_stream
+        else:
+            import cupy
+            self.lib, self.device = cupy, None
+            self.stream = cupy.cuda.get_current_stream().ptr
+
+    def empty(self, shape, dtype: str):
+        if self.torch:
+            return self.lib.empty(shape, dtype=getattr(self.lib, dtype), device=self.device)
+        return self.lib.empty(shape, dtype=dtype)
+
+    def full(self, shape, value, dtype: str):
+        if self.torch:
+            return self.lib.full(shape, value, dtype=getattr(self.lib, dtype), device=self.device)
+        return self.lib.full(shape, value, dtype=dtype)
+
+    def from_host(self, host: np.ndarray, device: int):
+        """A device copy of a small host array (index arrays given as NumPy)."""
+        if self.torch:
+            return self.lib.from_numpy(host).to(self.device)
+        with self.lib.cuda.Device(device):
+            return self.lib.asarray(host)
+
+    def ptr(self, x) -> int:
+        return x.data_ptr() if self.torch else x.data.ptr
+
+
+# ------------------------------------------------------------------------------------------------ launches
+def _function(source: str, expr: str, smem: int = 0) -> int:
+    from .launch import function_of
+    return function_of(jit.kernel(source, expr), smem)
+
+
+def _launch(func, grid, block, smem, stream, struct, **ptrs) -> None:
+    from .launch import launch
+    template = struct.pack(**{f: 0 for f in struct.pointers}, **ptrs.pop("rest"))
+    launch(func, grid, block, smem, stream, template, struct.pointers_format,
+           *(ptrs[f] for f in struct.pointers))
+
+
+def append(fw: Framework, k: DevArray, v: DevArray, k_cache: DevArray, v_cache: DevArray, cache_seqlens: int,
+           page_table: int, capacity: int, page_size: int, max_pages: int) -> None:
+    """kv_append.cu: k, v into the caches at cache_seqlens (device pointers), in place."""
+    batch, seqlen_new, heads_kv, d = k.shape
+    paged = page_table != 0
+    rows = batch * seqlen_new * heads_kv
+    func = _function(APPEND_SOURCE, append_instance(k_cache.itemsize, paged))
+    rest = dict(kn_b=k.strides[0], kn_n=k.strides[1], kn_h=k.strides[2], vn_b=v.strides[0], vn_n=v.strides[1],
+                vn_h=v.strides[2], k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
+                v_b=v_cache.strides[0], v_n=v_cache.strides[1], v_h=v_cache.strides[2], batch=batch,
+                seqlen_new=seqlen_new, heads_kv=heads_kv, head_dim=d, capacity=capacity, page_size=page_size,
+                max_pages=max_pages, num_pages=k_cache.shape[0])
+    _launch(func, (cdiv(rows, APPEND_WARPS), 1, 1), APPEND_WARPS * 32, 0, fw.stream, APPEND, rest=rest,
+            k=k.ptr, v=v.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, cache_seqlens=cache_seqlens,
+            page_table=page_table)
+
+
+def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr: int, axes: tuple) -> None:
+    """merge_states.cu over states stacked on parts' axis 0, parts (S, batch, seqlen, heads, d) and lses (S, batch,
+    heads, seqlen) in any strides (``axes``: lses' strides in that order), into out (batch, seqlen, heads, d) and
+    the contiguous lse (batch, heads, seqlen) at lse_ptr (0: not written)."""
+    states, batch, seqlen, heads, d = parts.shape
+    rows = batch * seqlen * heads
+    func = _function(MERGE_SOURCE, merge_instance(parts.dtype, lses.dtype))
+    ls = axes
+    rest = dict(p_s=parts.strides[0], p_b=parts.strides[1], p_n=parts.strides[2], p_h=parts.strides[3],
+                l_s=ls[0], l_b=ls[1], l_h=ls[2], l_n=ls[3], o_b=out.strides[0], o_n=out.strides[1],
+                o_h=out.strides[2], states=states, batch=batch, seqlen=seqlen, heads=heads, head_dim=d)
+    _launch(func, (cdiv(rows, MERGE_WARPS), 1, 1), MERGE_WARPS * 32, 0, fw.stream, MERGE, rest=rest,
+            o_parts=parts.ptr, lse_parts=lses.ptr, out=out.ptr, lse=lse_ptr)
+
+
+def num_sms(device: int) -> int:
+    from .common import sm_count
+    return sm_count(device)
+
+
+def arch_of(device: int) -> str:
+    return jit.device_arch(device)
+
+
+def split_step(fw: Framework, q: DevArray, k_cache: DevArray, v_cache: DevArray, *, cache_seqlens: int,
+               page_table: DevArray | None, k_descale: int, v_descale: int, seqlen_new: int, capacity: int,
+               max_seqlen_k: int, causal: bool, softmax_scale: float, num_splits: int, return_lse: bool):
+    """decode_fwd.cu (and merge_states.cu when split): (out, lse or None) in fw's arrays."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    group = heads // heads_kv
+    d = template_dim(head_dim)
+    mt = m_tiles(seqlen_q * group, d)
+    row_tiles = cdiv(seqlen_q * group, 16 * mt)
+    arch = arch_of(q.device)
+    kv_bytes = k_cache.itemsize
+    if num_splits == 0:
+        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, num_sms(q.device), SPLIT_N)
+    n_stages = stages(d, mt, kv_bytes, arch)
+    smem = smem_bytes(d, mt, n_stages, kv_bytes)
+    if smem > smem_limit():
+        raise ValueError(f"head_dim {head_dim} needs {smem} bytes of shared memory per block; this GPU allows "
+                         f"{smem_limit()}")
+    func = _function(SOURCE, instance(q.dtype, d, mt, page_table is not None, kv_bytes, arch), smem)
+    out = fw.empty((batch, seqlen_q, heads, head_dim), q.dtype)
+    lse = fw.empty((batch, heads, seqlen_q), "float32") if return_lse else None
+    parts = lse_parts = None
+    if num_splits > 1:
+        parts = fw.empty((num_splits, batch, seqlen_q, heads, head_dim), "float32")
+        lse_parts = fw.empty((num_splits, batch, heads, seqlen_q), "float32")
+    pt = page_table
+    rest = dict(q_b=q.strides[0], q_n=q.strides[1], q_h=q.strides[2],
+                k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
+                v_b=v_cache.strides[0], v_n=v_cache.strides[1], v_h=v_cache.strides[2],
+                o_b=seqlen_q * heads * head_dim, o_n=heads * head_dim, o_h=head_dim,
+                batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, group=group, head_dim=head_dim,
+                seqlen_new=seqlen_new, capacity=capacity, page_size=k_cache.shape[1] if pt else 0,
+                max_pages=pt.shape[1] if pt else 0, num_pages=k_cache.shape[0] if pt else 0,
+                num_splits=num_splits, row_tiles=row_tiles, scale_log2=scale_log2(softmax_scale),
+                causal=int(bool(causal)))
+    _launch(func, (num_splits, heads_kv * row_tiles, batch), THREADS, smem, fw.stream, DECODE, rest=rest,
+            q=q.ptr, k=k_cache.ptr, v=v_cache.ptr, cache_seqlens=cache_seqlens, page_table=pt.ptr if pt else 0,
+            k_descale=k_descale, v_descale=v_descale, o=fw.ptr(out), lse=0 if lse is None else fw.ptr(lse),
+            o_part=0 if parts is None else fw.ptr(parts), lse_part=0 if lse_parts is None else fw.ptr(lse_parts))
+    if num_splits > 1:
+        p = DevArray.of(parts)
+        lp = DevArray.of(lse_parts)
+        merge(fw, p, lp, DevArray.of(out), 0 if lse is None else fw.ptr(lse), lp.strides)
+    return out, lse, num_splits
