@@ -1,9 +1,8 @@
 """Decoding over a KV cache: ``attention_with_kvcache`` (flash-attn's ``flash_attn_with_kvcache``) and
 ``merge_states`` (the combine step of split-KV, cascade attention and context parallelism).
 
-2026-12-05: both run the NumPy model (reference/decode.py) on NumPy arrays. There is no verified GPU kernel yet,
-so GPU arrays (CuPy, or torch/JAX on a GPU) and ``backend="cuda"`` raise NotImplementedError before anything
-is read, appended or launched.
+NumPy arrays run the NumPy model (reference/decode.py); GPU arrays (CuPy, torch and JAX on a GPU) run the kernels
+(decode_cuda.py: kv_append.cu, decode_fwd.cu, merge_states.cu).
 """
 from __future__ import annotations
 
@@ -20,25 +19,22 @@ VARIANTS = ("auto", "decode")
 BACKENDS = (None, "auto", "numpy", "cuda")
 OPTIONAL = ("page_table", "k", "v", "k_descale", "v_descale")
 STREAMED = ("q", "k_cache", "v_cache", "k", "v")   # contiguous in their last dimension, as the kernels read them
-NO_GPU_KERNEL = ("has no GPU kernel yet (2026-12-05: the NumPy model only, on NumPy arrays); nothing was read, "
-                 "appended or launched")
 
 
 def _on_gpu(*xs) -> bool:
     return any(x is not None and arrays._claims_gpu(x) for x in xs)
 
 
-def _check_placement(func: str, named: dict, backend, optional: tuple = ()) -> None:
-    """NumPy arrays only, and not backend="cuda": NotImplementedError for GPU arrays (before anything else is
-    looked at), TypeError for the rest. The names in ``optional`` may be None."""
+def _check_placement(func: str, named: dict, optional: tuple = ()) -> None:
+    """The host path: NumPy arrays only (a GPU array among them: ValueError, every array on one side), TypeError
+    for anything else. The names in ``optional`` may be None."""
     gpu = [n for n, x in named.items() if x is not None and arrays._claims_gpu(x)]
-    if gpu or backend == "cuda":
-        why = f"{', '.join(gpu)} on the GPU" if gpu else "backend='cuda'"
-        raise NotImplementedError(f"{func} {NO_GPU_KERNEL}: got {why}; pass NumPy arrays")
+    if gpu:
+        raise ValueError(f"{func}: {', '.join(gpu)} on the GPU while the rest are NumPy arrays: pass every array on "
+                         f"one side (NumPy runs the model, GPU arrays the kernels); nothing was read or appended")
     for n, x in named.items():
         if not isinstance(x, np.ndarray) and not (x is None and n in optional):
-            raise TypeError(f"{n} must be a NumPy array (2026-12-05: {func} runs on NumPy arrays), got "
-                            f"{type(x).__name__}")
+            raise TypeError(f"{n} must be a NumPy array or a GPU array, got {type(x).__name__}")
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, causal=True,
@@ -61,8 +57,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     Returns out (q's shape and dtype), and with return_lse the merged lse (batch, heads, seqlen_q) float32.
 
     Every misuse raises ValueError/TypeError naming the argument before anything is read or written: a refused
-    call leaves the cache as it was. 2026-12-05: NumPy arrays run the NumPy model; GPU arrays and
-    backend="cuda" raise NotImplementedError (no verified GPU kernel yet).
+    call leaves the cache as it was. NumPy arrays run the NumPy model, GPU arrays the kernels (CuPy, torch; the
+    result in q's framework). On the GPU, cache_seqlens, page_table and the descale factors may be NumPy (checked
+    in full, then copied up) or GPU arrays (not read on the host: a step stays free of synchronization and
+    capturable in a CUDA graph; the kernels then turn a sequence whose length or pages fall outside the cache into
+    NaN rows and write none of its tokens).
     """
     if not isinstance(variant, str) or variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
@@ -83,7 +82,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
             return_lse=bool(return_lse), k_descale=k_descale, v_descale=v_descale)
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=None if np.isscalar(cache_seqlens) else
                  cache_seqlens, page_table=page_table, k=k, v=v, k_descale=k_descale, v_descale=v_descale)
-    _check_placement("attention_with_kvcache", named, backend, optional=("cache_seqlens", *OPTIONAL))
+    _check_placement("attention_with_kvcache", named, optional=("cache_seqlens", *OPTIONAL))
     if q.dtype.name not in DTYPES:
         raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {q.dtype}")
     arrays.check_layout({n: x for n, x in named.items() if n in STREAMED and x is not None})
@@ -132,11 +131,15 @@ def merge_states(out_a, lse_a, out_b=None, lse_b=None):
     out has any floating dtype (the result has it), lse float32 or float64 (the result has it). With M the
     largest LSE of a row: LSE = M + log sum_s e^(LSE_s - M) and out = sum_s e^(LSE_s - LSE) out_s. A state with
     LSE = -inf (it saw no key) contributes nothing, whatever its out holds; when every state is empty the result
-    is zeros and -inf, never NaN; a NaN LSE gives a NaN row. 2026-12-05: NumPy arrays (the model, in float64);
-    GPU arrays raise NotImplementedError.
+    is zeros and -inf, never NaN; a NaN LSE gives a NaN row. NumPy arrays run the model (in float64), GPU
+    arrays merge_states.cu (float16, bfloat16, float32 or float64 states).
     """
     members = [y for x in (out_a, lse_a) for y in (x if isinstance(x, (list, tuple)) else [x])]
     if _on_gpu(*members, out_b, lse_b):
+        host = [x for x in (*members, out_b, lse_b) if isinstance(x, np.ndarray)]
+        if host:
+            raise ValueError("merge_states: some states on the GPU while the rest are NumPy arrays: pass every "
+                             "state on one side (NumPy runs the model, GPU arrays merge_states.cu)")
         from . import decode_cuda
         if out_b is not None:
             return decode_cuda.merge_states([out_a, out_b], [lse_a, lse_b], stacked=False)
@@ -167,8 +170,8 @@ def merge_states(out_a, lse_a, out_b=None, lse_b=None):
 
 
 def _check_states(outs: dict, lses: dict) -> None:
-    """NumPy arrays (NotImplementedError on the GPU), floating outs, float32/float64 lses, one dtype each."""
-    _check_placement("merge_states", {**outs, **lses}, None)
+    """NumPy arrays, floating outs, float32/float64 lses, one dtype each."""
+    _check_placement("merge_states", {**outs, **lses})
     for n, x in outs.items():
         if not is_float_dtype(x.dtype):
             raise TypeError(f"{n} must have a floating-point dtype, got {x.dtype}")

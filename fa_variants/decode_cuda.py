@@ -12,13 +12,21 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from . import arrays, kvcache
+from . import arrays, gpu, kvcache
+from .dispatch import BackendUnavailable
 from .kernels import decode as kern
 from .kernels.decode import DevArray, Framework
 
 BIG = ("q", "k_cache", "v_cache", "k", "v")
 INDEX = ("cache_seqlens", "page_table", "k_descale", "v_descale")
 INDEX_DTYPES = {"cache_seqlens": "int32", "page_table": "int32", "k_descale": "float32", "v_descale": "float32"}
+
+
+def require_gpu(func: str) -> None:
+    """BackendUnavailable, before any array is touched, where no CUDA device can run the kernels."""
+    if not gpu.available():
+        raise BackendUnavailable(f"{func} was given GPU arrays (or backend='cuda'), and no CUDA GPU is usable here: "
+                                 f"{gpu.reason()}; nothing was read, appended or launched")
 
 
 def _framework_root(x) -> str:
@@ -58,6 +66,7 @@ def _check_streamed(name: str, a: DevArray, vector: bool) -> None:
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k, v, causal, softmax_scale,
                            num_splits, return_lse, k_descale, v_descale):
     """decode.attention_with_kvcache's GPU path (its scalar arguments already checked)."""
+    require_gpu("attention_with_kvcache")
     big = {n: _device_array(n, x) for n, x in zip(BIG, (q, k_cache, v_cache, k, v)) if x is not None}
     dev = {n: d for n, (_, d) in big.items()}
     if len({d.device for d in dev.values()}) != 1:
@@ -144,6 +153,7 @@ def merge_states(outs: list, lses: list | None, stacked: bool):
     """decode.merge_states on GPU arrays: states as lists (stacked here: one copy) or stacked arrays, in
     flash-attn's layout (out (batch, seqlen, heads, d), lse (batch, heads, seqlen)) or FlashInfer's (out (tokens,
     heads, d), lse (tokens, heads)). Returns (out, lse) in the states' dtypes, as the caller's framework."""
+    require_gpu("merge_states")
     if not stacked:
         held = [_device_array(f"outs[{i}]", x)[0] for i, x in enumerate(outs)]
         lheld = [_device_array(f"lses[{i}]", x)[0] for i, x in enumerate(lses)]

@@ -19,6 +19,7 @@ from .kernels import fa2 as k_fa2
 from .kernels import fa2_fp8 as k_fa2_fp8
 from .kernels import fa3_fp8 as k_fa3_fp8
 from .kernels import fa3 as k_fa3
+from .kernels import decode as k_decode
 from .kernels import naive as k_naive
 from .reference import fa1 as ref_fa1
 from .reference import fa2 as ref_fa2
@@ -186,3 +187,10 @@ def get(name: str) -> Variant:
     if not isinstance(name, str) or name not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
     return VARIANTS[name]
+
+
+# The kernels behind calls other than attention(q, k, v): attention_with_kvcache and merge_states (decode.py). They
+# are no registry entry (an entry is a forward over q, k, v), but `fa-variants build` and CI compile them as they
+# compile the entries' kernels: {name: (compile_units(arch), the archs built)}.
+STEP_KERNELS = {"decode": (k_decode.compile_units, ("sm_80", "sm_90a"))}
+

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fa_variants as fav
-from conftest import TOL
+from conftest import TOL, has_gpu
 from kvcache_cases import FP8, assert_lse, logical_from, make_cache, quantize_e4m3, reference, rel
 
 
@@ -230,13 +230,20 @@ class _FakeGpuArray:
     __cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (0, False), "version": 3}
 
 
-@pytest.mark.parametrize("where", ["q", "k_cache", "cache_seqlens", "page_table", "k"])
-def test_gpu_arrays_are_refused_before_anything_is_written(rng, where):
-    _assert_refused(rng, lambda kw, rng: {where: _FakeGpuArray()}, NotImplementedError, "no GPU kernel yet")
+@pytest.mark.parametrize("where", ["cache_seqlens", "page_table", "k"])
+def test_a_gpu_array_among_numpy_ones_is_refused_before_anything_is_written(rng, where):
+    _assert_refused(rng, lambda kw, rng: {where: _FakeGpuArray()}, ValueError, f"{where} on the GPU")
 
 
-def test_backend_cuda_is_refused(rng):
-    _assert_refused(rng, lambda kw, rng: dict(backend="cuda"), NotImplementedError, "backend='cuda'")
+@pytest.mark.skipif(has_gpu(), reason="the refusal where no GPU is usable")
+@pytest.mark.parametrize("where", ["q", "k_cache"])
+def test_gpu_arrays_without_a_gpu_are_refused_before_anything_is_written(rng, where):
+    _assert_refused(rng, lambda kw, rng: {where: _FakeGpuArray()}, fav.BackendUnavailable, "no CUDA GPU is usable")
+
+
+@pytest.mark.skipif(has_gpu(), reason="the refusal where no GPU is usable")
+def test_backend_cuda_without_a_gpu_is_refused(rng):
+    _assert_refused(rng, lambda kw, rng: dict(backend="cuda"), fav.BackendUnavailable, "backend='cuda'")
 
 
 def test_backend_numpy_and_variant_decode_run_the_model(rng):
@@ -247,11 +254,11 @@ def test_backend_numpy_and_variant_decode_run_the_model(rng):
 
 
 @pytest.mark.gpu
-def test_cupy_arrays_are_refused_and_the_cache_unchanged(rng):
+def test_cupy_misuse_is_refused_and_the_cache_unchanged(rng):
     import cupy
     kw = base_call(rng)
-    dev = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    dev = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) and n != "cache_seqlens" else x) for n, x in kw.items()}
     before = {n: cupy.asnumpy(dev[n]).tobytes() for n in ("k_cache", "v_cache")}
-    with pytest.raises(NotImplementedError, match="no GPU kernel yet"):
-        fav.attention_with_kvcache(**dev)
+    with pytest.raises(ValueError, match="no room"):
+        fav.attention_with_kvcache(**{**dev, "cache_seqlens": np.full_like(kw["cache_seqlens"], 10**6)})
     assert {n: cupy.asnumpy(dev[n]).tobytes() for n in ("k_cache", "v_cache")} == before

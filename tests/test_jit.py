@@ -61,6 +61,10 @@ def shipped_instances() -> dict:
             for source, exprs in v.launcher.compile_units(arch).items():
                 assert exprs, f"{v.name}: no instances of {source} for {arch}"
                 units.setdefault((source, arch), set()).update(exprs)
+    for step_units, archs in registry.STEP_KERNELS.values():
+        for arch in archs:
+            for source, exprs in step_units(arch).items():
+                units.setdefault((source, arch), set()).update(exprs)
     return {unit: sorted(exprs) for unit, exprs in sorted(units.items())}
 
 

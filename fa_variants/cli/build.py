@@ -18,7 +18,7 @@ import time
 from tabulate import tabulate
 
 from .. import jit
-from ..registry import VARIANTS, Variant
+from ..registry import STEP_KERNELS, VARIANTS, Variant
 from .args import parse_variants, positive
 from .text import INSTALL_HINT, ProgressBar, err_text, progress
 
@@ -174,6 +174,10 @@ def _plan(chosen: list[Variant], wanted: list[str] | None) -> tuple[list[tuple[s
             progress(f"{entry.name}: none of its archs {list(entry.archs)} was asked for; skipped")
         plan += [(entry.name, Unit(source, expr, a)) for a in archs
                  for source, exprs in launcher.compile_units(a).items() for expr in exprs]
+    if len(chosen) == len(VARIANTS):   # everything: the decoding step's kernels too
+        plan += [(name, Unit(source, expr, a)) for name, (units, archs) in STEP_KERNELS.items()
+                 for a in archs if wanted is None or a in wanted for source, exprs in units(a).items()
+                 for expr in exprs]
     return plan, rows
 
 
