@@ -9,7 +9,9 @@ current stream: a step is then capturable in a CUDA graph (torch.cuda.CUDAGraph,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import ml_dtypes
 import numpy as np
 
 from .. import jit
@@ -130,7 +132,7 @@ class Framework:
     def empty(self, shape, dtype: str):
         if self.torch:
             return self.lib.empty(shape, dtype=getattr(self.lib, dtype), device=self.device)
-        return self.lib.empty(shape, dtype=dtype)
+        return self.lib.empty(shape, dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
 
     def full(self, shape, value, dtype: str):
         if self.torch:
@@ -149,9 +151,16 @@ class Framework:
 
 
 # ------------------------------------------------------------------------------------------------ launches
-def _function(source: str, expr: str, smem: int = 0) -> int:
+@functools.lru_cache(maxsize=None)
+def _function_on(source: str, expr: str, smem: int, device: int) -> int:
     from .launch import function_of
     return function_of(jit.kernel(source, expr), smem)
+
+
+def _function(source: str, expr: str, smem: int = 0) -> int:
+    """The CUfunction of ``expr`` on the current device, its shared-memory limit raised once."""
+    import cupy
+    return _function_on(source, expr, smem, cupy.cuda.runtime.getDevice())
 
 
 def _launch(func, grid, block, smem, stream, struct, **ptrs) -> None:
@@ -193,11 +202,13 @@ def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr
             o_parts=parts.ptr, lse_parts=lses.ptr, out=out.ptr, lse=lse_ptr)
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(device: int) -> int:
     from .common import sm_count
     return sm_count(device)
 
 
+@functools.lru_cache(maxsize=None)
 def arch_of(device: int) -> str:
     return jit.device_arch(device)
 
