@@ -90,7 +90,8 @@ def test_every_shipped_instance_compiles_without_spills(source, expr, arch):
 
 def test_a_source_is_compiled_only_for_the_archs_it_names():
     """fa2_fp8's wgmma source is sm_90a-only; its mma.sync source and the quantizers go to every arch it lists.
-    Every .cu of cuda_src is some launcher's unit for at least one arch (none is left uncompiled)."""
+    Every .cu of cuda_src is some launcher's (or registry.STEP_KERNELS') unit for at least one arch (none is left
+    uncompiled)."""
     from fa_variants.kernels import fa2_fp8 as mod
     launcher = registry.get("fa2_fp8").launcher
     assert set(launcher.compile_units("sm_89")) == {mod.SOURCE, mod.QUANT_SOURCE, mod.PAD_SOURCE}
@@ -102,6 +103,7 @@ def test_a_source_is_compiled_only_for_the_archs_it_names():
     for source, archs in mod.SOURCE_ARCHS.items():
         assert set(archs) <= set(registry.get("fa2_fp8").archs), f"{source}: an arch the entry does not build"
     used = {s for v in registry.variants() for a in v.archs for s in v.launcher.compile_units(a)}
+    used |= {s for units, archs in registry.STEP_KERNELS.values() for a in archs for s in units(a)}
     assert used == set(_sources()), f"sources no launcher compiles: {set(_sources()) - used}"
 
 
