@@ -34,8 +34,9 @@ constexpr int WARPS = 4;
 }  // namespace merge
 }  // namespace fav
 
-// TO: the states' O format (the result's too); TL: the LSE's (F32, F64); Acc: what the sums are kept in.
-template <class TO, class TL, class Acc>
+// TO: the states' O format; TL: the LSE's (F32, F64, the result's too); TR: the result's O format (TO for
+// merge_states; q's format for decoding's fp32 partials); Acc: what the sums are kept in.
+template <class TO, class TL, class TR, class Acc>
 __global__ void __launch_bounds__(fav::merge::WARPS * 32)
 merge_states(const fav::MergeParams p) {
     using namespace fav;
@@ -68,14 +69,14 @@ merge_states(const fav::MergeParams p) {
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     const Acc inv = total > 0 ? Acc(1) / total : Acc(0);
 
-    O* out = static_cast<O*>(p.out) + b * p.o_b + n * p.o_n + h * p.o_h;
+    typename TR::E* out = static_cast<typename TR::E*>(p.out) + b * p.o_b + n * p.o_n + h * p.o_h;
     for (int c = lane; c < p.head_dim; c += 32) {
         Acc acc = 0;
         for (int s = 0; s < p.states; ++s) {
             const Acc x = TL::get(lse[s * p.l_s]);
             if (x != NEG_INF) acc += exp(x - ref) * inv * TO::get(parts[s * p.p_s + c]);
         }
-        out[c] = TO::put(nan ? NOT_A_NUMBER : acc);
+        out[c] = TR::put(nan ? NOT_A_NUMBER : acc);
     }
     if (p.lse != nullptr && lane == 0) {
         const Acc x = nan ? NOT_A_NUMBER : total > 0 ? ref + log(total) : NEG_INF;

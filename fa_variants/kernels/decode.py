@@ -70,9 +70,11 @@ MERGE_TYPES = {"float16": "fav::merge::Bits16Of<fav::Half>", "bfloat16": "fav::m
 LSE_TYPES = {"float32": "fav::merge::F32", "float64": "fav::merge::F64"}
 
 
-def merge_instance(out_dtype: str, lse_dtype: str) -> str:
-    acc = "double" if "float64" in (out_dtype, lse_dtype) else "float"
-    return f"merge_states<{MERGE_TYPES[out_dtype]}, {LSE_TYPES[lse_dtype]}, {acc}>"
+def merge_instance(parts_dtype: str, lse_dtype: str, out_dtype: str | None = None) -> str:
+    """merge_states.cu's instance for states of ``parts_dtype`` into ``out_dtype`` (default: the same)."""
+    acc = "double" if "float64" in (parts_dtype, lse_dtype) else "float"
+    out = MERGE_TYPES[out_dtype or parts_dtype]
+    return f"merge_states<{MERGE_TYPES[parts_dtype]}, {LSE_TYPES[lse_dtype]}, {out}, {acc}>"
 
 
 def append_instance(kv_bytes: int, paged: bool) -> str:
@@ -86,7 +88,8 @@ def compile_units(arch: str | None = None) -> dict:
     split = sorted({instance(t, d, mt, paged, kv, a) for a in archs for t in CTYPE for d in TEMPLATE_DIMS
                     for mt in range(1, MAX_MT[d] + 1) for paged in (False, True)
                     for kv in ((2, 1) if a in FP8_ARCHS else (2,))})
-    merges = sorted({merge_instance(o, lse) for o in MERGE_TYPES for lse in LSE_TYPES})
+    merges = sorted({merge_instance(o, lse) for o in MERGE_TYPES for lse in LSE_TYPES} |
+                    {merge_instance("float32", "float32", t) for t in CTYPE})   # decoding's partials into q's format
     appends = sorted({append_instance(kv, paged) for kv in (2, 1) for paged in (False, True)})
     return {SOURCE: tuple(split), MERGE_SOURCE: tuple(merges), APPEND_SOURCE: tuple(appends)}
 
@@ -193,7 +196,7 @@ def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr
     the contiguous lse (batch, heads, seqlen) at lse_ptr (0: not written)."""
     states, batch, seqlen, heads, d = parts.shape
     rows = batch * seqlen * heads
-    func = _function(MERGE_SOURCE, merge_instance(parts.dtype, lses.dtype))
+    func = _function(MERGE_SOURCE, merge_instance(parts.dtype, lses.dtype, out.dtype))
     ls = axes
     rest = dict(p_s=parts.strides[0], p_b=parts.strides[1], p_n=parts.strides[2], p_h=parts.strides[3],
                 l_s=ls[0], l_b=ls[1], l_h=ls[2], l_n=ls[3], o_b=out.strides[0], o_n=out.strides[1],
