@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -63,10 +64,10 @@ def _host_call(rng, c: DecodeCase, fp8: bool = False):
         _write_logical(v_cache, cache.page_table, v_log)
         cache = cache._replace(k_cache=k_cache, v_cache=v_cache, k_log=k_log, v_log=v_log)
     else:
-        dt = np.dtype(c.dtype) if c.dtype == "float16" else __import__("ml_dtypes").bfloat16
+        dt = np.dtype(c.dtype) if c.dtype == "float16" else ml_dtypes.bfloat16
         cache = cache._replace(k_cache=k_cache.astype(dt), v_cache=v_cache.astype(dt), k_log=cache.k_log.astype(dt),
                                v_log=cache.v_log.astype(dt))
-    qdt = np.float16 if c.dtype == "float16" else __import__("ml_dtypes").bfloat16
+    qdt = np.float16 if c.dtype == "float16" else ml_dtypes.bfloat16
     q = rng.standard_normal((c.batch, c.seqlen_q, c.heads, c.d)).astype(qdt)
     new = None
     if c.seqlen_new:
@@ -148,7 +149,6 @@ def test_strided_q_and_cache_views(rng):
 def test_fp8_cache_matches_float64_of_its_values(rng, paged):
     """An e4m3 cache with per-(batch, KV head) descale factors: the kernel's error is q's format's, measured
     against float64 attention over the dequantized cache values."""
-    import cupy
     import torch
     c = DecodeCase(2, 2, 16, 4, 128, (37, 4097), 4200, paged, True, seqlen_new=1)
     q, cache, new, kd, vd = _host_call(rng, c, fp8=True)
@@ -166,7 +166,6 @@ def test_fp8_cache_matches_float64_of_its_values(rng, paged):
                            v_cache=t["v_cache"].view(torch.uint8).cpu().numpy().view(FP8))
     k_after, _ = logical_from(after, c.batch, c.capacity)
     assert np.array_equal(k_after.view(np.uint8), logical[0].view(np.uint8))
-    del cupy
 
 
 def test_torch_in_place_append_device_lengths_and_cuda_graph(rng):
@@ -232,7 +231,6 @@ def test_device_lengths_past_the_cache_give_nan_rows_and_write_nothing(rng):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_merge_states_on_the_gpu_matches_the_model(rng, dtype):
     import cupy
-    import ml_dtypes
     np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     lse_dt = np.float64 if dtype == "float64" else np.float32
     outs = rng.standard_normal((5, 2, 3, 4, 72)).astype(np_dt)
