@@ -8,7 +8,6 @@ api -> integrations.torch -> forward -> dispatch -> choice -> registry -> kernel
 """
 from __future__ import annotations
 
-import sys
 
 from . import forward, plans, varlen
 from .dispatch import BackendUnavailable
@@ -66,7 +65,8 @@ def _torch_op_needed(q, k, v) -> bool:
     tensors = [x for x in (q, k, v) if forward.is_torch(x)]
     if not tensors:
         return False
-    return any(x.requires_grad for x in tensors) or sys.modules["torch"].compiler.is_compiling()
+    import torch   # imported already; an import Dynamo traces, where a sys.modules lookup can break its guards
+    return any(x.requires_grad for x in tensors) or torch.compiler.is_compiling()
 
 
 def clear_plans() -> None:

@@ -53,7 +53,7 @@ def _framework_wrap(x):
 def _host_import(name: str, x) -> np.ndarray:
     """A NumPy view of a host DLPack producer. NumPy's DLPack import knows no bfloat16, so a bfloat16 tensor
     comes in through its 16-bit patterns, viewed as ml_dtypes.bfloat16 (torch: an int16 view of the same memory;
-    JAX: its own NumPy conversion, which speaks ml_dtypes)."""
+    JAX: its own NumPy conversion, which speaks ml_dtypes), and torch's float8_e4m3fn through its bytes."""
     try:
         return np.from_dlpack(x)
     except (RuntimeError, TypeError, BufferError, ValueError) as e:
@@ -63,6 +63,8 @@ def _host_import(name: str, x) -> np.ndarray:
                 import torch
                 if x.dtype == torch.bfloat16:
                     return np.from_dlpack(x.detach().view(torch.int16)).view(ml_dtypes.bfloat16)
+                if x.dtype == torch.float8_e4m3fn:
+                    return np.from_dlpack(x.detach().view(torch.uint8)).view(ml_dtypes.float8_e4m3fn)
             else:
                 return np.asarray(x)
         except Exception:  # noqa: BLE001 - reported below, with the DLPack error

@@ -25,16 +25,40 @@ def _on_gpu(*xs) -> bool:
     return any(x is not None and arrays._claims_gpu(x) for x in xs)
 
 
+def _traced_by_torch(q) -> bool:
+    """Whether q is a torch tensor that Dynamo is tracing (torch is imported already when its tensors come in)."""
+    if type(q).__module__.split(".")[0] != "torch":
+        return False
+    import torch   # imported already: its tensors came in (Dynamo traces this import, not a sys.modules lookup)
+    return torch.compiler.is_compiling()
+
+
 def _check_placement(func: str, named: dict, optional: tuple = ()) -> None:
-    """The host path: NumPy arrays only (a GPU array among them: ValueError, every array on one side), TypeError
+    """The host path: host arrays only (a GPU array among them: ValueError, every array on one side), TypeError
     for anything else. The names in ``optional`` may be None."""
     gpu = [n for n, x in named.items() if x is not None and arrays._claims_gpu(x)]
     if gpu:
-        raise ValueError(f"{func}: {', '.join(gpu)} on the GPU while the rest are NumPy arrays: pass every array on "
-                         f"one side (NumPy runs the model, GPU arrays the kernels); nothing was read or appended")
+        raise ValueError(f"{func}: {', '.join(gpu)} on the GPU while the rest are host arrays: pass every array on "
+                         f"one side (host arrays run the NumPy model, GPU arrays the kernels); nothing was read or "
+                         f"appended")
     for n, x in named.items():
-        if not isinstance(x, np.ndarray) and not (x is None and n in optional):
-            raise TypeError(f"{n} must be a NumPy array or a GPU array, got {type(x).__name__}")
+        if not (x is None and n in optional) and arrays._claims_gpu(x) is None:
+            raise TypeError(f"{n} must be a NumPy array, a CPU torch tensor or JAX array, or a GPU array, got "
+                            f"{type(x).__name__}")
+
+
+def _host_views(named: dict) -> dict:
+    """NumPy views of the host arrays in ``named`` (CPU torch tensors and JAX arrays share their memory, so an
+    append writes a torch cache in place); None and NumPy arrays pass as they are."""
+    out = {}
+    for n, x in named.items():
+        if x is None or isinstance(x, np.ndarray):
+            if isinstance(x, np.ndarray):
+                arrays.refuse_masked(n, x)
+            out[n] = x
+        else:
+            out[n] = arrays._host_import(n, x)
+    return out
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, causal=True,
@@ -68,6 +92,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     scale = arrays.check_scalars(causal, softmax_scale, return_lse)
+    if _traced_by_torch(q):   # torch.compile: one opaque op (Dynamo cannot trace DLPack)
+        from .integrations import torch as torch_ops
+        return torch_ops.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v, causal=causal,
+            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, k_descale=k_descale,
+            v_descale=v_descale)
     if _on_gpu(q, k_cache, v_cache) or backend == "cuda":
         if backend == "numpy":
             raise ValueError("backend='numpy' runs the NumPy model on NumPy arrays; q, k_cache, v_cache are on the "
@@ -83,17 +113,24 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=None if np.isscalar(cache_seqlens) else
                  cache_seqlens, page_table=page_table, k=k, v=v, k_descale=k_descale, v_descale=v_descale)
     _check_placement("attention_with_kvcache", named, optional=("cache_seqlens", *OPTIONAL))
-    if q.dtype.name not in DTYPES:
-        raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {q.dtype}")
-    arrays.check_layout({n: x for n, x in named.items() if n in STREAMED and x is not None})
-    res = model.forward(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v,
-                        causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, k_descale=k_descale,
-                        v_descale=v_descale)
-    out = res.out.astype(q.dtype)
+    if k is not None and type(k_cache).__module__.split(".")[0] in ("jax", "jaxlib"):
+        raise TypeError("k_cache is a JAX array, which cannot be written in place: append k, v with JAX's own "
+                        ".at[].set(), or pass the cache as NumPy arrays or torch tensors")
+    host = _host_views(named)
+    hq = host["q"]
+    if hq.dtype.name not in DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {hq.dtype}")
+    arrays.check_layout({n: x for n, x in host.items() if n in STREAMED and x is not None})
+    res = model.forward(hq, host["k_cache"], host["v_cache"], cache_seqlens=host["cache_seqlens"] if
+                        host["cache_seqlens"] is not None else cache_seqlens, page_table=host["page_table"],
+                        k=host["k"], v=host["v"], causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                        k_descale=host["k_descale"], v_descale=host["v_descale"])
+    wrap = (lambda a: a) if isinstance(q, np.ndarray) else arrays._host_wrap(q)
+    out = wrap(res.out.astype(hq.dtype))
     if not return_lse:
         return out
     with np.errstate(over="ignore"):  # an LSE past float32's range is +inf there, as attention() gives
-        return out, res.lse.astype(np.float32)
+        return out, wrap(res.lse.astype(np.float32))
 
 
 # ------------------------------------------------------------------------------------------------ merge_states

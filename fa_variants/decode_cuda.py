@@ -78,6 +78,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
                         ".at[].set(), or pass the cache as CuPy arrays or torch tensors")
     index = dict(zip(INDEX, (cache_seqlens, page_table, k_descale, v_descale)))
     on_device = {n: _device_array(n, x) for n, x in index.items() if x is not None and arrays._claims_gpu(x)}
+    index = {n: x if n in on_device or x is None or isinstance(x, np.ndarray) or np.isscalar(x) else
+             arrays._host_import(n, x) for n, x in index.items()}   # CPU torch tensors: NumPy views
     given = {**{n: kvcache.stand_in(d.shape, _np_dtype(d.dtype)) for n, (_, d) in {**big, **on_device}.items()},
              **{n: x for n, x in index.items() if n not in on_device}}
     call = kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),

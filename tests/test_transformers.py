@@ -172,6 +172,90 @@ def test_greedy_generation_matches_sdpa(calls):
     assert all(c["q"][1] == 1 and c["causal"] is False for c in per_layer[1:])
 
 
+AUTO_CPU_IMPL = fat.register("fa_variants_auto_numpy", variant="auto", backend="numpy")
+TIE = 2   # greedy choices may part where the two best logits lie within TIE roundings (eps * the row's largest)
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Every fav.attention_with_kvcache call the integration makes."""
+    seen = []
+    real = fat.decode.attention_with_kvcache
+
+    def spy(q, k_cache, v_cache, **kw):
+        seen.append(dict(q=tuple(q.shape), k_cache=tuple(k_cache.shape), **kw))
+        return real(q, k_cache, v_cache, **kw)
+
+    class Decode:
+        attention_with_kvcache = staticmethod(spy)
+    monkeypatch.setattr(fat, "decode", Decode)
+    return seen
+
+
+def assert_same_greedy(want, got, prompt_len: int, dtype=torch.bfloat16) -> None:
+    """got's tokens are want's (sdpa's), row by row, or part from them first at a step where both runs' two best
+    logits lie within TIE roundings (of the model's dtype) of each other: a tie that the last bit of any attention
+    breaks its own way."""
+    for r in range(want.sequences.shape[0]):
+        parted = (want.sequences[r] != got.sequences[r]).nonzero()
+        if len(parted) == 0:
+            continue
+        col = int(parted[0])
+        step, a, b = col - prompt_len, int(want.sequences[r, col]), int(got.sequences[r, col])
+        sw, sg = want.scores[step][r].float(), got.scores[step][r].float()
+        eps = torch.finfo(dtype).eps * float(sw[sw.isfinite()].abs().max())   # the model's dtype, the row's scale
+        gaps = float(sw[a] - sw[b]) / eps, float(sg[b] - sg[a]) / eps
+        assert max(gaps) <= TIE, (f"row {r} parts from sdpa at new token {step}: {b} for {a}, logit gaps "
+                                  f"{gaps[0]:.2f} (sdpa) and {gaps[1]:.2f} (ours) roundings: not a tie")
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_generation_through_kvcache_matches_sdpa(batch, cache, calls, decode_calls):
+    """variant="auto": the prefill through attention(), each new token through attention_with_kvcache over the
+    cache (a DynamicCache's tensors, or a StaticCache's slots with the tokens they hold), 64 greedy tokens."""
+    ref = make_model(max_position_embeddings=128)
+    ours = with_impl(ref, AUTO_CPU_IMPL)
+    prompt = token_ids(batch=batch, n=SEQ, seed=batch)   # 24 tokens: a prefill, more than a decoding step
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True, cache_implementation=cache)
+    want = ref.generate(prompt, **kw)
+    got = ours.generate(prompt, **kw)
+    assert got.sequences.shape == (batch, SEQ + 64)
+    assert_same_greedy(want, got, SEQ)
+    layers = CONFIG["num_hidden_layers"]
+    steps = decode_calls[::layers]
+    if cache == "dynamic":   # prefill: attention(); then one query against every token so far
+        assert len(calls) == layers and calls[0]["q"][1] == SEQ
+        assert [c["cache_seqlens"] for c in steps] == list(range(SEQ + 1, SEQ + 64))
+        assert all(c["k_cache"][1] == c["cache_seqlens"] for c in steps)
+    else:                    # every call: all the static cache's slots (the last token's is never written), the
+        assert not calls and len(steps) == 64      # tokens in them as a tensor
+        assert [c["cache_seqlens"].tolist() for c in steps] == [[n] * batch for n in range(SEQ, SEQ + 64)]
+        assert all(c["k_cache"][1] == SEQ + 63 and c["cache_seqlens"].dtype == torch.int32 for c in steps)
+    assert steps[0]["q"][1] == (SEQ if cache == "static" else 1) and all(c["q"][1] == 1 for c in steps[1:])
+
+
+def test_static_cache_generation_under_torch_compile(monkeypatch):
+    """generate() with a StaticCache and the model's forward compiled whole (fullgraph): attention_with_kvcache
+    is one opaque op with the cache lengths as a tensor, so one graph serves every decoding step."""
+    from fa_variants.reference import decode as decode_model
+    runs = []   # the NumPy model's runs, inside the op's body (never traced: a list there would cost guards)
+    real = decode_model.forward
+    monkeypatch.setattr(decode_model, "forward", lambda *a, **kw: runs.append(1) or real(*a, **kw))
+    ref = make_model(max_position_embeddings=128)
+    ours = with_impl(ref, AUTO_CPU_IMPL)
+    prompt = token_ids(batch=4, n=SEQ, seed=4)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True, cache_implementation="static")
+    want = ref.generate(prompt, **kw)
+    torch._dynamo.reset()
+    ours.forward = torch.compile(ours.forward, fullgraph=True)
+    got = ours.generate(prompt, **kw)
+    assert_same_greedy(want, got, SEQ)
+    assert len(runs) == 64 * CONFIG["num_hidden_layers"], "not every step went through attention_with_kvcache"
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_continuation_from_kv_cache_is_bottom_right_causal(calls):
     """8 new tokens against a 16-token cache (seqlen_q 8 < seqlen_k 24) give the full forward's logits."""
@@ -215,9 +299,6 @@ def test_dropout_in_training_raises():
 def test_unsupported_layouts_raise():
     ours = make_model(CPU_IMPL)
     ids = token_ids()
-    with pytest.raises(fat.Unsupported, match="StaticCache"):
-        ours.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
-                      pad_token_id=0, cache_implementation="static")
     packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
     with pytest.raises(fat.Unsupported, match="packed sequences"):
         ours(ids, position_ids=packed, use_cache=False)

@@ -1,4 +1,5 @@
-"""torch autograd and torch.compile for ``fa_variants.attention``: two opaque custom ops.
+"""torch autograd and torch.compile for ``fa_variants.attention`` (two opaque custom ops), and torch.compile for
+``fa_variants.attention_with_kvcache`` (one, which writes the cache in place).
 
 ``fa_variants::attention_fwd`` runs the forward (``forward.attention``, return_lse=True) and
 ``fa_variants::attention_bwd`` the backward (``backward.attention_backward``); ``register_autograd`` ties them
@@ -21,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import arrays, backward, dispatch, forward
+from .. import arrays, backward, decode, dispatch, forward
 
 
 @torch.library.custom_op("fa_variants::attention_fwd", mutates_args=())
@@ -88,3 +89,38 @@ def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_s
     out, lse = _forward(q, k, v, variant, bool(causal), None if softmax_scale is None else float(softmax_scale),
                         backend)
     return (out, lse.detach()) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+@torch.library.custom_op("fa_variants::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Optional[Tensor],
+                  k: Optional[Tensor], v: Optional[Tensor], causal: bool, softmax_scale: Optional[float],
+                  num_splits: int, k_descale: Optional[Tensor], v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    # The cache is declared mutated whether or not k, v are given: torch.compile then orders this call after
+    # every earlier write to the cache and before every later read, and never reuses a stale copy.
+    return decode.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                                         k=k, v=v, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                                         return_lse=True, k_descale=k_descale, v_descale=v_descale)
+
+
+@_with_kvcache.register_fake
+def _with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
+                       k_descale, v_descale):
+    b, nq, h, d = q.shape
+    return q.new_empty((b, nq, h, d)), q.new_empty((b, h, nq), dtype=torch.float32)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, causal=True,
+                           softmax_scale=None, num_splits=0, return_lse=False, k_descale=None, v_descale=None):
+    """``fa_variants.attention_with_kvcache`` for torch tensors as one opaque op, so that torch.compile (and CUDA
+    graphs under mode="reduce-overhead") take a decoding step whole. An int ``cache_seqlens`` becomes a tensor
+    on q's device (checked by the kernels, as device lengths are)."""
+    arrays.check_scalars(causal, softmax_scale, return_lse)
+    num_splits = decode.model.check_num_splits(num_splits)
+    if not isinstance(cache_seqlens, Tensor):
+        if not isinstance(cache_seqlens, (int, torch.SymInt)) or isinstance(cache_seqlens, bool):
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    out, lse = _with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, k, v, bool(causal),
+                             None if softmax_scale is None else float(softmax_scale), num_splits, k_descale, v_descale)
+    return (out, lse) if return_lse else out

@@ -46,7 +46,7 @@ import logging
 
 import torch
 
-from .. import api, dispatch
+from .. import api, decode, dispatch
 
 __all__ = ["register", "Unsupported", "attention_function", "mask_function"]
 
@@ -90,15 +90,19 @@ def register(name: str = "fa_variants", variant: str = "auto", *, backend: str =
 # ------------------------------------------------------------------------------------------------------- masks
 def mask_function(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=None,
                   kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
-                  **kwargs) -> None:
+                  **kwargs) -> torch.Tensor | None:
     """transformers' mask hook: ``None`` (no mask) for causal or bidirectional attention without padding, whose
-    queries are the last ``q_length`` of the ``kv_length`` keys; ``Unsupported`` for everything else.
+    queries are the last ``q_length`` of the ``kv_length`` keys; for a cache with more slots than tokens, whose
+    length is a tensor (StaticCache), the tokens per sequence: an int32 tensor (batch,), which the attention
+    function reads as attention_with_kvcache's ``cache_seqlens``; ``Unsupported`` for everything else.
 
     The signature is that of ``masking_utils.flash_attention_mask`` (transformers 5.x); transformers 4.5x passed
     ``cache_position`` instead of ``q_offset``, which is read when it comes.
     """
     from transformers import masking_utils as mu
 
+    if _is_cache_seqlens(attention_mask):   # made by this function for generate(), handed back by the model
+        return attention_mask
     cache_position = kwargs.get("cache_position")
     if q_length is None:  # transformers 4.5x
         q_length = int(cache_position.shape[0])
@@ -117,45 +121,73 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
             f"position_ids, a block overlay or a custom and_/or_mask_function): use attn_implementation='sdpa' "
             f"for this model or input")
 
+    if isinstance(q_offset, torch.Tensor) or (q_offset is None and isinstance(cache_position, torch.Tensor)
+                                              and torch.compiler.is_compiling()):
+        # A cache that reports its length as a tensor (StaticCache: max_cache_len slots, the first q_offset +
+        # q_length of them tokens) or whose positions cannot be read while tracing: the attention function gets
+        # the tokens per sequence and runs attention_with_kvcache over the slots, reading nothing on the host.
+        return _cache_seqlens(batch_size, q_offset, cache_position, q_length, attention_mask, kwargs.get("device"))
     q_start = _q_start(q_offset, cache_position)
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:  # not from _preprocess_mask_arguments (a 4D mask skips this hook)
-            raise Unsupported(f"fa_variants attention takes no dense attention mask (got one of shape "
-                              f"{tuple(attention_mask.shape)}): pass none, or a 2D mask of ones")
-        if attention_mask.shape[-1] < kv_length:
-            raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
-        attention_mask = attention_mask[:, -kv_length:]
-        if not bool(attention_mask.all()):
-            raise Unsupported(
-                "fa_variants attention cannot take a padding mask yet (attention_mask has zeros: a batch of "
-                "sequences of different lengths, or left padding in generate): variable-length batches are "
-                "not implemented. Run such batches one sequence at a time, or use attn_implementation='sdpa'")
+    if kv_offset == 0 and q_start + q_length < kv_length:
+        # The same cache before its first write (its length still the int 0): tokens in the first slots.
+        return _cache_seqlens(batch_size, q_start, None, q_length, attention_mask, kwargs.get("device"))
 
+    if attention_mask is not None:
+        _check_padding(attention_mask, kv_length, q_start, q_length, kv_offset)
     if causal:
         # Bottom-right causal masking is right only when the queries are the last q_length of the keys, which
         # hold positions kv_offset .. kv_offset + kv_length - 1, every slot a token: true without a cache and
-        # with a DynamicCache; a StaticCache has max_cache_len slots, most of them empty until it fills.
-        if q_start is not None and q_start + q_length != kv_offset + kv_length:
+        # with a DynamicCache.
+        if q_start + q_length != kv_offset + kv_length:
             raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
     return None
 
 
+def _cache_seqlens(batch_size, q_offset, cache_position, q_length, attention_mask, device) -> torch.Tensor:
+    """int32 (batch,): the tokens in each sequence's cache slots (q_offset + q_length), on the model's device."""
+    if q_offset is None:
+        q_offset = cache_position.reshape(-1)[0]
+    if isinstance(q_offset, torch.Tensor):
+        tokens = (q_offset + q_length).to(torch.int32).reshape(1).expand(batch_size)
+    else:
+        tokens = torch.full((batch_size,), q_offset + q_length, dtype=torch.int32, device=device)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise Unsupported(f"fa_variants attention takes no dense attention mask (got one of shape "
+                              f"{tuple(attention_mask.shape)}): pass none, or a 2D mask of ones")
+        if not torch.compiler.is_compiling():
+            _check_padding(attention_mask, attention_mask.shape[-1], None, q_length, 0)
+        else:   # no host read while tracing: a padded sequence gets a length no cache has, hence NaN rows
+            tokens = torch.where(attention_mask.all(dim=-1), tokens, torch.full_like(tokens, -1))
+    return tokens.contiguous()
+
+
+def _check_padding(attention_mask, kv_length, q_start, q_length, kv_offset) -> None:
+    """Unsupported for a mask that is not 2D ones over the last kv_length keys (a padded batch)."""
+    if attention_mask.dim() != 2:  # not from _preprocess_mask_arguments (a 4D mask skips this hook)
+        raise Unsupported(f"fa_variants attention takes no dense attention mask (got one of shape "
+                          f"{tuple(attention_mask.shape)}): pass none, or a 2D mask of ones")
+    if attention_mask.shape[-1] < kv_length:
+        raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
+    if not bool(attention_mask[:, -kv_length:].all()):
+        raise Unsupported(
+            "fa_variants attention cannot take a padding mask yet (attention_mask has zeros: a batch of "
+            "sequences of different lengths, or left padding in generate): variable-length batches are "
+            "not implemented. Run such batches one sequence at a time, or use attn_implementation='sdpa'")
+
+
 def _q_start(q_offset, cache_position):
-    """The first query's position (an int), or None when it cannot be read without tracing."""
+    """The first query's position, an int."""
     if q_offset is None:
         q_offset = 0 if cache_position is None else cache_position[0]
-    if isinstance(q_offset, torch.Tensor):
-        if torch.compiler.is_compiling():
-            return None
-        q_offset = q_offset.reshape(-1)[0]
     return int(q_offset)
 
 
 def _cache_slots_message(kv_length, q_start, q_length, kv_offset=0) -> str:
     where = "" if q_start is None else f" for queries at positions {q_start}..{q_start + q_length - 1}"
     return (f"fa_variants attention needs k/v that hold exactly the tokens seen so far (a DynamicCache, or no "
-            f"cache); got {kv_length} k/v slots starting at position {kv_offset}{where}, as a StaticCache or a "
-            f"sliding-window cache gives: those need a mask, which is not implemented. Use the default dynamic "
+            f"cache, or a StaticCache); got {kv_length} k/v slots starting at position {kv_offset}{where}, as a "
+            f"sliding-window cache gives: that needs a mask, which is not implemented. Use the default dynamic "
             f"cache (generate(..., cache_implementation='dynamic')) or attn_implementation='sdpa'")
 
 
@@ -175,6 +207,9 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
                                       is_causal: bool | None = None, sliding_window: int | None = None,
                                       softcap: float | None = None, s_aux: torch.Tensor | None = None,
                                       position_bias: torch.Tensor | None = None, **kwargs):
+        cache_seqlens = None
+        if _is_cache_seqlens(attention_mask):    # mask_function's answer for a StaticCache
+            cache_seqlens, attention_mask = attention_mask, None
         if attention_mask is not None:
             raise Unsupported(
                 f"fa_variants attention takes no attention mask (got a {attention_mask.dim()}D one of shape "
@@ -205,19 +240,39 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # One query row (decoding with a cache) sees every key under bottom-right causal masking: no mask.
         causal = bool(causal) and query.shape[2] > 1
+        scale = None if scaling is None else float(scaling)
 
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, d) views: no copy
         out_dtype = q.dtype
         if out_dtype == torch.float32:
             dt = _half_dtype(module, q)
             q, k, v = (x.to(dt) for x in (q, k, v))
-        out = api.attention(q, k, v, variant=variant, causal=causal,
-                            softmax_scale=None if scaling is None else float(scaling), backend=backend)
+        if cache_seqlens is not None or _decoding_step(variant, q):
+            # The cache as attention_with_kvcache's k_cache, v_cache: the first cache_seqlens slots of each
+            # sequence are its tokens (all of them for a DynamicCache), the queries the last of those.
+            out = decode.attention_with_kvcache(
+                q, k, v, cache_seqlens=k.shape[1] if cache_seqlens is None else cache_seqlens, causal=causal,
+                softmax_scale=scale, backend=None if backend == "auto" else backend)
+        else:
+            out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend)
         return (out if out.dtype == out_dtype else out.to(out_dtype)), None
 
     fa_variants_attention_forward.__qualname__ = f"fa_variants_attention_forward[{variant}, {backend}]"
     fa_variants_attention_forward.variant, fa_variants_attention_forward.backend = variant, backend
     return fa_variants_attention_forward
+
+
+DECODE_QUERIES = 16   # a step of at most this many query tokens is decoding: attention_with_kvcache runs it
+
+
+def _decoding_step(variant: str, q: torch.Tensor) -> bool:
+    """Whether ``variant="auto"`` runs this call as a decoding step over the cache: a few query tokens, and no
+    gradient wanted (attention_with_kvcache has no backward). A named variant always runs its own kernels."""
+    return variant == "auto" and q.shape[1] <= DECODE_QUERIES and not (torch.is_grad_enabled() and q.requires_grad)
+
+
+def _is_cache_seqlens(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.dtype == torch.int32
 
 
 def _half_dtype(module, q: torch.Tensor) -> torch.dtype:
