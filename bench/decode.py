@@ -4,7 +4,8 @@ FlashAttention-4 (where installed), on the same torch tensors, in one run.
     python bench/decode.py [--quick] [--json FILE]
 
 GB/s counts K and V read once (the bytes a decoding step cannot avoid). Kernel time: CUDA events around one call,
-the L2 flushed before each (a 1 x 8K cache fits in L2), median of --reps. As a user sees it: triton's do_bench
+the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden behind a sleep kernel, median of
+--reps. As a user sees it: triton's do_bench
 (host cost included, L2 not flushed), and one step captured in a CUDA graph and replayed. SDPA's is_causal is
 top-left when seqlen_q > 1, so the peers get seqlen_q = 1 only (there causal and full coincide).
 """
@@ -27,10 +28,16 @@ def flush_l2(buf):
     buf.zero_()
 
 
+SLEEP_CYCLES = 2_000_000   # about 1 ms of GPU time: longer than any call's host cost
+
+
 def kernel_ms(fn, reps: int, flush) -> float:
+    """The GPU's time for one call: the GPU is kept busy (a sleep kernel) while the host enqueues it, so the
+    events bracket the kernels alone, not the host's work between them."""
     times = []
     for _ in range(reps):
         flush()
+        torch.cuda._sleep(SLEEP_CYCLES)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()

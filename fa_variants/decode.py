@@ -85,7 +85,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     result in q's framework). On the GPU, cache_seqlens, page_table and the descale factors may be NumPy (checked
     in full, then copied up) or GPU arrays (not read on the host: a step stays free of synchronization and
     capturable in a CUDA graph; the kernels then turn a sequence whose length or pages fall outside the cache into
-    NaN rows and write none of its tokens).
+    NaN rows, and write no new row past the cache's capacity or onto a page outside it).
     """
     if not isinstance(variant, str) or variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")

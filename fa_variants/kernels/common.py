@@ -2,6 +2,8 @@
 parameter struct, tile choice."""
 from __future__ import annotations
 
+import functools
+
 from .. import arrays, gpu, jit, plans
 from ..tiles import TEMPLATE_DIMS, first_fitting, template_dim  # noqa: F401 - the launchers import them from here
 
@@ -173,9 +175,16 @@ def smem_limit() -> int:
     """Opt-in shared memory per block of the current device (the sm_90 figure when there is none)."""
     try:
         import cupy
-        return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        return _smem_limit_of(cupy.cuda.runtime.getDevice())
     except Exception:  # noqa: BLE001 - no device: describe the H200 configuration
         return SM90_SMEM
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit_of(device: int) -> int:
+    # Once per device: Device.attributes queries every attribute the device has, hundreds of microseconds.
+    import cupy
+    return int(cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
 def pick_tiles(candidates, smem_bytes, head_dim: int, limit: int | None = None):

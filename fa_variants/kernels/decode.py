@@ -213,7 +213,8 @@ def num_sms(device: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def arch_of(device: int) -> str:
-    return jit.device_arch(device)
+    import cupy
+    return jit.device_arch(cupy.cuda.Device(device))
 
 
 def split_step(fw: Framework, q: DevArray, k_cache: DevArray, v_cache: DevArray, *, cache_seqlens: int,
