@@ -8,14 +8,21 @@
 and a mask function to its ``AttentionMaskInterface``. The mask function is the flash-attention path's rule
 (``masking_utils.flash_attention_mask``) made strict: a causal or bidirectional pattern with no padding gives no
 mask at all (no dense (N, N) mask is ever built) and the attention function runs ``fav.attention`` with
-``causal=True`` or ``False``; anything a mask would be needed for raises ``Unsupported`` (a NotImplementedError)
-saying what it was, instead of being ignored.
+``causal=True`` or ``False``; a cache with more slots than tokens (StaticCache) gives the tokens per sequence, an
+int32 tensor the attention function passes to ``fav.attention_with_kvcache`` as ``cache_seqlens``; anything a
+mask would be needed for raises ``Unsupported`` (a NotImplementedError) saying what it was, instead of being
+ignored.
 
 What the attention function does with transformers' arguments:
 
 * query (B, H, N, d) and key/value (B, H_kv, N_k, d) are turned into flash-attn's layout by ``transpose(1, 2)``,
   a view (``fav.attention`` honours strides whose last one is 1): no copy, and no ``repeat_kv`` (GQA/MQA go
   through as H_kv heads). The output is (B, N, H, d), as transformers expects.
+* Decoding goes through ``fav.attention_with_kvcache`` (split-KV over the cache, one kernel launch per step on
+  the GPU): every call with a StaticCache (its slots are the cache, the tokens in them ``cache_seqlens``, read on
+  the device, so ``generate()`` with a static cache compiles to one graph under torch.compile), and with
+  ``variant="auto"`` every step of at most 16 query tokens that wants no gradient (a DynamicCache's k/v are the
+  cache, full). A named variant runs its own kernels through ``fav.attention`` otherwise.
 * ``scaling`` is the softmax scale. ``is_causal`` (a kwarg, else ``module.is_causal``) is causal masking,
   bottom-right aligned, which is what a KV cache needs (queries are the last N of the N_k keys); a single query
   row (decoding) sees every key either way and runs without the mask.
@@ -24,7 +31,8 @@ What the attention function does with transformers' arguments:
   ``nn.Linear``, else to bfloat16, and the output is cast back to float32: the kernels take 16-bit inputs only
   (transformers' own flash path casts the same way). The cast is the one copy this path makes.
 * ``Unsupported`` for: a padding mask (a 2D mask with a zero, or any 4D mask: there are no variable-length
-  batches yet), a static or sliding cache (k/v slots that hold no token yet), packed sequences (from position_ids
+  batches yet; under torch.compile, where the mask cannot be read on the host, a padded sequence of a StaticCache
+  gets the length -1 instead, which the kernels turn into NaN rows), a sliding-window cache, packed sequences (from position_ids
   or ``cu_seq_lens_*``), sliding windows, chunked attention, custom mask overlays, softcapping, attention sinks
   (``s_aux``), position biases, a value head dim other than the query's, and attention dropout != 0 (there is no
   dropout in ``fav.attention``: transformers passes ``dropout=attention_dropout`` only in training, so set
@@ -36,9 +44,11 @@ training works wherever ``fav.attention_backward`` does: on the GPU through the 
 fa1, fa2; a forward without a backward of its own, such as fa3's that ``variant="auto"`` runs on Hopper, through
 auto's backward), on the CPU through the NumPy models (``backend="numpy"`` or ``"auto"`` without a GPU).
 
-Checked (tests/test_transformers.py) on the CPU with transformers 5.24 and 5.17: a tiny Llama's logits, one
-training step's gradients and greedy generation against ``attn_implementation="sdpa"``; its CUDA tests (fa2's
-kernels inside the model, a training step through fa2's GPU backward) passed on an H200 on 2026-12-01.
+Checked (tests/test_transformers.py) on the CPU with transformers 5.24 and 5.17 (and 5.25 for the cache paths):
+a tiny Llama's logits, one training step's gradients and greedy generation against ``attn_implementation="sdpa"``,
+64 new tokens at batch 1 and 4 with a DynamicCache and a StaticCache, and a StaticCache under torch.compile
+(fullgraph); its CUDA tests (fa2's kernels inside the model, a training step through fa2's GPU backward) passed on
+an H200 on 2026-12-01.
 """
 from __future__ import annotations
 
