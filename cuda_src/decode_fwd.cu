@@ -9,6 +9,8 @@
 //                                   CTA merges the four at the end (merge_states' algebra, in shared memory)
 //   pipeline: an NSTAGE-deep cp.async ring of K/V blocks: a loop bound by its reads lives on the bytes in flight
 //   end: one split: O / l and the LSE; more: the split's normalized O and its LSE in fp32 (merge_states.cu)
+//   launches: kv_append -> decode_split -> merge_states, each behind the one before with programmatic dependent
+//                                   launch (sm_90): a kernel's launch overlaps the tail of the one it waits for
 //
 // Read beside fa2_fwd.cu: the same fragments, softmax and mask interface; the rows are packed heads, the warps
 // split the keys instead of the queries, and the grid adds the split.
@@ -221,6 +223,7 @@ decode_split(const fav::DecodeParams p) {
     constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
     static_assert(NSTAGE >= 2 && D % 16 == 0, "a ring of at least two stages; head dims in multiples of 16");
 
+    griddep_wait();  // launched behind kv_append: the cache with this step's tokens (a plain launch: no wait)
     extern __shared__ __align__(16) unsigned char smem[];
     const u32 base = smem_u32(smem);
     const int s = blockIdx.x, g = blockIdx.y % p.heads_kv, r0 = blockIdx.y / p.heads_kv * (16 * MT), b = blockIdx.z;
@@ -310,6 +313,7 @@ decode_split(const fav::DecodeParams p) {
             }
         }
     }
+    griddep_launch_dependents();  // merge_states' CTAs may take the SMs as this grid's last ones finish
     cp_async_wait<0>();
     const bool bad = __syncthreads_or(!pages_ok) || !seq.fits;  // also: every warp is done with the ring
     merge_warps_and_store<T, D, MT, L>(o, m, l, scale_log2, v_scale, bad, smem, p, b, g, s, r0);

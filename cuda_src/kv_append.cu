@@ -4,6 +4,7 @@
 // it, is not written (the host refuses such calls where it can see the lengths; decode_fwd.cu turns the sequence's
 // rows to NaN).
 #include "common/kvcache.cuh"
+#include "common/ptx.cuh"
 
 constexpr int APPEND_WARPS = 4;
 
@@ -12,6 +13,7 @@ template <class E, bool PAGED>
 __global__ void __launch_bounds__(APPEND_WARPS * 32)
 kv_append(const fav::AppendParams p) {
     using namespace fav;
+    griddep_launch_dependents();  // decode_split may start now: it waits for this grid's writes before reading
     const i64 item = (i64)blockIdx.x * APPEND_WARPS + threadIdx.x / 32;
     if (item >= (i64)p.batch * p.seqlen_new * p.heads_kv) return;
     const int h = item % p.heads_kv, i = (item / p.heads_kv) % p.seqlen_new;

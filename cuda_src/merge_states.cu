@@ -7,6 +7,7 @@
 //
 // One warp per row (b, n, h): its lanes walk the states' LSEs, then the row's columns, 32 apart (coalesced).
 #include "common/params.cuh"
+#include "common/ptx.cuh"
 
 namespace fav {
 namespace merge {
@@ -42,6 +43,7 @@ merge_states(const fav::MergeParams p) {
     using namespace fav;
     using O = typename TO::E;
     using S = typename TL::E;
+    griddep_wait();  // launched behind decode_split: its partials, complete (a plain launch: nothing to wait for)
     const i64 row = (i64)blockIdx.x * merge::WARPS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= (i64)p.batch * p.seqlen * p.heads) return;

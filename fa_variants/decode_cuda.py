@@ -115,7 +115,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
                                   page_table=ptrs["page_table"], k_descale=ptr["k_descale"],
                                   v_descale=ptr["v_descale"], seqlen_new=call.seqlen_new, capacity=call.capacity,
                                   max_seqlen_k=max_k, causal=causal, softmax_scale=softmax_scale,
-                                  num_splits=num_splits, return_lse=return_lse)
+                                  num_splits=num_splits, return_lse=return_lse, after_append=k is not None)
     del held
     wrap = _wrap_like(q)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)

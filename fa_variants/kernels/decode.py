@@ -166,11 +166,13 @@ def _function(source: str, expr: str, smem: int = 0) -> int:
     return _function_on(source, expr, smem, cupy.cuda.runtime.getDevice())
 
 
-def _launch(func, grid, block, smem, stream, struct, **ptrs) -> None:
+def _launch(func, grid, block, smem, stream, struct, after: bool = False, **ptrs) -> None:
+    """One launch; ``after``: behind the kernel ahead on the stream, with programmatic dependent launch (the
+    kernel waits for that one's writes with griddep_wait)."""
     from .launch import launch
     template = struct.pack(**{f: 0 for f in struct.pointers}, **ptrs.pop("rest"))
     launch(func, grid, block, smem, stream, template, struct.pointers_format,
-           *(ptrs[f] for f in struct.pointers))
+           *(ptrs[f] for f in struct.pointers), after=after)
 
 
 def append(fw: Framework, k: DevArray, v: DevArray, k_cache: DevArray, v_cache: DevArray, cache_seqlens: int,
@@ -190,10 +192,12 @@ def append(fw: Framework, k: DevArray, v: DevArray, k_cache: DevArray, v_cache: 
             page_table=page_table)
 
 
-def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr: int, axes: tuple) -> None:
+def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr: int, axes: tuple,
+          after: bool = False) -> None:
     """merge_states.cu over states stacked on parts' axis 0, parts (S, batch, seqlen, heads, d) and lses (S, batch,
     heads, seqlen) in any strides (``axes``: lses' strides in that order), into out (batch, seqlen, heads, d) and
-    the contiguous lse (batch, heads, seqlen) at lse_ptr (0: not written)."""
+    the contiguous lse (batch, heads, seqlen) at lse_ptr (0: not written). ``after``: launched behind the kernel
+    that writes the states (_launch)."""
     states, batch, seqlen, heads, d = parts.shape
     rows = batch * seqlen * heads
     func = _function(MERGE_SOURCE, merge_instance(parts.dtype, lses.dtype, out.dtype))
@@ -201,7 +205,7 @@ def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr
     rest = dict(p_s=parts.strides[0], p_b=parts.strides[1], p_n=parts.strides[2], p_h=parts.strides[3],
                 l_s=ls[0], l_b=ls[1], l_h=ls[2], l_n=ls[3], o_b=out.strides[0], o_n=out.strides[1],
                 o_h=out.strides[2], states=states, batch=batch, seqlen=seqlen, heads=heads, head_dim=d)
-    _launch(func, (cdiv(rows, MERGE_WARPS), 1, 1), MERGE_WARPS * 32, 0, fw.stream, MERGE, rest=rest,
+    _launch(func, (cdiv(rows, MERGE_WARPS), 1, 1), MERGE_WARPS * 32, 0, fw.stream, MERGE, after, rest=rest,
             o_parts=parts.ptr, lse_parts=lses.ptr, out=out.ptr, lse=lse_ptr)
 
 
@@ -219,8 +223,10 @@ def arch_of(device: int) -> str:
 
 def split_step(fw: Framework, q: DevArray, k_cache: DevArray, v_cache: DevArray, *, cache_seqlens: int,
                page_table: DevArray | None, k_descale: int, v_descale: int, seqlen_new: int, capacity: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float, num_splits: int, return_lse: bool):
-    """decode_fwd.cu (and merge_states.cu when split): (out, lse or None) in fw's arrays."""
+               max_seqlen_k: int, causal: bool, softmax_scale: float, num_splits: int, return_lse: bool,
+               after_append: bool = False):
+    """decode_fwd.cu (and merge_states.cu when split): (out, lse or None) in fw's arrays. ``after_append``: the
+    append kernel is ahead on the stream (_launch's ``after``)."""
     batch, seqlen_q, heads, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads // heads_kv
@@ -253,12 +259,12 @@ def split_step(fw: Framework, q: DevArray, k_cache: DevArray, v_cache: DevArray,
                 max_pages=pt.shape[1] if pt else 0, num_pages=k_cache.shape[0] if pt else 0,
                 num_splits=num_splits, row_tiles=row_tiles, scale_log2=scale_log2(softmax_scale),
                 causal=int(bool(causal)))
-    _launch(func, (num_splits, heads_kv * row_tiles, batch), THREADS, smem, fw.stream, DECODE, rest=rest,
+    _launch(func, (num_splits, heads_kv * row_tiles, batch), THREADS, smem, fw.stream, DECODE, after_append, rest=rest,
             q=q.ptr, k=k_cache.ptr, v=v_cache.ptr, cache_seqlens=cache_seqlens, page_table=pt.ptr if pt else 0,
             k_descale=k_descale, v_descale=v_descale, o=fw.ptr(out), lse=0 if lse is None else fw.ptr(lse),
             o_part=0 if parts is None else fw.ptr(parts), lse_part=0 if lse_parts is None else fw.ptr(lse_parts))
     if num_splits > 1:
         p = DevArray.of(parts)
         lp = DevArray.of(lse_parts)
-        merge(fw, p, lp, DevArray.of(out), 0 if lse is None else fw.ptr(lse), lp.strides)
+        merge(fw, p, lp, DevArray.of(out), 0 if lse is None else fw.ptr(lse), lp.strides, after=True)
     return out, lse, num_splits
