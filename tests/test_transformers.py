@@ -173,6 +173,7 @@ def test_greedy_generation_matches_sdpa(calls):
 
 
 AUTO_CPU_IMPL = fat.register("fa_variants_auto_numpy", variant="auto", backend="numpy")
+AUTO_IMPL = fat.register("fa_variants_auto")   # variant and backend auto: the kernels on CUDA tensors
 TIE = 2   # greedy choices may part where the two best logits lie within TIE roundings (eps * the row's largest)
 
 
@@ -381,6 +382,23 @@ def test_gpu_greedy_generation_matches_sdpa(calls):
     margin = min(_top1_margin(s) for s in want.scores)
     assert torch.equal(got.sequences, want.sequences), f"smallest top-1 logit margin of sdpa's run: {margin:.3g}"
     assert len(calls) == CONFIG["num_hidden_layers"] * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_gpu_generation_through_kvcache_matches_sdpa(cache, decode_calls):
+    """variant="auto" on CUDA: the decoding steps run decode_fwd.cu (and merge_states.cu) over the model's cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    ref = make_model(device="cuda", max_position_embeddings=128)
+    ours = with_impl(ref, AUTO_IMPL)
+    prompt = token_ids(batch=4, n=SEQ, device="cuda", seed=4)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True, cache_implementation=cache)
+    want = ref.generate(prompt, **kw)
+    got = ours.generate(prompt, **kw)
+    assert_same_greedy(want, got, SEQ)
+    assert len(decode_calls) >= 63 * CONFIG["num_hidden_layers"]
 
 
 @pytest.mark.gpu
