@@ -79,16 +79,24 @@ __forceinline__ __device__ void load_block(u32 dst_k, u32 dst_v, const unsigned 
     constexpr int CHUNKS = D * KV::BYTES / 16, ROWS_PER_PASS = THREADS / CHUNKS;
     constexpr int STRIDE = Smem<D, 16, 2, KV>::RAW_STRIDE;
     static_assert(THREADS % CHUNKS == 0 && BN % ROWS_PER_PASS == 0, "a pass covers whole rows");
+    constexpr int PASSES = BN / ROWS_PER_PASS;
     const int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 16;
     const bool col_ok = c < row_bytes;
+    // Every row's place first, then the copies: paged, each place is a load from the page table, and a copy
+    // issued behind its own load would wait for it, one round trip per row.
+    int2 at[PASSES];
 #pragma unroll
-    for (int i = 0; i < BN / ROWS_PER_PASS; ++i) {
-        const int row = r + i * ROWS_PER_PASS, t = key0 + row;
-        const bool in = col_ok && t < key_end;
-        const int2 at = in ? rows.at(t, pages_ok) : make_int2(0, 0);
+    for (int i = 0; i < PASSES; ++i) {
+        const int t = key0 + r + i * ROWS_PER_PASS;
+        at[i] = col_ok && t < key_end ? rows.at(t, pages_ok) : make_int2(0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < PASSES; ++i) {
+        const int row = r + i * ROWS_PER_PASS;
+        const bool in = col_ok && key0 + row < key_end;
         const u32 off = row * STRIDE + c;
-        cp_async_16(dst_k + off, k + at.x * k_stride[0] + at.y * k_stride[1] + c, in);
-        cp_async_16(dst_v + off, v + at.x * v_stride[0] + at.y * v_stride[1] + c, in);
+        cp_async_16(dst_k + off, k + at[i].x * k_stride[0] + at[i].y * k_stride[1] + c, in);
+        cp_async_16(dst_v + off, v + at[i].x * v_stride[0] + at[i].y * v_stride[1] + c, in);
     }
 }
 
