@@ -204,6 +204,63 @@ def test_torch_in_place_append_device_lengths_and_cuda_graph(rng):
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
+def test_cupy_graph_capture_replays_the_step(rng):
+    """cupy.cuda.Graph: a step with an append and a split (kv_append, decode_split, merge_states) captured on a
+    stream and replayed gives the eager result and the eager cache."""
+    import cupy
+    c = DecodeCase(2, 1, 16, 4, 128, (300, 2000), 2048, None, True, seqlen_new=1, num_splits=8)
+    q, cache, new, _, _ = _host_call(rng, c)
+    dq, kc, vc, kn, vn = (cupy.asarray(x) for x in (q, cache.k_cache, cache.v_cache, *new))
+    lens = cupy.asarray(np.array(c.lens, np.int32))
+    kc0, vc0 = kc.copy(), vc.copy()
+
+    def step():
+        return fav.attention_with_kvcache(dq, kc, vc, k=kn, v=vn, cache_seqlens=lens, num_splits=c.num_splits)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        want = step()                      # eager, and the warm-up: kernels loaded
+        k_want = kc.copy()
+        for _ in range(2):                 # a second step, dropped: the pool then holds blocks of every size
+            kc[...], vc[...] = kc0, vc0    # the capture allocates, so it allocates nothing from the device
+            spare = step()
+            del spare
+        stream.begin_capture()
+        got = step()
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    assert cupy.array_equal(got, want) and cupy.array_equal(kc, k_want)
+
+
+def test_torch_compile_reduce_overhead_runs_the_step(rng):
+    """torch.compile(mode="reduce-overhead") over a step with an append: the custom op under CUDA graphs (or
+    torch's fallback where it declines them for the mutated cache) gives the eager result, step after step."""
+    import torch
+    c = DecodeCase(2, 1, 16, 4, 128, (100, 900), 1024, 16, True, seqlen_new=1)
+    q, cache, new, _, _ = _host_call(rng, c)
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
+
+    qt, kn, vn = t(q), t(new[0]), t(new[1])
+    table = torch.from_numpy(cache.page_table).cuda()
+    eager = [t(cache.k_cache), t(cache.v_cache)]
+    compiled = [x.clone() for x in eager]
+
+    def step(q, k_cache, v_cache, lens, k, v):
+        return fav.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table, k=k, v=v)
+
+    fast = torch.compile(step, mode="reduce-overhead")
+    for i in range(3):
+        lens = torch.tensor(c.lens, dtype=torch.int32, device="cuda") + i
+        want = step(qt, *eager, lens, kn, vn)
+        got = fast(qt, *compiled, lens, kn, vn)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"step {i}"
+        assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1]), f"step {i}: the cache"
+
+
 def test_device_lengths_past_the_cache_give_nan_rows_and_write_nothing_outside(rng):
     """What the host cannot see without a synchronization: a device-resident length past the cache, or a page
     index outside it. That sequence's rows come out NaN; a sequence without room writes nothing, one with a bad
