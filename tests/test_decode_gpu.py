@@ -221,10 +221,10 @@ def test_cupy_graph_capture_replays_the_step(rng):
     with stream:
         want = step()                      # eager, and the warm-up: kernels loaded
         k_want = kc.copy()
-        for _ in range(2):                 # a second step, dropped: the pool then holds blocks of every size
-            kc[...], vc[...] = kc0, vc0    # the capture allocates, so it allocates nothing from the device
-            spare = step()
+        for _ in range(2):                 # steps dropped: the pool then holds free blocks of every size the
+            spare = step()                 # capture allocates, so it asks nothing of the device
             del spare
+        kc[...], vc[...] = kc0, vc0
         stream.begin_capture()
         got = step()
         graph = stream.end_capture()
