@@ -9,6 +9,8 @@ its cache or names a page outside it).
 """
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -80,15 +82,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
     on_device = {n: _device_array(n, x) for n, x in index.items() if x is not None and arrays._claims_gpu(x)}
     index = {n: x if n in on_device or x is None or isinstance(x, np.ndarray) or np.isscalar(x) else
              arrays._host_import(n, x) for n, x in index.items()}   # CPU torch tensors: NumPy views
-    given = {**{n: kvcache.stand_in(d.shape, _np_dtype(d.dtype)) for n, (_, d) in {**big, **on_device}.items()},
-             **{n: x for n, x in index.items() if n not in on_device}}
-    call = kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),
-                              **{n: given[n] for n in INDEX}, device_values=tuple(on_device))
+    shapes = tuple((n, d.shape, d.dtype) for n, (_, d) in {**big, **on_device}.items())
+    if all(x is None or n in on_device for n, x in index.items()):
+        call = _checked_shapes(shapes)   # no value read on the host: the checks depend on the shapes alone
+    else:
+        call = _check(shapes, {n: x for n, x in index.items() if n not in on_device})
     _check_kernel_limits(call, dev)
     for n, (_, d) in on_device.items():
         if d.device != device:
             raise ValueError(f"{n} is on GPU {d.device}, q on GPU {device}")
-        want = tuple(int(np.prod(d.shape[i + 1:])) for i in range(len(d.shape)))
+        want = _contiguous_strides(d.shape)
         if d.strides != want:
             raise ValueError(f"{n} must be contiguous (strides {want}), got {d.strides}")
 
@@ -119,6 +122,30 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
     del held
     wrap = _wrap_like(q)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)
+
+
+def _check(shapes: tuple, host: dict) -> kvcache.CacheCall:
+    """kvcache.check_call with stand-ins for the GPU arrays (``shapes``: (name, shape, dtype)) and the host index
+    arrays' values (``host``)."""
+    given = {**{n: kvcache.stand_in(shape, _np_dtype(dtype)) for n, shape, dtype in shapes}, **host}
+    on_device = tuple(n for n, _, _ in shapes if n in INDEX)
+    return kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),
+                              **{n: given.get(n) for n in INDEX}, device_values=on_device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_shapes(shapes: tuple) -> kvcache.CacheCall:
+    """_check of a call whose index arrays are all on the device (or absent): a function of the shapes and dtypes,
+    worked out once per signature (a decoding loop repeats one). A refused call raises each time."""
+    return _check(shapes, {})
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _check_kernel_limits(call: kvcache.CacheCall, dev: dict) -> None:
