@@ -271,15 +271,48 @@ def test_continuation_from_kv_cache_is_bottom_right_causal(calls):
     assert rel(tail, full[:, 16:]) < 1e-2   # measured 0: the NumPy model computes each row alike
 
 
-def test_padding_mask_raises():
-    ours = make_model(CPU_IMPL)
-    ids = token_ids()
+def test_padded_batch_matches_sdpa_on_real_tokens(calls):
+    """A left-padded batch runs as a variable-length one (attention_varlen): logits on the real tokens as sdpa's;
+    padded rows are not compared (sdpa gives them values of its own, ours zeros from attention)."""
+    ref = make_model()
+    ours = with_impl(ref, AUTO_CPU_IMPL)
+    ids, mask = left_padded(pads=(0, 5, 11, 17))
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert rel(got[real], want[real]) < LOGITS_TOL
+    assert not calls   # every layer went through attention_varlen, none through attention()
+
+
+def left_padded(pads, n=SEQ, seed=5):
+    ids = token_ids(batch=len(pads), n=n, seed=seed)
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0                                   # left padding of the first sequence
-    with pytest.raises(fat.Unsupported, match="padding mask"):
+    for b, p in enumerate(pads):
+        mask[b, :p], ids[b, :p] = 0, 0
+    return ids, mask
+
+
+def test_padded_generation_matches_sdpa():
+    """Four prompts of different lengths, left-padded, 64 new greedy tokens: the prefill and every step through
+    attention_varlen over the unpadded tokens."""
+    ref = make_model(max_position_embeddings=128)
+    ours = with_impl(ref, AUTO_CPU_IMPL)
+    ids, mask = left_padded(pads=(0, 5, 11, 17))
+    kw = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    want = ref.generate(ids, **kw)
+    got = ours.generate(ids, **kw)
+    assert_same_greedy(want, got, SEQ)
+
+
+def test_padding_mask_refusals():
+    ours = make_model(CPU_IMPL)
+    ids, mask = left_padded(pads=(5, 0))
+    with pytest.raises(fat.Unsupported, match="padded batches"):   # training: varlen has no backward yet
         ours(ids, attention_mask=mask)
-    with pytest.raises(fat.Unsupported, match="padding mask"):
-        ours.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(fat.Unsupported, match="StaticCache"):
+        ours.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                      cache_implementation="static")
     with pytest.raises(fat.Unsupported, match="4D"):  # a dense mask of the model's own making skips the hook
         ours(ids, attention_mask=torch.ones(2, 1, SEQ, SEQ, dtype=torch.bool))
     with torch.no_grad():                             # a mask of ones is no mask

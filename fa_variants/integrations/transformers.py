@@ -9,8 +9,10 @@ and a mask function to its ``AttentionMaskInterface``. The mask function is the 
 (``masking_utils.flash_attention_mask``) made strict: a causal or bidirectional pattern with no padding gives no
 mask at all (no dense (N, N) mask is ever built) and the attention function runs ``fav.attention`` with
 ``causal=True`` or ``False``; a cache with more slots than tokens (StaticCache) gives the tokens per sequence, an
-int32 tensor the attention function passes to ``fav.attention_with_kvcache`` as ``cache_seqlens``; anything a
-mask would be needed for raises ``Unsupported`` (a NotImplementedError) saying what it was, instead of being
+int32 tensor the attention function passes to ``fav.attention_with_kvcache`` as ``cache_seqlens``; a padding
+mask is handed on as it is (2D bool), and the attention function unpads the batch into a variable-length one
+(``fav.attention_varlen``, as transformers' flash-attention path does); anything else a mask would be needed for
+raises ``Unsupported`` (a NotImplementedError) saying what it was, instead of being
 ignored.
 
 What the attention function does with transformers' arguments:
@@ -30,11 +32,12 @@ What the attention function does with transformers' arguments:
   are cast to the autocast dtype when autocast is on, else to the dtype of the module's first 16-bit
   ``nn.Linear``, else to bfloat16, and the output is cast back to float32: the kernels take 16-bit inputs only
   (transformers' own flash path casts the same way). The cast is the one copy this path makes.
-* ``Unsupported`` for: a padding mask (a 2D mask with a zero, or any 4D mask: there are no variable-length
-  batches yet; under torch.compile, where the mask cannot be read on the host, a padded sequence of a StaticCache
-  gets the length -1 instead, which the kernels turn into NaN rows), a sliding-window cache, packed sequences (from position_ids
-  or ``cu_seq_lens_*``), sliding windows, chunked attention, custom mask overlays, softcapping, attention sinks
-  (``s_aux``), position biases, a value head dim other than the query's, and attention dropout != 0 (there is no
+* A padded batch (a 2D mask with zeros, the dynamic cache) runs inference only, on the NumPy model as of
+  2026-12-06 (``attention_varlen`` has no GPU kernel and no backward yet: on the GPU, and in training, it raises).
+* ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
+  on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
+  rows), a sliding-window cache, packed sequences (from position_ids or ``cu_seq_lens_*``), sliding windows,
+  chunked attention, custom mask overlays, softcapping, attention sinks (``s_aux``), position biases, a value head dim other than the query's, and attention dropout != 0 (there is no
   dropout in ``fav.attention``: transformers passes ``dropout=attention_dropout`` only in training, so set
   ``config.attention_dropout = 0`` or use ``model.eval()``).
 * ``output_attentions=True`` gives ``None`` attention weights (as sdpa and flash do).
@@ -56,7 +59,7 @@ import logging
 
 import torch
 
-from .. import api, decode, dispatch
+from .. import api, decode, dispatch, varlen
 
 __all__ = ["register", "Unsupported", "attention_function", "mask_function"]
 
@@ -104,7 +107,8 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
     """transformers' mask hook: ``None`` (no mask) for causal or bidirectional attention without padding, whose
     queries are the last ``q_length`` of the ``kv_length`` keys; for a cache with more slots than tokens, whose
     length is a tensor (StaticCache), the tokens per sequence: an int32 tensor (batch,), which the attention
-    function reads as attention_with_kvcache's ``cache_seqlens``; ``Unsupported`` for everything else.
+    function reads as attention_with_kvcache's ``cache_seqlens``; a padding mask, (batch, kv_length) bool, for a
+    padded batch; ``Unsupported`` for everything else.
 
     The signature is that of ``masking_utils.flash_attention_mask`` (transformers 5.x); transformers 4.5x passed
     ``cache_position`` instead of ``q_offset``, which is read when it comes.
@@ -143,7 +147,11 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
         return _cache_seqlens(batch_size, q_start, None, q_length, attention_mask, kwargs.get("device"))
 
     if attention_mask is not None:
-        _check_padding(attention_mask, kv_length, q_start, q_length, kv_offset)
+        _check_mask_shape(attention_mask, kv_length, q_start, q_length, kv_offset)
+        attention_mask = attention_mask[:, -kv_length:]
+        if not bool(attention_mask.all()):
+            # A padded batch: the attention function unpads it into a variable-length one (flash-attn's path).
+            return attention_mask.to(torch.bool)
     if causal:
         # Bottom-right causal masking is right only when the queries are the last q_length of the keys, which
         # hold positions kv_offset .. kv_offset + kv_length - 1, every slot a token: true without a cache and
@@ -172,18 +180,23 @@ def _cache_seqlens(batch_size, q_offset, cache_position, q_length, attention_mas
     return tokens.contiguous()
 
 
-def _check_padding(attention_mask, kv_length, q_start, q_length, kv_offset) -> None:
-    """Unsupported for a mask that is not 2D ones over the last kv_length keys (a padded batch)."""
+def _check_mask_shape(attention_mask, kv_length, q_start, q_length, kv_offset) -> None:
+    """Unsupported for a mask that is not 2D over (at least) the last kv_length keys."""
     if attention_mask.dim() != 2:  # not from _preprocess_mask_arguments (a 4D mask skips this hook)
         raise Unsupported(f"fa_variants attention takes no dense attention mask (got one of shape "
-                          f"{tuple(attention_mask.shape)}): pass none, or a 2D mask of ones")
+                          f"{tuple(attention_mask.shape)}): pass none, or a 2D padding mask")
     if attention_mask.shape[-1] < kv_length:
         raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
+
+
+def _check_padding(attention_mask, kv_length, q_start, q_length, kv_offset) -> None:
+    """Unsupported for a mask that is not 2D ones over the last kv_length keys (a padded batch in a StaticCache)."""
+    _check_mask_shape(attention_mask, kv_length, q_start, q_length, kv_offset)
     if not bool(attention_mask[:, -kv_length:].all()):
         raise Unsupported(
-            "fa_variants attention cannot take a padding mask yet (attention_mask has zeros: a batch of "
-            "sequences of different lengths, or left padding in generate): variable-length batches are "
-            "not implemented. Run such batches one sequence at a time, or use attn_implementation='sdpa'")
+            "fa_variants attention takes a padding mask with the default (dynamic) cache, not with a StaticCache "
+            "(attention_mask has zeros: left padding in generate): use cache_implementation='dynamic' for padded "
+            "batches, or attn_implementation='sdpa'")
 
 
 def _q_start(q_offset, cache_position):
@@ -217,14 +230,16 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
                                       is_causal: bool | None = None, sliding_window: int | None = None,
                                       softcap: float | None = None, s_aux: torch.Tensor | None = None,
                                       position_bias: torch.Tensor | None = None, **kwargs):
-        cache_seqlens = None
+        cache_seqlens = padding = None
         if _is_cache_seqlens(attention_mask):    # mask_function's answer for a StaticCache
             cache_seqlens, attention_mask = attention_mask, None
+        elif _is_padding(attention_mask, key):   # mask_function's answer for a padded batch
+            padding, attention_mask = attention_mask, None
         if attention_mask is not None:
             raise Unsupported(
                 f"fa_variants attention takes no attention mask (got a {attention_mask.dim()}D one of shape "
-                f"{tuple(attention_mask.shape)}): a padding mask needs variable-length batches, which are not "
-                f"implemented, and a custom 4D mask cannot be expressed as causal/non-causal. Use "
+                f"{tuple(attention_mask.shape)}): a padding mask comes as 2D (through this integration's mask "
+                f"function), and a custom 4D mask cannot be expressed as causal/non-causal. Use "
                 f"attn_implementation='sdpa' for such inputs")
         if dropout:
             raise Unsupported(
@@ -257,7 +272,9 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         if out_dtype == torch.float32:
             dt = _half_dtype(module, q)
             q, k, v = (x.to(dt) for x in (q, k, v))
-        if cache_seqlens is not None or _decoding_step(variant, q):
+        if padding is not None:
+            out = _padded(q, k, v, padding, variant=variant, causal=causal, softmax_scale=scale, backend=backend)
+        elif cache_seqlens is not None or _decoding_step(variant, q):
             # The cache as attention_with_kvcache's k_cache, v_cache: the first cache_seqlens slots of each
             # sequence are its tokens (all of them for a DynamicCache), the queries the last of those.
             out = decode.attention_with_kvcache(
@@ -279,6 +296,30 @@ def _decoding_step(variant: str, q: torch.Tensor) -> bool:
     """Whether ``variant="auto"`` runs this call as a decoding step over the cache: a few query tokens, and no
     gradient wanted (attention_with_kvcache has no backward). A named variant always runs its own kernels."""
     return variant == "auto" and q.shape[1] <= DECODE_QUERIES and not (torch.is_grad_enabled() and q.requires_grad)
+
+
+def _is_padding(mask, key: torch.Tensor) -> bool:
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
+            and mask.shape == (key.shape[0], key.shape[2]))
+
+
+def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend):
+    """A padded batch as flash-attn's variable-length one: the tokens ``keep`` (batch, seqlen_k) marks, packed
+    (q's are the last seqlen_q of them), run by ``attention_varlen`` (causal bottom-right per sequence), and
+    scattered back; padded query rows give zeros. Inference only: the varlen call has no backward yet."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        raise Unsupported("fa_variants attention has no backward for padded batches yet (variable-length "
+                          "attention runs forward only): train on unpadded or packed-free batches, or use "
+                          "attn_implementation='sdpa' for padded training")
+    keep_q = keep[:, -q.shape[1]:]
+    lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep.sum(1, dtype=torch.int32)
+    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lens_q, lens_k))
+    out = varlen.attention_varlen(q[keep_q], k[keep], v[keep], cu_q, cu_k, int(lens_q.max()), int(lens_k.max()),
+                               causal=causal, softmax_scale=softmax_scale, variant=variant,
+                               backend=None if backend == "auto" else backend)
+    full = out.new_zeros(q.shape)
+    full[keep_q] = out
+    return full
 
 
 def _is_cache_seqlens(mask) -> bool:
