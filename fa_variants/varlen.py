@@ -77,11 +77,21 @@ def _side_import(name: str, x, inp, dtypes, required=False):
 
 
 def _refuse_autograd(*xs) -> None:
-    """Torch tensors that require grad would lose their graph here: these calls have no autograd op yet."""
+    """Torch tensors that require grad would lose their graph here: these calls have no autograd op yet (varlen
+    without sinks or ALiBi has one)."""
     if any(getattr(x, "requires_grad", False) for x in xs if type(x).__module__.split(".")[0] == "torch"):
-        raise NotImplementedError("window, softcap, sinks, alibi_slopes and varlen under torch autograd: not shipped "
-                                  "yet; call with tensors that do not require grad, and attention_backward for the "
-                                  "gradients")
+        raise NotImplementedError("window, softcap, sinks and alibi_slopes under torch autograd, and sinks or ALiBi "
+                                  "with varlen: not shipped yet; call with tensors that do not require grad, and "
+                                  "attention_backward for the gradients")
+
+
+def _torch_op_needed(*xs) -> bool:
+    """Torch tensors of which one requires grad, or that Dynamo traces: attention_varlen's torch ops take them."""
+    tensors = [x for x in xs if type(x).__module__.split(".")[0] == "torch"]
+    if not tensors:
+        return False
+    import torch   # imported already: its tensors came in
+    return any(x.requires_grad for x in tensors) or torch.compiler.is_compiling()
 
 
 def _runs_on_gpu(inp, backend: str) -> bool:
@@ -163,10 +173,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     2026-12-05: the NumPy models run it (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
     with backend "auto" or "cuda" raise NotImplementedError; backend="numpy" runs the model on host copies.
-    ``backend`` None means "auto".
+    ``backend`` None means "auto". 2026-12-06: torch tensors that require grad (without sinks or ALiBi) are
+    recorded for autograd, and under torch.compile the call is one opaque op (integrations/torch.py).
     """
     backend, scale, window, softcap = _check_scalars(variant, "auto" if backend is None else backend, causal,
                                                      softmax_scale, return_lse, window, softcap)
+    if sinks is None and alibi_slopes is None and _torch_op_needed(q, k, v):
+        # Torch tensors that require grad, or under Dynamo: the torch ops, whose body is this call on detached
+        # tensors (every array check runs there, before anything is computed).
+        from .integrations import torch as torch_ops
+        return torch_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, window=window, softcap=softcap, softmax_scale=scale,
+                                          return_lse=return_lse, variant=variant, backend=backend)
     inp = arrays.import_arrays(q, k, v)
     model_varlen.check_packed_dims(inp.q, inp.k, inp.v)
     dtype = arrays.common_dtype(inp)

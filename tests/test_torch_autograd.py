@@ -74,11 +74,17 @@ def test_gradients_match_torch_autograd(dtype, case, rng):
     same_dtype = _grads(lambda *a: dense_attention(*a, causal=causal), q, k, v, dout)
     for name, x, r, base, inp in zip(("out", "dq", "dk", "dv"), ours, ref, same_dtype, (q, q, k, v)):
         assert x.dtype == inp.dtype and x.shape == inp.shape, name
-        err = (x.detach().double() - r.detach()).abs().max().item()
-        base_err = (base.detach().double() - r.detach()).abs().max().item()
-        assert err <= 3 * base_err, f"{name}: max-abs error {err:.3e} > 3 x torch's {dtype} error {base_err:.3e}"
-        rel = rel_err(x.detach().double().numpy(), r.detach().numpy())
-        assert rel <= TOL[dtype], f"{name}: relative error {rel:.2e} > {TOL[dtype]:.0e}"
+        assert_flash_criterion(name, x, r, base, dtype)
+
+
+def assert_flash_criterion(name, x, ref, base, dtype):
+    """flash-attn's criterion: max-abs error against float64 at most 3x torch's in the same dtype (``base``), and
+    the relative error within TOL."""
+    x, ref, base = (t.detach().double() for t in (x, ref, base))
+    err, base_err = (x - ref).abs().max().item(), (base - ref).abs().max().item()
+    assert err <= 3 * base_err, f"{name}: max-abs error {err:.3e} > 3 x torch's {dtype} error {base_err:.3e}"
+    rel = rel_err(x.numpy(), ref.numpy())
+    assert rel <= TOL[dtype], f"{name}: relative error {rel:.2e} > {TOL[dtype]:.0e}"
 
 
 def test_lse_is_returned_but_not_differentiable(rng):
@@ -170,6 +176,55 @@ def test_compiles_as_an_opaque_op(rng):
         assert torch.equal(out, eager[0].detach())
 
 
+
+
+# ------------------------------------------------------------------------------------------------ varlen
+VARLEN_LENS = (5, 0, 23, 1, 11)   # a sequence without tokens among them
+
+
+def _packed(rng, dtype, lens=VARLEN_LENS, h=4, hkv=2, d=32):
+    """Packed q, k, v leaves (total, heads, d), an output gradient, and the int32 cumulative lengths."""
+    q, k, v, dout = _tensors(rng, 1, sum(lens), sum(lens), h, hkv, d, dtype)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    return *(x[0].detach().requires_grad_() for x in (q, k, v)), dout[0], cu
+
+
+def _per_sequence(fn, cu):
+    """attention over each sequence on its own (fn on (1, n, heads, d) slices), packed back."""
+    def run(q, k, v):
+        parts = [fn(q[None, s:e], k[None, s:e], v[None, s:e])[0] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())
+                 if e > s]
+        return torch.cat(parts)
+    return run
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_varlen_gradients_match_torch_autograd(dtype, rng):
+    """attention_varlen under autograd (its torch ops): flash-attn's criterion against float64, per sequence."""
+    q, k, v, dout, cu = _packed(rng, dtype)
+    n = max(VARLEN_LENS)
+    got = _grads(lambda q, k, v: fav.attention_varlen(q, k, v, cu, cu, n, n, causal=True, backend=BACKEND),
+                 q, k, v, dout)
+    want = _grads(_per_sequence(lambda *a: dense_attention(*a, causal=True), cu), q, k, v, dout, torch.float64)
+    same = _grads(_per_sequence(lambda *a: dense_attention(*a, causal=True), cu), q, k, v, dout)
+    for name, g, w, s in zip(("out", "dq", "dk", "dv"), got, want, same):
+        assert_flash_criterion(name, g, w, s, dtype)
+
+
+def test_varlen_ops_pass_opcheck_and_compile(rng):
+    q, k, v, dout, cu = _packed(rng, "bfloat16")
+    n = max(VARLEN_LENS)
+    args = (cu, cu, n, n, "fa2", True, None, -1, -1, 0.0, BACKEND)
+    torch.library.opcheck(fat._varlen_forward, (q.detach(), k.detach(), v.detach(), *args))
+    out, lse = fat._varlen_forward(q.detach(), k.detach(), v.detach(), *args)
+    torch.library.opcheck(fat._varlen_backward, (dout, q.detach(), k.detach(), v.detach(), out, lse, *args))
+
+    def call(q, k, v):
+        return fav.attention_varlen(q, k, v, cu, cu, n, n, causal=True, backend=BACKEND)
+    eager = _grads(call, q, k, v, dout)
+    compiled = _grads(torch.compile(call, backend="aot_eager", fullgraph=True), q, k, v, dout)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
 
 
 # ------------------------------------------------------------------------------------------------ every forward

@@ -1,5 +1,6 @@
-"""torch autograd and torch.compile for ``fa_variants.attention`` (two opaque custom ops), and torch.compile for
-``fa_variants.attention_with_kvcache`` (one, which writes the cache in place).
+"""torch autograd and torch.compile for ``fa_variants.attention`` and ``fa_variants.attention_varlen`` (two opaque
+custom ops each, forward and backward), and torch.compile for ``fa_variants.attention_with_kvcache`` (one, which
+writes the cache in place).
 
 ``fa_variants::attention_fwd`` runs the forward (``forward.attention``, return_lse=True) and
 ``fa_variants::attention_bwd`` the backward (``backward.attention_backward``); ``register_autograd`` ties them
@@ -22,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import arrays, backward, decode, dispatch, forward
+from .. import arrays, backward, decode, dispatch, forward, varlen
 
 
 @torch.library.custom_op("fa_variants::attention_fwd", mutates_args=())
@@ -124,3 +125,66 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     out, lse = _with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, k, v, bool(causal),
                              None if softmax_scale is None else float(softmax_scale), num_splits, k_descale, v_descale)
     return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------ varlen
+@torch.library.custom_op("fa_variants::attention_varlen_fwd", mutates_args=())
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, variant: str, causal: bool, softmax_scale: Optional[float], window_left: int,
+                    window_right: int, softcap: float, backend: str) -> Tuple[Tensor, Tensor]:
+    return varlen.attention_varlen(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal=causal, window=(window_left, window_right), softcap=softcap,
+                                   softmax_scale=softmax_scale, return_lse=True, variant=variant, backend=backend)
+
+
+@_varlen_forward.register_fake
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant, causal,
+                         softmax_scale, window_left, window_right, softcap, backend):
+    total_q, h, d = q.shape
+    return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa_variants::attention_varlen_bwd", mutates_args=())
+def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, variant: str, causal: bool,
+                     softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
+                     backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    return backward.attention_backward(*(t.detach() for t in (dout, q, k, v, out, lse)), variant=variant,
+                                       causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False,
+                                       window=(window_left, window_right), softcap=softcap,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+@_varlen_backward.register_fake
+def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant,
+                          causal, softmax_scale, window_left, window_right, softcap, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, variant, *flags = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, dispatch.backward_variant(variant), *flags)
+
+
+def _varlen_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv = _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 11
+
+
+_varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window, softcap,
+                     softmax_scale, return_lse, variant, backend):
+    """``fa_variants.attention_varlen`` for torch tensors (its arguments checked already), recorded for autograd
+    and opaque to torch.compile. The backward is ``variant``'s (auto's for a forward without one), with the
+    forward's masks and bounds."""
+    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), variant,
+                               bool(causal), None if softmax_scale is None else float(softmax_scale),
+                               int(window[0]), int(window[1]), float(softcap), backend)
+    return (out, lse.detach()) if return_lse else out

@@ -32,8 +32,8 @@ What the attention function does with transformers' arguments:
   are cast to the autocast dtype when autocast is on, else to the dtype of the module's first 16-bit
   ``nn.Linear``, else to bfloat16, and the output is cast back to float32: the kernels take 16-bit inputs only
   (transformers' own flash path casts the same way). The cast is the one copy this path makes.
-* A padded batch (a 2D mask with zeros, the dynamic cache) runs inference only, on the NumPy model as of
-  2026-12-06 (``attention_varlen`` has no GPU kernel and no backward yet: on the GPU, and in training, it raises).
+* A padded batch (a 2D mask with zeros, the dynamic cache) runs, training included, on the NumPy model as of
+  2026-12-06 (``attention_varlen`` has no GPU kernel yet: on the GPU it raises).
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
   rows), a sliding-window cache, packed sequences (from position_ids or ``cu_seq_lens_*``), sliding windows,
@@ -306,11 +306,8 @@ def _is_padding(mask, key: torch.Tensor) -> bool:
 def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend):
     """A padded batch as flash-attn's variable-length one: the tokens ``keep`` (batch, seqlen_k) marks, packed
     (q's are the last seqlen_q of them), run by ``attention_varlen`` (causal bottom-right per sequence), and
-    scattered back; padded query rows give zeros. Inference only: the varlen call has no backward yet."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise Unsupported("fa_variants attention has no backward for padded batches yet (variable-length "
-                          "attention runs forward only): train on unpadded or packed-free batches, or use "
-                          "attn_implementation='sdpa' for padded training")
+    scattered back; padded query rows give zeros. Differentiable: the gather, attention_varlen's torch op and
+    the scatter are all recorded for autograd."""
     keep_q = keep[:, -q.shape[1]:]
     lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep.sum(1, dtype=torch.int32)
     cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lens_q, lens_k))
