@@ -125,26 +125,29 @@ def test_float32_model_runs_in_bfloat16(calls):
     assert calls and all(c["dtype"] == torch.bfloat16 for c in calls)
 
 
-def _train_step_grads(model, ids):
+def _train_step_grads(model, ids, labels=None, **inputs):
+    """One training step's loss and gradients (labels: ids by default; inputs: attention_mask, position_ids)."""
     model.train()
     model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
+    loss = model(ids, labels=ids if labels is None else labels, **inputs).loss
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_step_matches(ref, ours, ids, **inputs):
+    """The loss within 1 % of sdpa's, every parameter's gradient within GRAD_TOL."""
+    (loss_ref, g_ref), (loss, g) = _train_step_grads(ref, ids, **inputs), _train_step_grads(ours, ids, **inputs)
+    assert abs(float(loss) - float(loss_ref)) < 1e-2 * abs(float(loss_ref))
+    errs = {name: rel(g[name], g_ref[name]) for name in g_ref if g_ref[name] is not None}
+    assert len(errs) == len(list(ref.parameters())), "a parameter got no gradient"
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"
 
 
 def test_training_step_gradients_match_sdpa(calls):
     ref = make_model()
     ours = with_impl(ref, CPU_IMPL)
-    ids = token_ids()
-    loss_ref, g_ref = _train_step_grads(ref, ids)
-    loss, g = _train_step_grads(ours, ids)
-    assert abs(float(loss) - float(loss_ref)) < 1e-2 * abs(float(loss_ref))
-    assert g.keys() == g_ref.keys()
-    errs = {name: rel(g[name], g_ref[name]) for name in g_ref if g_ref[name] is not None}
-    assert len(errs) == len(list(ref.parameters())), "a parameter got no gradient"
-    worst = max(errs, key=errs.get)
-    assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"
+    assert_step_matches(ref, ours, token_ids())
     assert calls and all(c["grad"] for c in calls)   # the autograd path of fav.attention ran
 
 
@@ -311,21 +314,22 @@ def test_padded_training_step_matches_sdpa():
     ref = make_model()
     ours = with_impl(ref, AUTO_CPU_IMPL)
     ids, mask = left_padded(pads=(0, 7))
-    labels = ids.masked_fill(mask == 0, -100)
+    assert_step_matches(ref, ours, ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
-    def step(model):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        return float(loss), {name: p.grad for name, p in model.named_parameters()}
 
-    (loss_ref, g_ref), (loss, g) = step(ref), step(ours)
-    assert abs(loss - loss_ref) < 1e-2 * abs(loss_ref)
-    errs = {name: rel(g[name], g_ref[name]) for name in g_ref if g_ref[name] is not None}
-    assert len(errs) == len(list(ref.parameters())), "a parameter got no gradient"
-    worst = max(errs, key=errs.get)
-    assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"
+def test_packed_training_step_matches_sdpa():
+    """Sequences packed in rows (position_ids that restart at 0, as the packing collators make them): each row cut
+    into a variable-length batch; logits, the loss and every gradient as sdpa's, which masks across sequences."""
+    ref = make_model()
+    ours = with_impl(ref, AUTO_CPU_IMPL)
+    ids = token_ids()
+    pos = torch.stack([torch.cat([torch.arange(7), torch.arange(12), torch.arange(5)]),
+                       torch.cat([torch.arange(20), torch.arange(4)])])
+    with torch.no_grad():
+        want, got = ref(ids, position_ids=pos).logits, ours(ids, position_ids=pos).logits
+        unpacked = ours(ids).logits
+    assert rel(got, want) < LOGITS_TOL < rel(unpacked, want)   # the packing is what made them agree
+    assert_step_matches(ref, ours, ids, position_ids=pos)
 
 
 def test_padding_mask_refusals():
@@ -354,9 +358,6 @@ def test_dropout_in_training_raises():
 def test_unsupported_layouts_raise():
     ours = make_model(CPU_IMPL)
     ids = token_ids()
-    packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
-    with pytest.raises(fat.Unsupported, match="packed sequences"):
-        ours(ids, position_ids=packed, use_cache=False)
     attn = fat.attention_function("fa2", "numpy")
     module = ours.model.layers[0].self_attn
     q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
@@ -458,9 +459,4 @@ def test_gpu_generation_through_kvcache_matches_sdpa(cache, decode_calls):
 @pytest.mark.gpu
 def test_gpu_training_step_gradients_match_sdpa():
     ref, ours = _cuda_models()
-    ids = token_ids(device="cuda")
-    loss_ref, g_ref = _train_step_grads(ref, ids)
-    loss, g = _train_step_grads(ours, ids)
-    errs = {name: rel(g[name], g_ref[name]) for name in g_ref}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] < GRAD_TOL, f"{worst}: {errs[worst]:.3g}"
+    assert_step_matches(ref, ours, token_ids(device="cuda"))

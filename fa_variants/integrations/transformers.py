@@ -32,14 +32,17 @@ What the attention function does with transformers' arguments:
   are cast to the autocast dtype when autocast is on, else to the dtype of the module's first 16-bit
   ``nn.Linear``, else to bfloat16, and the output is cast back to float32: the kernels take 16-bit inputs only
   (transformers' own flash path casts the same way). The cast is the one copy this path makes.
-* A padded batch (a 2D mask with zeros, the dynamic cache) runs, training included, on the NumPy model as of
-  2026-12-06 (``attention_varlen`` has no GPU kernel yet: on the GPU it raises).
+* A padded batch (a 2D mask with zeros, the dynamic cache) and sequences packed in rows (position_ids that
+  restart at 0: the mask hook hands on the sequence ids transformers' packed pattern holds) run as a
+  variable-length batch, training included, on the NumPy model as of 2026-12-06 (``attention_varlen`` has no
+  GPU kernel yet: on the GPU it raises).
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
-  rows), a sliding-window cache, packed sequences (from position_ids or ``cu_seq_lens_*``), sliding windows,
-  chunked attention, custom mask overlays, softcapping, attention sinks (``s_aux``), position biases, a value head dim other than the query's, and attention dropout != 0 (there is no
-  dropout in ``fav.attention``: transformers passes ``dropout=attention_dropout`` only in training, so set
-  ``config.attention_dropout = 0`` or use ``model.eval()``).
+  rows), a sliding-window cache, ``cu_seq_lens_*`` without packed position_ids, sliding windows, chunked
+  attention, custom mask overlays, softcapping, attention sinks (``s_aux``), position biases, a value head dim
+  other than the query's, and attention dropout != 0 (there is no dropout in ``fav.attention``: transformers
+  passes ``dropout=attention_dropout`` only in training, so set ``config.attention_dropout = 0`` or use
+  ``model.eval()``).
 * ``output_attentions=True`` gives ``None`` attention weights (as sdpa and flash do).
 
 Gradients go through ``fav.attention``'s torch autograd Function (``fa_variants/integrations/torch.py``), so
@@ -108,7 +111,8 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
     queries are the last ``q_length`` of the ``kv_length`` keys; for a cache with more slots than tokens, whose
     length is a tensor (StaticCache), the tokens per sequence: an int32 tensor (batch,), which the attention
     function reads as attention_with_kvcache's ``cache_seqlens``; a padding mask, (batch, kv_length) bool, for a
-    padded batch; ``Unsupported`` for everything else.
+    padded batch; the sequence ids (batch, seqlen) int64 for packed sequences; ``Unsupported`` for everything
+    else.
 
     The signature is that of ``masking_utils.flash_attention_mask`` (transformers 5.x); transformers 4.5x passed
     ``cache_position`` instead of ``q_offset``, which is read when it comes.
@@ -127,13 +131,17 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
         causal = True
     elif pattern is getattr(mu, "bidirectional_mask_function", None):
         causal = False
+    elif attention_mask is None and (ids := _packed_sequence_ids(pattern, mu)) is not None:
+        # Packed sequences (position_ids that restart, the packing collators): the tokens' sequence ids, from
+        # which the attention function cuts the rows into a variable-length batch.
+        return ids
     else:
         what = getattr(pattern, "__qualname__", None) or type(pattern).__name__
         raise Unsupported(
             f"fa_variants attention takes only plain causal or bidirectional attention; the model asked for a "
-            f"mask pattern built by {what} (a sliding window, chunked attention, packed sequences from "
-            f"position_ids, a block overlay or a custom and_/or_mask_function): use attn_implementation='sdpa' "
-            f"for this model or input")
+            f"mask pattern built by {what} (a sliding window, chunked attention, packed sequences beside a "
+            f"mask, a block overlay or a custom and_/or_mask_function): use attn_implementation='sdpa' for this "
+            f"model or input")
 
     if isinstance(q_offset, torch.Tensor) or (q_offset is None and isinstance(cache_position, torch.Tensor)
                                               and torch.compiler.is_compiling()):
@@ -159,6 +167,30 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
         if q_start + q_length != kv_offset + kv_length:
             raise Unsupported(_cache_slots_message(kv_length, q_start, q_length, kv_offset))
     return None
+
+
+def _packed_sequence_ids(pattern, mu) -> torch.Tensor | None:
+    """The (batch, seqlen) sequence ids that transformers' packed-sequence pattern closes over (causal attention
+    within each of several sequences packed in a row), or None for any other pattern. The pattern is
+    and_masks(remap_positions_for_packed_sequence(causal_mask_function, ...), packed_sequence_mask_function(ids))
+    in transformers 5.x; anything else, or another version's shape of it, is not recognised (then Unsupported)."""
+    import inspect
+
+    def parts(f, maker: str) -> dict | None:
+        if not getattr(f, "__qualname__", "").startswith(maker + ".<locals>."):
+            return None
+        return inspect.getclosurevars(f).nonlocals
+
+    outer = parts(pattern, "and_masks")
+    inner = outer and outer.get("mask_functions")
+    if not isinstance(inner, tuple) or len(inner) != 2:
+        return None
+    remap = next((p for f in inner if (p := parts(f, "remap_positions_for_packed_sequence"))), None)
+    packed = next((p for f in inner if (p := parts(f, "packed_sequence_mask_function"))), None)
+    if remap is None or packed is None or remap.get("mask_function") is not mu.causal_mask_function:
+        return None
+    ids = packed.get("packed_sequence_mask")
+    return ids.to(torch.int64) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
 
 def _cache_seqlens(batch_size, q_offset, cache_position, q_length, attention_mask, device) -> torch.Tensor:
@@ -230,11 +262,13 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
                                       is_causal: bool | None = None, sliding_window: int | None = None,
                                       softcap: float | None = None, s_aux: torch.Tensor | None = None,
                                       position_bias: torch.Tensor | None = None, **kwargs):
-        cache_seqlens = padding = None
+        cache_seqlens = padding = sequence_ids = None
         if _is_cache_seqlens(attention_mask):    # mask_function's answer for a StaticCache
             cache_seqlens, attention_mask = attention_mask, None
         elif _is_padding(attention_mask, key):   # mask_function's answer for a padded batch
             padding, attention_mask = attention_mask, None
+        elif _is_sequence_ids(attention_mask, key):   # mask_function's answer for packed sequences
+            sequence_ids, attention_mask = attention_mask, None
         if attention_mask is not None:
             raise Unsupported(
                 f"fa_variants attention takes no attention mask (got a {attention_mask.dim()}D one of shape "
@@ -252,9 +286,10 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             if val is not None:
                 raise Unsupported(f"fa_variants attention does not implement {what} ({arg}={_short(val)})")
         packed = [name for name in _PACKED if kwargs.get(name) is not None]
-        if packed:
-            raise Unsupported(f"fa_variants attention cannot take packed sequences ({', '.join(packed)} given): "
-                              f"variable-length batches are not implemented")
+        if packed and sequence_ids is None:
+            raise Unsupported(f"fa_variants attention takes packed sequences from position_ids that restart at 0 "
+                              f"(transformers' packing collators give both); got {', '.join(packed)} without "
+                              f"them")
         if query.shape[-1] != value.shape[-1] or key.shape[-1] != query.shape[-1]:
             raise Unsupported(f"fa_variants attention needs one head dim for query, key and value; got "
                               f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
@@ -274,6 +309,8 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             q, k, v = (x.to(dt) for x in (q, k, v))
         if padding is not None:
             out = _padded(q, k, v, padding, variant=variant, causal=causal, softmax_scale=scale, backend=backend)
+        elif sequence_ids is not None:
+            out = _packed(q, k, v, sequence_ids, variant=variant, softmax_scale=scale, backend=backend)
         elif cache_seqlens is not None or _decoding_step(variant, q):
             # The cache as attention_with_kvcache's k_cache, v_cache: the first cache_seqlens slots of each
             # sequence are its tokens (all of them for a DynamicCache), the queries the last of those.
@@ -317,6 +354,26 @@ def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend):
     full = out.new_zeros(q.shape)
     full[keep_q] = out
     return full
+
+
+def _is_sequence_ids(mask, key: torch.Tensor) -> bool:
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.int64
+            and mask.shape == (key.shape[0], key.shape[2]))
+
+
+def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend):
+    """Rows of packed sequences (``sequence_ids`` (batch, seqlen): which sequence each token is in, a new one
+    wherever the id changes) as one variable-length batch of every row's sequences, causal within each."""
+    batch, n = sequence_ids.shape
+    starts = torch.ones_like(sequence_ids, dtype=torch.bool)
+    starts[:, 1:] = sequence_ids[:, 1:] != sequence_ids[:, :-1]
+    first = starts.reshape(-1).nonzero().reshape(-1).to(torch.int32)
+    cu = torch.cat([first, first.new_tensor([batch * n])])
+    longest = int((cu[1:] - cu[:-1]).max())
+    flat = [x.reshape(batch * n, *x.shape[2:]) for x in (q, k, v)]
+    out = varlen.attention_varlen(*flat, cu, cu, longest, longest, causal=True, softmax_scale=softmax_scale,
+                                  variant=variant, backend=None if backend == "auto" else backend)
+    return out.reshape(q.shape)
 
 
 def _is_cache_seqlens(mask) -> bool:
