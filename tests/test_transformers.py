@@ -332,6 +332,39 @@ def test_packed_training_step_matches_sdpa():
     assert_step_matches(ref, ours, ids, position_ids=pos)
 
 
+WINDOWED = {   # model, the implementation it is compared with (Gemma 2 has no sdpa: softcapping), its masks
+    "mistral": ("MistralConfig", "MistralForCausalLM", "sdpa", dict(sliding_window=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "eager",
+               dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                    query_pre_attn_scalar=16)),   # windows on alternate layers, softcap on all
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_sliding_window_and_softcap_models_match(name):
+    """Mistral (a window of 8 under a 24-token prompt) and Gemma 2 (logit softcap, alternating windows):
+    logits and 64 greedy tokens as the reference implementation's, the windows and caps through attention()'s
+    mask keywords, the DynamicCache's sliding layers cropped by transformers."""
+    config_cls, model_cls, impl, masks = WINDOWED[name]
+
+    def model(**overrides):
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_cls)(**{**CONFIG, "max_position_embeddings": 128, **masks, **overrides})
+        cfg._attn_implementation = impl
+        return getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+
+    ref = model()
+    ours = with_impl(ref, AUTO_CPU_IMPL)
+    ids = token_ids()
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+        unmasked = model(sliding_window=None if name == "mistral" else 4096)(ids).logits
+    assert rel(got, want) < LOGITS_TOL < rel(unmasked, want)   # the window is what made them agree
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    assert_same_greedy(ref.generate(ids, **kw), ours.generate(ids, **kw), SEQ)
+
+
 def test_padding_mask_refusals():
     ours = make_model(CPU_IMPL)
     ids, mask = left_padded(pads=(5, 0))
@@ -362,8 +395,7 @@ def test_unsupported_layouts_raise():
     module = ours.model.layers[0].self_attn
     q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
     kv = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
-    for kw, what in ((dict(sliding_window=4), "sliding-window"), (dict(softcap=30.0), "softcapping"),
-                     (dict(s_aux=torch.zeros(4)), "sinks"), (dict(cu_seq_lens_q=torch.tensor([0, 8])), "packed")):
+    for kw, what in ((dict(s_aux=torch.zeros(4)), "sinks"), (dict(cu_seq_lens_q=torch.tensor([0, 8])), "packed")):
         with pytest.raises(fat.Unsupported, match=what):
             attn(module, q, kv, kv, None, scaling=0.25, **kw)
     out, weights = attn(module, q, kv, kv, None, scaling=0.25, is_causal=False)

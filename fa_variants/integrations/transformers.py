@@ -36,10 +36,13 @@ What the attention function does with transformers' arguments:
   restart at 0: the mask hook hands on the sequence ids transformers' packed pattern holds) run as a
   variable-length batch, training included, on the NumPy model as of 2026-12-06 (``attention_varlen`` has no
   GPU kernel yet: on the GPU it raises).
+* ``sliding_window`` (Mistral, Gemma 2's alternate layers) and ``softcap`` (Gemma 2) go to ``fav.attention``'s
+  ``window=(sliding_window - 1, 0)`` and ``softcap`` (and to ``attention_varlen``'s with padding or packing): on
+  the NumPy model, inference only, as of 2026-12-06 (no GPU kernel and no backward for them yet: they raise).
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
-  rows), a sliding-window cache, ``cu_seq_lens_*`` without packed position_ids, sliding windows, chunked
-  attention, custom mask overlays, softcapping, attention sinks (``s_aux``), position biases, a value head dim
+  rows), a window or softcap with a StaticCache, ``cu_seq_lens_*`` without packed position_ids, chunked
+  attention, custom mask overlays, attention sinks (``s_aux``), position biases, a value head dim
   other than the query's, and attention dropout != 0 (there is no dropout in ``fav.attention``: transformers
   passes ``dropout=attention_dropout`` only in training, so set ``config.attention_dropout = 0`` or use
   ``model.eval()``).
@@ -131,6 +134,10 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
         causal = True
     elif pattern is getattr(mu, "bidirectional_mask_function", None):
         causal = False
+    elif _sliding_window(pattern, mu) is not None:
+        # Causal within a sliding window: the attention function gets the window as its sliding_window argument
+        # (the model passes it), so the mask is the causal one.
+        causal = True
     elif attention_mask is None and (ids := _packed_sequence_ids(pattern, mu)) is not None:
         # Packed sequences (position_ids that restart, the packing collators): the tokens' sequence ids, from
         # which the attention function cuts the rows into a variable-length batch.
@@ -139,9 +146,8 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
         what = getattr(pattern, "__qualname__", None) or type(pattern).__name__
         raise Unsupported(
             f"fa_variants attention takes only plain causal or bidirectional attention; the model asked for a "
-            f"mask pattern built by {what} (a sliding window, chunked attention, packed sequences beside a "
-            f"mask, a block overlay or a custom and_/or_mask_function): use attn_implementation='sdpa' for this "
-            f"model or input")
+            f"mask pattern built by {what} (chunked attention, packed sequences beside a mask, a block overlay "
+            f"or a custom and_/or_mask_function): use attn_implementation='sdpa' for this model or input")
 
     if isinstance(q_offset, torch.Tensor) or (q_offset is None and isinstance(cache_position, torch.Tensor)
                                               and torch.compiler.is_compiling()):
@@ -169,24 +175,34 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
     return None
 
 
+def _closure(f, maker: str) -> dict | None:
+    """The variables a mask function made by transformers' ``maker`` closes over; None for another function."""
+    import inspect
+    if not getattr(f, "__qualname__", "").startswith(maker + ".<locals>."):
+        return None
+    return inspect.getclosurevars(f).nonlocals
+
+
+def _sliding_window(pattern, mu) -> int | None:
+    """The window of transformers' sliding-window causal pattern (and_masks(sliding_window_overlay(w),
+    causal_mask_function)), None for any other pattern."""
+    parts = (_closure(pattern, "and_masks") or {}).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or mu.causal_mask_function not in parts:
+        return None
+    overlay = next((c for f in parts if (c := _closure(f, "sliding_window_overlay"))), None)
+    return None if overlay is None else overlay.get("sliding_window")
+
+
 def _packed_sequence_ids(pattern, mu) -> torch.Tensor | None:
     """The (batch, seqlen) sequence ids that transformers' packed-sequence pattern closes over (causal attention
     within each of several sequences packed in a row), or None for any other pattern. The pattern is
     and_masks(remap_positions_for_packed_sequence(causal_mask_function, ...), packed_sequence_mask_function(ids))
     in transformers 5.x; anything else, or another version's shape of it, is not recognised (then Unsupported)."""
-    import inspect
-
-    def parts(f, maker: str) -> dict | None:
-        if not getattr(f, "__qualname__", "").startswith(maker + ".<locals>."):
-            return None
-        return inspect.getclosurevars(f).nonlocals
-
-    outer = parts(pattern, "and_masks")
-    inner = outer and outer.get("mask_functions")
+    inner = (_closure(pattern, "and_masks") or {}).get("mask_functions")
     if not isinstance(inner, tuple) or len(inner) != 2:
         return None
-    remap = next((p for f in inner if (p := parts(f, "remap_positions_for_packed_sequence"))), None)
-    packed = next((p for f in inner if (p := parts(f, "packed_sequence_mask_function"))), None)
+    remap = next((p for f in inner if (p := _closure(f, "remap_positions_for_packed_sequence"))), None)
+    packed = next((p for f in inner if (p := _closure(f, "packed_sequence_mask_function"))), None)
     if remap is None or packed is None or remap.get("mask_function") is not mu.causal_mask_function:
         return None
     ids = packed.get("packed_sequence_mask")
@@ -279,9 +295,7 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             raise Unsupported(
                 f"fa_variants attention has no attention dropout (dropout={dropout} from the model in training "
                 f"mode): set config.attention_dropout = 0.0 (or train with attn_implementation='sdpa')")
-        for arg, val, what in (("sliding_window", sliding_window, "sliding-window attention"),
-                               ("softcap", softcap, "logit softcapping"),
-                               ("s_aux", s_aux, "attention sinks"),
+        for arg, val, what in (("s_aux", s_aux, "attention sinks"),
                                ("position_bias", position_bias, "an additive position bias")):
             if val is not None:
                 raise Unsupported(f"fa_variants attention does not implement {what} ({arg}={_short(val)})")
@@ -301,6 +315,10 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         # One query row (decoding with a cache) sees every key under bottom-right causal masking: no mask.
         causal = bool(causal) and query.shape[2] > 1
         scale = None if scaling is None else float(scaling)
+        # transformers' window: key j is seen by query i when i - sliding_window < j <= i (flash-attn's (w - 1, 0))
+        masks = dict(window=(-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0),
+                     softcap=0.0 if softcap is None else float(softcap))
+        plain = masks == dict(window=(-1, -1), softcap=0.0)
 
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, d) views: no copy
         out_dtype = q.dtype
@@ -308,9 +326,16 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             dt = _half_dtype(module, q)
             q, k, v = (x.to(dt) for x in (q, k, v))
         if padding is not None:
-            out = _padded(q, k, v, padding, variant=variant, causal=causal, softmax_scale=scale, backend=backend)
+            out = _padded(q, k, v, padding, variant=variant, causal=causal, softmax_scale=scale, backend=backend,
+                          **masks)
         elif sequence_ids is not None:
-            out = _packed(q, k, v, sequence_ids, variant=variant, softmax_scale=scale, backend=backend)
+            out = _packed(q, k, v, sequence_ids, variant=variant, softmax_scale=scale, backend=backend, **masks)
+        elif not plain:
+            if cache_seqlens is not None:
+                raise Unsupported("fa_variants attention takes a sliding window or a softcap with the default "
+                                  "(dynamic) cache, not a StaticCache: attention_with_kvcache has neither yet")
+            out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend,
+                                **masks)
         elif cache_seqlens is not None or _decoding_step(variant, q):
             # The cache as attention_with_kvcache's k_cache, v_cache: the first cache_seqlens slots of each
             # sequence are its tokens (all of them for a DynamicCache), the queries the last of those.
@@ -340,7 +365,7 @@ def _is_padding(mask, key: torch.Tensor) -> bool:
             and mask.shape == (key.shape[0], key.shape[2]))
 
 
-def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend):
+def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend, window, softcap):
     """A padded batch as flash-attn's variable-length one: the tokens ``keep`` (batch, seqlen_k) marks, packed
     (q's are the last seqlen_q of them), run by ``attention_varlen`` (causal bottom-right per sequence), and
     scattered back; padded query rows give zeros. Differentiable: the gather, attention_varlen's torch op and
@@ -349,8 +374,8 @@ def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend):
     lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep.sum(1, dtype=torch.int32)
     cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lens_q, lens_k))
     out = varlen.attention_varlen(q[keep_q], k[keep], v[keep], cu_q, cu_k, int(lens_q.max()), int(lens_k.max()),
-                               causal=causal, softmax_scale=softmax_scale, variant=variant,
-                               backend=None if backend == "auto" else backend)
+                               causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                               variant=variant, backend=None if backend == "auto" else backend)
     full = out.new_zeros(q.shape)
     full[keep_q] = out
     return full
@@ -361,7 +386,7 @@ def _is_sequence_ids(mask, key: torch.Tensor) -> bool:
             and mask.shape == (key.shape[0], key.shape[2]))
 
 
-def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend):
+def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend, window, softcap):
     """Rows of packed sequences (``sequence_ids`` (batch, seqlen): which sequence each token is in, a new one
     wherever the id changes) as one variable-length batch of every row's sequences, causal within each."""
     batch, n = sequence_ids.shape
@@ -372,7 +397,8 @@ def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend):
     longest = int((cu[1:] - cu[:-1]).max())
     flat = [x.reshape(batch * n, *x.shape[2:]) for x in (q, k, v)]
     out = varlen.attention_varlen(*flat, cu, cu, longest, longest, causal=True, softmax_scale=softmax_scale,
-                                  variant=variant, backend=None if backend == "auto" else backend)
+                                  window=window, softcap=softcap, variant=variant,
+                                  backend=None if backend == "auto" else backend)
     return out.reshape(q.shape)
 
 
