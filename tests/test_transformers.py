@@ -332,37 +332,49 @@ def test_packed_training_step_matches_sdpa():
     assert_step_matches(ref, ours, ids, position_ids=pos)
 
 
-WINDOWED = {   # model, the implementation it is compared with (Gemma 2 has no sdpa: softcapping), its masks
-    "mistral": ("MistralConfig", "MistralForCausalLM", "sdpa", dict(sliding_window=8)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "eager",
-               dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None,
-                    query_pre_attn_scalar=16)),   # windows on alternate layers, softcap on all
+WINDOWED = {   # model, the implementation it is compared with, its masks, what turns them off
+    "mistral": ("Mistral", "sdpa", dict(sliding_window=8), dict(sliding_window=None)),
+    "gemma2": ("Gemma2", "eager", dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                                       query_pre_attn_scalar=16), dict(sliding_window=4096)),  # no sdpa: softcap
+    "gpt_oss": ("GptOss", "eager", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                        layer_types=["sliding_attention", "full_attention"]), dict(sinks=-1e4)),
 }
 
 
+def _windowed_model(name, **overrides):
+    prefix, impl, masks, _ = WINDOWED[name]
+    sinks = overrides.pop("sinks", None)
+    torch.manual_seed(0)
+    cfg = getattr(transformers, prefix + "Config")(**{**CONFIG, "max_position_embeddings": 128, **masks,
+                                                       **overrides})
+    cfg._attn_implementation = impl
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():   # gpt-oss's sinks: N(0, 1), or so low that they take nothing from any row
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+                m.sinks.normal_(0.0, 1.0) if sinks is None else m.sinks.fill_(sinks)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore")   # gpt-oss's config warns of its YaRN factor on a tiny context
 @pytest.mark.parametrize("name", sorted(WINDOWED))
-def test_sliding_window_and_softcap_models_match(name):
-    """Mistral (a window of 8 under a 24-token prompt) and Gemma 2 (logit softcap, alternating windows):
-    logits and 64 greedy tokens as the reference implementation's, the windows and caps through attention()'s
-    mask keywords, the DynamicCache's sliding layers cropped by transformers."""
-    config_cls, model_cls, impl, masks = WINDOWED[name]
-
-    def model(**overrides):
-        torch.manual_seed(0)
-        cfg = getattr(transformers, config_cls)(**{**CONFIG, "max_position_embeddings": 128, **masks, **overrides})
-        cfg._attn_implementation = impl
-        return getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
-
-    ref = model()
+def test_windowed_softcapped_and_sink_models_match(name):
+    """Mistral (a window of 8 under a 24-token prompt), Gemma 2 (logit softcap, alternating windows), gpt-oss
+    (sinks, alternating windows): logits and 64 greedy tokens as the reference implementation's, through
+    attention()'s mask keywords, the DynamicCache's sliding layers cropped by transformers."""
+    if not hasattr(transformers, WINDOWED[name][0] + "Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    ref = _windowed_model(name)
     ours = with_impl(ref, AUTO_CPU_IMPL)
     ids = token_ids()
     with torch.no_grad():
         want, got = ref(ids).logits, ours(ids).logits
-        unmasked = model(sliding_window=None if name == "mistral" else 4096)(ids).logits
-    assert rel(got, want) < LOGITS_TOL < rel(unmasked, want)   # the window is what made them agree
+        unmasked = _windowed_model(name, **WINDOWED[name][3])(ids).logits
+    assert rel(got, want) < LOGITS_TOL < rel(unmasked, want)   # the masks are what made them agree
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64, do_sample=False,
               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    assert_same_greedy(ref.generate(ids, **kw), ours.generate(ids, **kw), SEQ)
+    with torch.no_grad():
+        assert_same_greedy(ref.generate(ids, **kw), ours.generate(ids, **kw), SEQ)
 
 
 def test_padding_mask_refusals():
@@ -395,7 +407,8 @@ def test_unsupported_layouts_raise():
     module = ours.model.layers[0].self_attn
     q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
     kv = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
-    for kw, what in ((dict(s_aux=torch.zeros(4)), "sinks"), (dict(cu_seq_lens_q=torch.tensor([0, 8])), "packed")):
+    for kw, what in ((dict(s_aux=torch.zeros(4, requires_grad=True)), "sinks"),
+                     (dict(cu_seq_lens_q=torch.tensor([0, 8])), "packed")):
         with pytest.raises(fat.Unsupported, match=what):
             attn(module, q, kv, kv, None, scaling=0.25, **kw)
     out, weights = attn(module, q, kv, kv, None, scaling=0.25, is_causal=False)

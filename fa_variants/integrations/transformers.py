@@ -36,13 +36,14 @@ What the attention function does with transformers' arguments:
   restart at 0: the mask hook hands on the sequence ids transformers' packed pattern holds) run as a
   variable-length batch, training included, on the NumPy model as of 2026-12-06 (``attention_varlen`` has no
   GPU kernel yet: on the GPU it raises).
-* ``sliding_window`` (Mistral, Gemma 2's alternate layers) and ``softcap`` (Gemma 2) go to ``fav.attention``'s
-  ``window=(sliding_window - 1, 0)`` and ``softcap`` (and to ``attention_varlen``'s with padding or packing): on
-  the NumPy model, inference only, as of 2026-12-06 (no GPU kernel and no backward for them yet: they raise).
+* ``sliding_window`` (Mistral, Gemma 2's alternate layers), ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks)
+  go to ``fav.attention``'s ``window=(sliding_window - 1, 0)``, ``softcap`` and ``sinks`` (and to
+  ``attention_varlen``'s with padding or packing): on the NumPy model, inference only, as of 2026-12-06 (no GPU
+  kernel and no backward for them yet: they raise).
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
   rows), a window or softcap with a StaticCache, ``cu_seq_lens_*`` without packed position_ids, chunked
-  attention, custom mask overlays, attention sinks (``s_aux``), position biases, a value head dim
+  attention, custom mask overlays, sinks under autograd, position biases, a value head dim
   other than the query's, and attention dropout != 0 (there is no dropout in ``fav.attention``: transformers
   passes ``dropout=attention_dropout`` only in training, so set ``config.attention_dropout = 0`` or use
   ``model.eval()``).
@@ -295,10 +296,13 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             raise Unsupported(
                 f"fa_variants attention has no attention dropout (dropout={dropout} from the model in training "
                 f"mode): set config.attention_dropout = 0.0 (or train with attn_implementation='sdpa')")
-        for arg, val, what in (("s_aux", s_aux, "attention sinks"),
-                               ("position_bias", position_bias, "an additive position bias")):
-            if val is not None:
-                raise Unsupported(f"fa_variants attention does not implement {what} ({arg}={_short(val)})")
+        if position_bias is not None:
+            raise Unsupported(f"fa_variants attention does not implement an additive position bias "
+                              f"(position_bias={_short(position_bias)})")
+        if s_aux is not None and torch.is_grad_enabled() and s_aux.requires_grad:
+            raise Unsupported("fa_variants attention has no backward for attention sinks under torch autograd yet "
+                              "(s_aux, gpt-oss): run inference under torch.no_grad(), or train with "
+                              "attn_implementation='eager'")
         packed = [name for name in _PACKED if kwargs.get(name) is not None]
         if packed and sequence_ids is None:
             raise Unsupported(f"fa_variants attention takes packed sequences from position_ids that restart at 0 "
@@ -318,7 +322,9 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         # transformers' window: key j is seen by query i when i - sliding_window < j <= i (flash-attn's (w - 1, 0))
         masks = dict(window=(-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0),
                      softcap=0.0 if softcap is None else float(softcap))
-        plain = masks == dict(window=(-1, -1), softcap=0.0)
+        plain = masks == dict(window=(-1, -1), softcap=0.0) and s_aux is None
+        if s_aux is not None:   # gpt-oss: one logit per head in every row's softmax denominator
+            masks["sinks"] = s_aux.detach()
 
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, d) views: no copy
         out_dtype = q.dtype
@@ -332,8 +338,8 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             out = _packed(q, k, v, sequence_ids, variant=variant, softmax_scale=scale, backend=backend, **masks)
         elif not plain:
             if cache_seqlens is not None:
-                raise Unsupported("fa_variants attention takes a sliding window or a softcap with the default "
-                                  "(dynamic) cache, not a StaticCache: attention_with_kvcache has neither yet")
+                raise Unsupported("fa_variants attention takes a sliding window, a softcap or sinks with the "
+                                  "default (dynamic) cache, not a StaticCache: attention_with_kvcache has none yet")
             out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend,
                                 **masks)
         elif cache_seqlens is not None or _decoding_step(variant, q):
@@ -365,7 +371,7 @@ def _is_padding(mask, key: torch.Tensor) -> bool:
             and mask.shape == (key.shape[0], key.shape[2]))
 
 
-def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend, window, softcap):
+def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend, window, softcap, sinks=None):
     """A padded batch as flash-attn's variable-length one: the tokens ``keep`` (batch, seqlen_k) marks, packed
     (q's are the last seqlen_q of them), run by ``attention_varlen`` (causal bottom-right per sequence), and
     scattered back; padded query rows give zeros. Differentiable: the gather, attention_varlen's torch op and
@@ -375,7 +381,7 @@ def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend, window, s
     cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lens_q, lens_k))
     out = varlen.attention_varlen(q[keep_q], k[keep], v[keep], cu_q, cu_k, int(lens_q.max()), int(lens_k.max()),
                                causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                               variant=variant, backend=None if backend == "auto" else backend)
+                               sinks=sinks, variant=variant, backend=None if backend == "auto" else backend)
     full = out.new_zeros(q.shape)
     full[keep_q] = out
     return full
@@ -386,7 +392,7 @@ def _is_sequence_ids(mask, key: torch.Tensor) -> bool:
             and mask.shape == (key.shape[0], key.shape[2]))
 
 
-def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend, window, softcap):
+def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend, window, softcap, sinks=None):
     """Rows of packed sequences (``sequence_ids`` (batch, seqlen): which sequence each token is in, a new one
     wherever the id changes) as one variable-length batch of every row's sequences, causal within each."""
     batch, n = sequence_ids.shape
@@ -397,7 +403,7 @@ def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend, window, s
     longest = int((cu[1:] - cu[:-1]).max())
     flat = [x.reshape(batch * n, *x.shape[2:]) for x in (q, k, v)]
     out = varlen.attention_varlen(*flat, cu, cu, longest, longest, causal=True, softmax_scale=softmax_scale,
-                                  window=window, softcap=softcap, variant=variant,
+                                  window=window, softcap=softcap, sinks=sinks, variant=variant,
                                   backend=None if backend == "auto" else backend)
     return out.reshape(q.shape)
 
