@@ -8,8 +8,7 @@ api -> integrations.torch -> forward -> dispatch -> choice -> registry -> kernel
 """
 from __future__ import annotations
 
-
-from . import forward, plans, varlen
+from . import arrays, forward, plans, varlen
 from .dispatch import BackendUnavailable
 
 __all__ = ["attention", "clear_plans", "BackendUnavailable"]
@@ -52,21 +51,11 @@ def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_s
     # plan miss, so it costs the warm path nothing: such a call never stores a plan under its own key
     # (requires_grad is part of it), so every such call misses and comes here. (This is forward.attention with
     # the detour between its lookup and its full path.)
-    if _torch_op_needed(q, k, v):
+    if arrays.torch_op_needed(q, k, v):
         from .integrations import torch as torch_ops
         return torch_ops.attention(q, k, v, variant=variant, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=return_lse, backend=backend)
     return forward.run(q, k, v, variant, causal, softmax_scale, return_lse, backend, key)
-
-
-def _torch_op_needed(q, k, v) -> bool:
-    """Whether torch tensors among q, k, v need the custom ops: one requires grad, or Dynamo is tracing them.
-    (Torch is imported already when its tensors come in.)"""
-    tensors = [x for x in (q, k, v) if forward.is_torch(x)]
-    if not tensors:
-        return False
-    import torch   # imported already; an import Dynamo traces, where a sys.modules lookup can break its guards
-    return any(x.requires_grad for x in tensors) or torch.compiler.is_compiling()
 
 
 def clear_plans() -> None:

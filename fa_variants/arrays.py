@@ -120,6 +120,16 @@ def refuse_masked(name: str, x) -> None:
                         f"one mask attention takes)")
 
 
+def torch_op_needed(*xs, autograd: bool = True) -> bool:
+    """Whether the torch tensors among ``xs`` must go through the torch custom ops (integrations/torch.py): Dynamo
+    is tracing them (it cannot follow the DLPack hand-over), or, with ``autograd``, one of them requires grad."""
+    tensors = [x for x in xs if type(x).__module__.split(".")[0] == "torch"]
+    if not tensors:
+        return False
+    import torch   # imported already: its tensors came in (an import Dynamo traces, unlike a sys.modules lookup)
+    return torch.compiler.is_compiling() or (autograd and any(x.requires_grad for x in tensors))
+
+
 def _claims_gpu(x) -> bool | None:
     """Where ``x`` says it lives (True: GPU, False: host) without touching it; None if it is no array we take."""
     cp = _cupy()

@@ -25,14 +25,6 @@ def _on_gpu(*xs) -> bool:
     return any(x is not None and arrays._claims_gpu(x) for x in xs)
 
 
-def _traced_by_torch(q) -> bool:
-    """Whether q is a torch tensor that Dynamo is tracing (torch is imported already when its tensors come in)."""
-    if type(q).__module__.split(".")[0] != "torch":
-        return False
-    import torch   # imported already: its tensors came in (Dynamo traces this import, not a sys.modules lookup)
-    return torch.compiler.is_compiling()
-
-
 def _check_placement(func: str, named: dict, optional: tuple = ()) -> None:
     """The host path: host arrays only (a GPU array among them: ValueError, every array on one side), TypeError
     for anything else. The names in ``optional`` may be None."""
@@ -92,7 +84,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     scale = arrays.check_scalars(causal, softmax_scale, return_lse)
-    if _traced_by_torch(q):   # torch.compile: one opaque op (Dynamo cannot trace DLPack)
+    if arrays.torch_op_needed(q, autograd=False):   # torch.compile: one opaque op (there is no backward)
         from .integrations import torch as torch_ops
         return torch_ops.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v, causal=causal,
@@ -121,8 +113,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     if hq.dtype.name not in DTYPES:
         raise TypeError(f"q must be float16 or bfloat16 (the cache: q's dtype or float8_e4m3fn), got {hq.dtype}")
     arrays.check_layout({n: x for n, x in host.items() if n in STREAMED and x is not None})
-    res = model.forward(hq, host["k_cache"], host["v_cache"], cache_seqlens=host["cache_seqlens"] if
-                        host["cache_seqlens"] is not None else cache_seqlens, page_table=host["page_table"],
+    lengths = cache_seqlens if np.isscalar(cache_seqlens) else host["cache_seqlens"]
+    res = model.forward(hq, host["k_cache"], host["v_cache"], cache_seqlens=lengths, page_table=host["page_table"],
                         k=host["k"], v=host["v"], causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                         k_descale=host["k_descale"], v_descale=host["v_descale"])
     wrap = (lambda a: a) if isinstance(q, np.ndarray) else arrays._host_wrap(q)

@@ -85,15 +85,6 @@ def _refuse_autograd(*xs) -> None:
                                   "attention_backward for the gradients")
 
 
-def _torch_op_needed(*xs) -> bool:
-    """Torch tensors of which one requires grad, or that Dynamo traces: attention_varlen's torch ops take them."""
-    tensors = [x for x in xs if type(x).__module__.split(".")[0] == "torch"]
-    if not tensors:
-        return False
-    import torch   # imported already: its tensors came in
-    return any(x.requires_grad for x in tensors) or torch.compiler.is_compiling()
-
-
 def _runs_on_gpu(inp, backend: str) -> bool:
     """backend="cuda", or GPU arrays with "auto"; host arrays with "auto" run the model even where a GPU is usable."""
     return backend == "cuda" or (inp.on_gpu and backend == "auto")
@@ -178,7 +169,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     backend, scale, window, softcap = _check_scalars(variant, "auto" if backend is None else backend, causal,
                                                      softmax_scale, return_lse, window, softcap)
-    if sinks is None and alibi_slopes is None and _torch_op_needed(q, k, v):
+    if sinks is None and alibi_slopes is None and arrays.torch_op_needed(q, k, v):
         # Torch tensors that require grad, or under Dynamo: the torch ops, whose body is this call on detached
         # tensors (every array check runs there, before anything is computed).
         from .integrations import torch as torch_ops

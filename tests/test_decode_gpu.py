@@ -77,6 +77,12 @@ def _host_call(rng, c: DecodeCase, fp8: bool = False):
     return q, cache, new, kd, vd
 
 
+def t(x):
+    """A bfloat16 CUDA tensor of the NumPy bfloat16 array x (through its bit patterns)."""
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
+
+
 def _write_logical(dst, table, logical):
     if table is None:
         dst[:logical.shape[0], :logical.shape[1]] = logical
@@ -175,9 +181,6 @@ def test_torch_in_place_append_device_lengths_and_cuda_graph(rng):
     c = DecodeCase(4, 1, 32, 8, 128, (10, 4000, 777, 1), 4096, 16, True, seqlen_new=1)
     q, cache, new, _, _ = _host_call(rng, c)
 
-    def t(x):
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
-
     kc, vc, qt, kn, vn = t(cache.k_cache), t(cache.v_cache), t(q), t(new[0]), t(new[1])
     seqlens = torch.tensor(c.lens, dtype=torch.int32, device="cuda")
     table = torch.from_numpy(cache.page_table).cuda()
@@ -240,9 +243,6 @@ def test_torch_compile_reduce_overhead_runs_the_step(rng):
     c = DecodeCase(2, 1, 16, 4, 128, (100, 900), 1024, 16, True, seqlen_new=1)
     q, cache, new, _, _ = _host_call(rng, c)
 
-    def t(x):
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
-
     qt, kn, vn = t(q), t(new[0]), t(new[1])
     table = torch.from_numpy(cache.page_table).cuda()
     eager = [t(cache.k_cache), t(cache.v_cache)]
@@ -268,9 +268,6 @@ def test_device_lengths_past_the_cache_give_nan_rows_and_write_nothing_outside(r
     import torch
     c = DecodeCase(3, 1, 8, 2, 64, (100, 200, 50), 256, 16, True, seqlen_new=1)
     q, cache, new, _, _ = _host_call(rng, c)
-
-    def t(x):
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
 
     kc, vc = t(cache.k_cache), t(cache.v_cache)
     table = cache.page_table.copy()

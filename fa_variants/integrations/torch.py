@@ -62,11 +62,14 @@ def _setup_context(ctx, inputs, output):
 
 def _grad(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    # An unused output's gradient may come as None, and sum()'s is an expanded (stride 0) tensor: give the
-    # backward a dense one, as flash-attn does.
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dq, dk, dv = _backward(dout, q, k, v, out, lse, *ctx.args)
+    dq, dk, dv = _backward(_dense(dout, out), q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None
+
+
+def _dense(dout, out):
+    """The output gradient as the backwards take it. An unused output's may come as None, and sum()'s is an
+    expanded (stride 0) tensor: give a dense one, as flash-attn does."""
+    return torch.zeros_like(out) if dout is None else dout.contiguous()
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
@@ -171,8 +174,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_grad(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dq, dk, dv = _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = _varlen_backward(_dense(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 11
 
 

@@ -219,12 +219,10 @@ def _cache_seqlens(batch_size, q_offset, cache_position, q_length, attention_mas
     else:
         tokens = torch.full((batch_size,), q_offset + q_length, dtype=torch.int32, device=device)
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise Unsupported(f"fa_variants attention takes no dense attention mask (got one of shape "
-                              f"{tuple(attention_mask.shape)}): pass none, or a 2D mask of ones")
         if not torch.compiler.is_compiling():
             _check_padding(attention_mask, attention_mask.shape[-1], None, q_length, 0)
         else:   # no host read while tracing: a padded sequence gets a length no cache has, hence NaN rows
+            _check_mask_shape(attention_mask, attention_mask.shape[-1], None, q_length, 0)
             tokens = torch.where(attention_mask.all(dim=-1), tokens, torch.full_like(tokens, -1))
     return tokens.contiguous()
 
@@ -282,9 +280,9 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         cache_seqlens = padding = sequence_ids = None
         if _is_cache_seqlens(attention_mask):    # mask_function's answer for a StaticCache
             cache_seqlens, attention_mask = attention_mask, None
-        elif _is_padding(attention_mask, key):   # mask_function's answer for a padded batch
+        elif _is_token_mask(attention_mask, key, torch.bool):   # mask_function's answer for a padded batch
             padding, attention_mask = attention_mask, None
-        elif _is_sequence_ids(attention_mask, key):   # mask_function's answer for packed sequences
+        elif _is_token_mask(attention_mask, key, torch.int64):   # and for packed sequences
             sequence_ids, attention_mask = attention_mask, None
         if attention_mask is not None:
             raise Unsupported(
@@ -322,7 +320,7 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         # transformers' window: key j is seen by query i when i - sliding_window < j <= i (flash-attn's (w - 1, 0))
         masks = dict(window=(-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0),
                      softcap=0.0 if softcap is None else float(softcap))
-        plain = masks == dict(window=(-1, -1), softcap=0.0) and s_aux is None
+        plain = sliding_window is None and softcap is None and s_aux is None
         if s_aux is not None:   # gpt-oss: one logit per head in every row's softmax denominator
             masks["sinks"] = s_aux.detach()
 
@@ -347,7 +345,7 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
             # sequence are its tokens (all of them for a DynamicCache), the queries the last of those.
             out = decode.attention_with_kvcache(
                 q, k, v, cache_seqlens=k.shape[1] if cache_seqlens is None else cache_seqlens, causal=causal,
-                softmax_scale=scale, backend=None if backend == "auto" else backend)
+                softmax_scale=scale, backend=backend)
         else:
             out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend)
         return (out if out.dtype == out_dtype else out.to(out_dtype)), None
@@ -366,8 +364,9 @@ def _decoding_step(variant: str, q: torch.Tensor) -> bool:
     return variant == "auto" and q.shape[1] <= DECODE_QUERIES and not (torch.is_grad_enabled() and q.requires_grad)
 
 
-def _is_padding(mask, key: torch.Tensor) -> bool:
-    return (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
+def _is_token_mask(mask, key: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``mask`` is one value of ``dtype`` per key token (batch, seqlen_k): mask_function's answers."""
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == dtype
             and mask.shape == (key.shape[0], key.shape[2]))
 
 
@@ -381,15 +380,10 @@ def _padded(q, k, v, keep, *, variant, causal, softmax_scale, backend, window, s
     cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lens_q, lens_k))
     out = varlen.attention_varlen(q[keep_q], k[keep], v[keep], cu_q, cu_k, int(lens_q.max()), int(lens_k.max()),
                                causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                               sinks=sinks, variant=variant, backend=None if backend == "auto" else backend)
+                               sinks=sinks, variant=variant, backend=backend)
     full = out.new_zeros(q.shape)
     full[keep_q] = out
     return full
-
-
-def _is_sequence_ids(mask, key: torch.Tensor) -> bool:
-    return (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.int64
-            and mask.shape == (key.shape[0], key.shape[2]))
 
 
 def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend, window, softcap, sinks=None):
@@ -403,8 +397,7 @@ def _packed(q, k, v, sequence_ids, *, variant, softmax_scale, backend, window, s
     longest = int((cu[1:] - cu[:-1]).max())
     flat = [x.reshape(batch * n, *x.shape[2:]) for x in (q, k, v)]
     out = varlen.attention_varlen(*flat, cu, cu, longest, longest, causal=True, softmax_scale=softmax_scale,
-                                  window=window, softcap=softcap, sinks=sinks, variant=variant,
-                                  backend=None if backend == "auto" else backend)
+                                  window=window, softcap=softcap, sinks=sinks, variant=variant, backend=backend)
     return out.reshape(q.shape)
 
 
