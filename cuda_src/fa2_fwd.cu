@@ -11,13 +11,13 @@
 #include "common/fragments.cuh"
 #include "common/mask.cuh"
 
+// One CTA's work: Q block i_block of (batch b, head h) against the K/V blocks MASK lets it see.
 // EARLY_PREFETCH: issue block j+1's loads right after block j's barrier (longest overlap) or after block j's
 // softmax (shorter live ranges: needed at d = 128, where the early position spills). Chosen per head dim by
 // measurement (docs/results.md). D: the template head dim p.head_dim pads to. EPI: what the CTA does with its
-// rows at the end (common/epilogue.cuh): O / l and LSE, or a split-KV partial.
-template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH, class EPI = fav::NormalizedOut<T, D>>
-__global__ void __launch_bounds__(NWARPS * 32)
-fa2_fwd(const fav::FwdParams p) {
+// rows at the end (common/epilogue.cuh): O / l and LSE, or a split-KV partial. MASK: common/mask.cuh's policy.
+template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH, class EPI, class MASK, class Params>
+__forceinline__ __device__ void fa2_block(const Params& p, const MASK& mask, int i_block, int h, int b) {
     using namespace fav;
     constexpr int THREADS = NWARPS * 32;
     constexpr int WM = BM / NWARPS, MT = WM / 16;  // rows per warp, m-tiles per warp
@@ -35,12 +35,10 @@ fa2_fwd(const fav::FwdParams p) {
     auto sK = [&](int stage) { return sQ + TQ::BYTES + stage * 2 * TKV::BYTES; };
     auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
 
-    // Causal CTAs near the bottom do the most work: launch them first so the tail of the grid is short.
-    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    const int h_kv = h / p.group;
     const int m0 = i_block * BM, warp = threadIdx.x / 32, row0 = warp * WM;  // row0: first row of this warp in Q_i
-    const CausalMask mask = CausalMask::of(p);
     const int seqlen_k = mask.seqlen_k;
-    const BlockRange blocks = mask.kv_blocks<BM, BN>(m0, kv_split(p));
+    const BlockRange blocks = mask.template kv_blocks<BM, BN>(m0, kv_split(p));
 
     const u16* Qi = p.q + b * p.q_b + h * p.q_h + m0 * p.q_n;
     const u16* Kb = p.k + b * p.k_b + h_kv * p.k_h;
@@ -128,9 +126,41 @@ fa2_fwd(const fav::FwdParams p) {
     }
     cp_async_wait<0>();
     __syncthreads();  // with no K/V block to visit, Q's copies (from every thread) may still be landing
+    mask.end_rows(o, m, l, p.scale_log2);
 
     // Epilogue: the one division by l (or a split's partial); O through shared memory for 16-byte stores. Each
     // warp reuses only its own rows of the Q tile, which only it has read: no CTA barrier needed.
     EPI::store(WarpRows<MT, DT>{o, m, l, p.scale_log2, b, h, m0 + row0},
                p, reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE);
+}
+
+template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH, class EPI = fav::NormalizedOut<T, D>>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_fwd(const fav::FwdParams p) {
+    // Causal CTAs near the bottom do the most work: launch them first so the tail of the grid is short.
+    fa2_block<T, D, BM, BN, NWARPS, EARLY_PREFETCH, EPI>(p, fav::CausalMask::of(p), gridDim.x - 1 - blockIdx.x,
+                                                         blockIdx.y, blockIdx.z);
+}
+
+// The same loop under a window, softcap, ALiBi and sinks (AttnMask), over a dense batch or a packed one: a CTA of
+// a packed batch takes its sequence's rows and keys (pointers moved to the sequence's first row, the lengths its
+// own) and leaves at once where its Q block lies past the sequence's end (the grid covers the longest one).
+template <class T, int D, int BM, int BN, int NWARPS, bool EARLY_PREFETCH>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_fwd_masked(const fav::MaskedFwdParams p) {
+    using namespace fav;
+    const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    MaskedFwdParams s = p;
+    if (p.cu_seqlens_q != nullptr) {
+        const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+        s.seqlen_q = p.cu_seqlens_q[b + 1] - q0;
+        s.seqlen_k = p.cu_seqlens_k[b + 1] - k0;
+        s.q += q0 * p.q_n, s.o += q0 * p.o_n, s.k += k0 * p.k_n, s.v += k0 * p.v_n;
+        if (s.lse != nullptr) s.lse += q0;
+    } else if (s.lse != nullptr) {
+        s.lse += (i64)b * p.heads * p.seqlen_q;
+    }
+    if (i_block * BM >= s.seqlen_q) return;
+    fa2_block<T, D, BM, BN, NWARPS, EARLY_PREFETCH, NormalizedOut<T, D>>(
+        s, AttnMask::of(p, s.seqlen_q, s.seqlen_k, b, h), i_block, h, b);
 }

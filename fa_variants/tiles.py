@@ -112,6 +112,13 @@ FA2_TILES = _frozen({
 })
 assert tuple(FA2_TILES) == tuple(FA1_TILES) == TEMPLATE_DIMS
 
+#: fa2_fwd.cu's fa2_fwd_masked (windows, softcap, ALiBi, sinks, packed batches): fa2's tiles where they compile
+#: without spills for sm_80 and sm_90a; the mask's registers (its interval, cap, slope, sink) push d = 96 and 128 to
+#: 32-key blocks and d = 256 to 64 query rows (d = 160's smaller tile loses its early prefetch).
+FA2_MASKED_TILES = _frozen({**FA2_TILES, 96: [Fa2Tile(128, 32, 4, False)], 128: [Fa2Tile(128, 32, 4, False)],
+                            160: [Fa2Tile(128, 64, 8, True), Fa2Tile(64, 32, 4, False)],
+                            256: [Fa2Tile(64, 32, 4, True), Fa2Tile(32, 32, 2, True)]})
+
 #: fa2_fwd_sm90.cu (wgmma, sm_90): two warpgroups of 64 rows. Its tiles are K-major 128-byte swizzled rows of 64,
 #: 128 or 256 elements, so other head dims pad to those; 128-key blocks where the O accumulator leaves room for S
 #: and P (d = 256: O takes 128 registers, so 64 keys).

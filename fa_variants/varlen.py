@@ -9,10 +9,12 @@ The keywords (reference/masks.py has the conventions, docs/masks.md their source
     cu_seqlens_q/_k        flash-attn's packed (varlen) layout, int32 cumulative lengths, max_seqlen_q/_k ints
 
 Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
-Then, as of 2026-12-05: the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU
-arrays), and no GPU kernel takes them yet, so a call that would run on the GPU raises NotImplementedError naming
-the argument, before any launch. A window that hides nothing a plain call would not (a side at least the sequence
-long, or (-1, 0), which is causal) runs as that plain call, on the GPU too.
+Then the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU arrays), and on the GPU
+the forward runs fa2's masked kernel (kernels/fa2_masked.py, sm_80+; variant "auto" or "fa2"; the other variants'
+kernels take no masks and are refused by name). No GPU backward takes them yet: attention_backward with a mask
+keyword or cu_seqlens on GPU arrays raises NotImplementedError naming the argument, before any launch. A window
+that hides nothing a plain call would not (a side at least the sequence long, or (-1, 0), which is causal) runs as
+that plain call, on the GPU too.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 ALIBI_DTYPES = ("float32",)                       # flash-attn's: the slopes are fp32
 CU_SEQLENS_DTYPES = ("int32",)
 NOT_SHIPPED = "on the GPU: not shipped yet; NumPy arrays run the model (backend='numpy' runs it on host copies)"
+GPU_MASKED_VARIANTS = ("auto", "fa2")             # whose GPU forward takes masks and packed batches
 
 
 # ------------------------------------------------------------------------------------------------ shared checks
@@ -139,7 +142,8 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
                      backend=backend)
     _refuse_autograd(q, k, v, sinks)
     if _runs_on_gpu(inp, backend):
-        raise NotImplementedError(f"{_unshipped(window, softcap, sinks, alibi_slopes)} {NOT_SHIPPED}")
+        return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse,
+                       _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes))
     entry = _model("forward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     res = entry.reference(qh, kh, vh, causal=bool(causal), softmax_scale=arrays.default_scale(scale, d),
@@ -162,9 +166,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (heads, total_q), with return_lse); rows that see no key, or lie past cu_seqlens_q[-1], give 0 and lse -inf
     (with sinks, a row of a sequence without keys has lse = its sink).
 
-    2026-12-05: the NumPy models run it (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
-    with backend "auto" or "cuda" raise NotImplementedError; backend="numpy" runs the model on host copies.
-    ``backend`` None means "auto". 2026-12-06: torch tensors that require grad (without sinks or ALiBi) are
+    The NumPy models run it on host arrays (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
+    run fa2's masked kernel (variant "auto" or "fa2"); backend="numpy" runs the model on host copies. ``backend``
+    None means "auto". The lengths are checked on the host: a GPU call copies cu_seqlens there first (a sync). 2026-12-06: torch tensors that require grad (without sinks or ALiBi) are
     recorded for autograd, and under torch.compile the call is one opaque op (integrations/torch.py).
     """
     backend, scale, window, softcap = _check_scalars(variant, "auto" if backend is None else backend, causal,
@@ -183,9 +187,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     bounds, sinks_h, slopes_h = _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
                                               alibi_slopes)
     _refuse_autograd(q, k, v, sinks)
-    if _runs_on_gpu(inp, backend):
-        raise NotImplementedError(f"varlen (cu_seqlens_q, cu_seqlens_k) {NOT_SHIPPED}")
     d = inp.q.shape[2]
+    if _runs_on_gpu(inp, backend):
+        on_gpu = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,
+                            cu=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=int(bounds.seqlens_q.max(initial=0)),
+                            total_q=int(bounds.cu_q[-1]))
+        return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse, on_gpu)
     entry = _model("forward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     res = model_varlen.forward(entry.reference, qh, kh, vh, bounds.cu_q.astype(np.int32),
@@ -194,6 +201,44 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                sinks=sinks_h, alibi_slopes=slopes_h)
     out, lse = _back(inp, (res.out, res.lse), (qh.dtype, np.float32))
     return (out, lse) if return_lse else out
+
+
+def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes, cu=(None, None), max_seqlen_q=0,
+               total_q=0):
+    """The masked kernel's arguments (kernels/fa2_masked.Masks) for a checked call on the GPU: a variant whose
+    kernel takes them (GPU_MASKED_VARIANTS), fa2's dtypes and head dims, the side arrays on q's device."""
+    if variant not in GPU_MASKED_VARIANTS:
+        raise NotImplementedError(f"variant {variant!r}: its GPU kernel takes no window, softcap, sinks, ALiBi or "
+                                  f"varlen yet; variant='auto' or 'fa2' runs fa2's masked kernel")
+    from . import registry
+    from .kernels.fa2_masked import Masks
+    entry = registry.get("fa2")
+    arrays.check_supported(entry, dtype, d)
+    dispatch.resolve_backend("cuda", entry, True)
+    side = {n: None if x is None else _side_import(n, x, inp, dt)
+            for n, x, dt in (("sinks", sinks, SINK_DTYPES), ("alibi_slopes", alibi_slopes, ALIBI_DTYPES),
+                             ("cu_seqlens_q", cu[0], CU_SEQLENS_DTYPES), ("cu_seqlens_k", cu[1], CU_SEQLENS_DTYPES))}
+    return Masks(window=window, softcap=softcap, max_seqlen_q=max_seqlen_q, total_q=total_q, **side)
+
+
+def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks):
+    """fa2's masked kernel on the checked arrays (host arrays with backend="cuda": on device copies, the results
+    copied back); results as q's array type."""
+    import dataclasses
+
+    import cupy
+    from .kernels import fa2_masked
+    with cupy.cuda.Device(inp.q.device.id if inp.on_gpu else None):
+        q, k, v = (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
+        if not inp.on_gpu:
+            kernel_masks = dataclasses.replace(kernel_masks, **{
+                f: arrays.to_cupy(getattr(kernel_masks, f)) for f in fa2_masked.SIDE_ARRAYS
+                if getattr(kernel_masks, f) is not None})
+        out, lse = fa2_masked.forward(q, k, v, causal=bool(causal), softmax_scale=scale, return_lse=return_lse,
+                                      masks=kernel_masks)
+    back = (lambda a: a) if inp.on_gpu else arrays.to_numpy
+    out = inp.wrap(back(out))
+    return (out, inp.wrap(back(lse))) if return_lse else out
 
 
 def _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, alibi_slopes):

@@ -1,8 +1,9 @@
 """fav.attention_varlen and the mask keywords of fav.attention / fav.attention_backward on host arrays: the NumPy
 models behind them, against the float64 reference of tests/test_masks_model.py (written from the definitions,
 its gradients checked by finite differences) and against per-sequence calls; a window that hides nothing more than
-causal takes the plain path; every bad argument is refused, naming it, before any work; a call that would run on
-the GPU is refused with NotImplementedError. Inputs are fresh each run (``rng``: the seed is in a failed test's
+causal takes the plain path; every bad argument is refused, naming it, before any work; what no GPU kernel takes
+yet (the masked backward, variants other than fa2) is refused with NotImplementedError (tests/test_varlen_gpu.py
+runs the masked forward kernel). Inputs are fresh each run (``rng``: the seed is in a failed test's
 report)."""
 import numpy as np
 import pytest
@@ -274,42 +275,48 @@ def test_backward_refusals(rng):
     fav.attention_backward(out, q, k, v, out, lse, window=(0, 0), check_lse=False, **common)
 
 
-def test_a_gpu_call_is_refused_before_any_work(rng):
-    """backend="cuda": NotImplementedError naming the argument (the checks come first: a bad argument is still a
-    ValueError); a window that reduces to causal is not refused for it."""
+def test_backend_cuda_checks_first_and_refuses_what_no_kernel_takes(rng):
+    """backend="cuda": the checks come first (a bad argument is a ValueError wherever it would run); a forward then
+    runs fa2's masked kernel (BackendUnavailable where no GPU is usable), other variants' kernels are refused by
+    name, and a masked or packed backward on the GPU raises NotImplementedError naming the argument."""
     q, k, v, cu_q, cu_k = packed(rng, lens_q=[3, 2], lens_k=[2, 4])
-    with pytest.raises(NotImplementedError, match=r"varlen \(cu_seqlens_q, cu_seqlens_k\) on the GPU: not shipped"):
-        fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda")
     with pytest.raises(ValueError, match="window"):
         fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda", window=(-2, 0))
+    with pytest.raises(NotImplementedError, match="variant 'fa1'.*'auto' or 'fa2'"):
+        fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda", variant="fa1")
+    if not has_gpu():
+        with pytest.raises(fav.BackendUnavailable, match="'fa2' cannot run on the GPU here"):
+            fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda")
     qd, kd = q[None, :4], k[None, :5]
     for name, kw in (("window", dict(window=(1, 1))), ("softcap", dict(softcap=5.0)),
                      ("sinks", dict(sinks=np.zeros(H, np.float32))),
                      ("alibi_slopes", dict(alibi_slopes=np.zeros(H, np.float32)))):
-        with pytest.raises(NotImplementedError, match=f"^{name} on the GPU: not shipped yet"):
-            fav.attention(qd, kd, kd, backend="cuda", **kw)
         out, lse = fav.attention(qd, kd, kd, backend="numpy", return_lse=True, **kw)
         with pytest.raises(NotImplementedError, match=f"^{name} on the GPU"):
             fav.attention_backward(out, qd, kd, kd, out, lse, backend="cuda", **kw)
+    out, lse = fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, return_lse=True)
+    with pytest.raises(NotImplementedError, match=r"^varlen \(cu_seqlens_q, cu_seqlens_k\) on the GPU"):
+        fav.attention_backward(out, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3,
+                               max_seqlen_k=4, backend="cuda")
 
 
 @pytest.mark.gpu
-def test_gpu_arrays_are_refused_and_backend_numpy_runs_the_model(rng):
+def test_gpu_arrays_run_the_kernel_and_backend_numpy_runs_the_model(rng):
     import cupy
     q, k, v, cu_q, cu_k = packed(rng, lens_q=[3, 2], lens_k=[2, 4])
     dev = [cupy.asarray(a) for a in (q, k, v, cu_q, cu_k)]
-    with pytest.raises(NotImplementedError, match="varlen"):
-        fav.attention_varlen(*dev, 3, 4)
-    with pytest.raises(NotImplementedError, match="^window on the GPU"):
-        fav.attention(dev[0][None], dev[1][None], dev[2][None], window=(1, 1))
+    model = fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4)
+    out = fav.attention_varlen(*dev, 3, 4)
+    assert isinstance(out, cupy.ndarray) and rel_err(out, f64(model)) <= TOL["float16"]
     out = fav.attention_varlen(*dev, 3, 4, backend="numpy")
     assert isinstance(out, cupy.ndarray)
-    assert np.array_equal(cupy.asnumpy(out), fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4))
+    assert np.array_equal(cupy.asnumpy(out), model)
+    host = fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda")
+    assert isinstance(host, np.ndarray) and rel_err(host, f64(model)) <= TOL["float16"]
     with pytest.raises(ValueError, match="cu_seqlens_q must be on q's device"):
         fav.attention_varlen(*dev[:3], cu_q, dev[4], 3, 4)
 
 
-@pytest.mark.skipif(has_gpu(), reason="a GPU is present")
 def test_host_arrays_with_auto_run_the_model(rng):
     q, k, v, cu_q, cu_k = packed(rng, lens_q=[3, 2], lens_k=[2, 4])
     assert fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4).shape == q.shape

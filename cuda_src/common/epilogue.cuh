@@ -47,6 +47,16 @@ struct WarpRows {
 __forceinline__ __device__ void store_lse(float* lse, int b, int h, int heads, int seqlen_q, int row, float x) {
     if (lse != nullptr && row < seqlen_q) lse[((i64)b * heads + h) * seqlen_q + row] = x;
 }
+// A row's LSE where a kernel's parameters put it: (batch, heads, seqlen_q) for the plain forwards; for the masked
+// one, whose per-sequence view has its pointer at the sequence's first row, a head stride of its own (packed calls
+// give (heads, total_q), flash-attn's varlen layout).
+template <class Params>
+__forceinline__ __device__ void store_row_lse(const Params& p, int b, int h, int row, float x) {
+    store_lse(p.lse, b, h, p.heads, p.seqlen_q, row, x);
+}
+__forceinline__ __device__ void store_row_lse(const MaskedFwdParams& p, int, int h, int row, float x) {
+    if (p.lse != nullptr && row < p.seqlen_q) p.lse[h * p.lse_h + row] = x;
+}
 
 // Each of a warp's rows ended (finish_row of its quad-reduced sum and its max in log2 units, less `lse_log2`: a
 // power of two its sum still holds), its LSE stored by the quad's first thread; `inv`: what the row's O is
@@ -61,7 +71,7 @@ __forceinline__ __device__ void finish_rows(const WarpRows<MT, DT>& r, const Par
         for (int h2 = 0; h2 < 2; ++h2) {
             const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - lse_log2);
             inv[mt][h2] = e.inv * inv_scale;
-            if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + mt * 16 + g + 8 * h2, e.lse);
+            if (t == 0) store_row_lse(p, r.b, r.h, r.row0 + mt * 16 + g + 8 * h2, e.lse);
         }
 }
 
@@ -96,8 +106,8 @@ __forceinline__ __device__ void store_acc_rows(const float (&acc)[MT][DT][4], co
 // store_acc_rows with the rows' 1 / l as factors; columns >= head_dim not stored; LSE by the quad's first thread.
 template <class T, int D>
 struct NormalizedOut {
-    template <int MT, int DT>
-    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16* stage) {
+    template <int MT, int DT, class Params>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const Params& p, u16* stage) {
         float inv[MT][2];
         finish_rows(r, p, inv);
         store_acc_rows<T, D>(r.o, inv, stage, p.o + r.b * p.o_b + (i64)r.row0 * p.o_n + r.h * p.o_h, p.o_n,

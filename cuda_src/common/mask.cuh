@@ -15,7 +15,7 @@
 // whether a block needs the element test (the edge test: a block with no hidden key runs none)
 //   needs_mask<QUERIES, KEYS>(q0, q_off, k0)    some key of [k0, k0 + KEYS) is hidden from some query of
 //                                      [q0 + q_off, q0 + q_off + QUERIES); if_needs_mask(..., then) runs then() there
-// the element test, and what it does to a block
+// the element test, and what it does to a block and to a row's end
 //   visible(query, key)                the test itself; a backward selects P = 0 where it fails (a select, never a
 //                                      product with a mask: P = exp2(S - LSE), LSE = -inf, must not make a NaN)
 //   apply<MASKED>(s, row0, key0)       the forward's scores of one block (softmax.cuh's fragment layout, the warp's
@@ -23,10 +23,12 @@
 //                                      holds one); a transform of every score (a softcap) acts whatever MASKED says
 //   apply_if_needed(s, m0, row0, key0) apply with MASKED decided by the edge test (the loops that do not split their
 //                                      blocks into masked and mask-free ones), rows m0 + row0 on
+//   end_rows(o, m, l, scale_log2)      a row's (O, m, l) once its last block is in: the sinks join the denominator
 // A query range is passed as (tile origin, warp offset) where the kernels formed the sum inside the test: formed in
 // the caller, NVVM ordered the operands of the test otherwise and the machine code changed.
 //
-// PackedCausalMask (the end of this file) is decoding's: the same questions for GQA-packed rows.
+// AttnMask (after CausalMask) answers them for a sliding window, a softcap, ALiBi and sinks, one sequence of a packed
+// batch at a time; PackedCausalMask (the end of this file) is decoding's: the same questions for GQA-packed rows.
 //
 // CausalMask, the prefill kernels' policy: the seqlen_k tail (keys >= seqlen_k in the block that straddles it) and,
 // with causal, the bottom-right aligned diagonal: query i sees key j iff j <= i + seqlen_k - seqlen_q (the
@@ -123,6 +125,107 @@ struct CausalMask {
     template <int MT, int NT>
     __forceinline__ __device__ void apply_if_needed(float (&s)[MT][NT][4], int m0, int row0, int key0) const {
         if_needs_mask<16 * MT, 8 * NT>(m0, row0, key0, [&] { apply<true>(s, m0 + row0, key0); });
+    }
+    template <int MT, int DT>
+    __forceinline__ __device__ void end_rows(float (&)[MT][DT][4], float (&)[MT][2], float (&)[MT][2], float) const {}
+};
+
+// The masks and logit transforms of real batches (fa2_fwd.cu's fa2_fwd_masked; reference/masks.py is the model):
+// each row sees one interval of keys, [i + diag - left, i + diag + right] within [0, seqlen_k), where a causal call
+// is a right side of 0 and an unbounded side is one longer than the sequences; the scores are capped (softcap
+// tanh(S / softcap)) before the mask, then biased (ALiBi: -slope |i + diag - j|); the sinks join every row's
+// denominator at its end. Both ends of the interval grow with i, so a Q tile's rows see one contiguous range of
+// K/V blocks (kv_blocks), and a block needs the element test only where it crosses an end (if_needs_mask).
+// The scores arrive raw (Q K^T, softmax_scale applied later in the exponent), so the transforms work in raw units:
+// cap / scale for the cap, slope / scale for the bias.
+struct AttnMask {
+    int seqlen_q, seqlen_k, diag;
+    int left, right;       // the window's sides, bounded (an unbounded side is longer than any distance here)
+    float cap;             // softcap in raw units; 0: none
+    float slope;           // ALiBi slope in raw units; 0: none
+    float sink_log2;       // the sink's logit in log2 units; -inf: no sink
+
+    // A sequence's policy: its lengths (a packed batch's b-th, or the dense batch's), query head h.
+    __forceinline__ __device__ static AttnMask of(const MaskedFwdParams& p, int seqlen_q, int seqlen_k, int b, int h) {
+        const int far = seqlen_q + seqlen_k + 1;  // farther than any query is from any key
+        const int left = p.window_left < 0 ? far : p.window_left;
+        int right = p.window_right < 0 ? far : p.window_right;
+        if (p.causal) right = min(right, 0);
+        const float slope = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_b + h] * p.inv_scale : 0.f;
+        const float sink = p.sinks ? p.sinks[h] * 1.4426950408889634f : neg_inf();
+        return {seqlen_q, seqlen_k, seqlen_k - seqlen_q, left, right, p.softcap_raw, slope, sink};
+    }
+
+    __forceinline__ __device__ int first_key(int query) const { return max(0, query + diag - left); }
+    __forceinline__ __device__ int last_key(int query) const { return min(seqlen_k - 1, query + diag + right); }
+
+    // ---- which blocks a loop visits: those holding a key of the first row's first ..= the last row's last
+    template <int BM, int BN>
+    __forceinline__ __device__ BlockRange kv_blocks(int m0, BlockRange within = all_blocks()) const {
+        const int first = first_key(m0), last = last_key(min(m0 + BM, seqlen_q) - 1);
+        if (last < first) return {0, 0};
+        return {max(within.begin, first / BN), min(within.end, last / BN + 1)};
+    }
+
+    // ---- the edge test: the last row starts latest, the first row ends earliest
+    template <int QUERIES, int KEYS, class Then>
+    __forceinline__ __device__ void if_needs_mask(int q0, int q_off, int k0, const Then& then) const {
+        const int first = q0 + q_off;
+        if (k0 + KEYS > seqlen_k || k0 < first + QUERIES - 1 + diag - left || k0 + KEYS - 1 > first + diag + right)
+            then();
+    }
+
+    __forceinline__ __device__ bool visible(int query, int key) const {
+        return key < seqlen_k && key >= query + diag - left && key <= query + diag + right;
+    }
+
+    // softcap and ALiBi on every score of the block; -inf where hidden, if MASKED. Rows from row0, keys from key0.
+    template <bool MASKED, int MT, int NT>
+    __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
+        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+        const float inv_cap2 = cap > 0.f ? 2.885390081777927f / cap : 0.f;  // 2 log2(e) / cap
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + g + 8 * (e / 2), key = key0 + nt * 8 + 2 * t + (e % 2);
+                    float x = s[mt][nt][e];
+                    // cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)): two MUFU operations, exact at +-inf
+                    if (cap > 0.f) x = cap * (1.f - __fdividef(2.f, exp2f_approx(x * inv_cap2) + 1.f));
+                    if (slope != 0.f) x -= slope * fabsf(float(row + diag - key));
+                    s[mt][nt][e] = MASKED && !visible(row, key) ? neg_inf() : x;
+                }
+    }
+    template <int MT, int NT>
+    __forceinline__ __device__ void apply_if_needed(float (&s)[MT][NT][4], int m0, int row0, int key0) const {
+        bool masked = false;
+        if_needs_mask<16 * MT, 8 * NT>(m0, row0, key0, [&] { masked = true; });
+        if (masked) apply<true>(s, m0 + row0, key0);
+        else if (cap > 0.f || slope != 0.f) apply<false>(s, m0 + row0, key0);
+    }
+
+    // The sink joins each row's denominator as one more logit without a value: the row's reference point moves to
+    // max(m, sink) (O and l rescaled as the online softmax does), and exp2(sink - m) is added once per row (by the
+    // quad's first thread: l is still a per-thread partial). A row that saw no key ends with l = 1, O = 0.
+    template <int MT, int DT>
+    __forceinline__ __device__ void end_rows(float (&o)[MT][DT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                             float scale_log2) const {
+        if (sink_log2 == neg_inf()) return;
+        const bool first = threadIdx.x % 4 == 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m_log2 = m[mt][r] == neg_inf() ? neg_inf() : m[mt][r] * scale_log2;
+                const float m_new = fmaxf(m_log2, sink_log2);
+                const float alpha = exp2f_approx(m_log2 - m_new);
+                l[mt][r] = l[mt][r] * alpha + (first ? exp2f_approx(sink_log2 - m_new) : 0.f);
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) o[mt][dt][2 * r] *= alpha, o[mt][dt][2 * r + 1] *= alpha;
+                m[mt][r] = m_new / scale_log2;
+            }
     }
 };
 

@@ -40,6 +40,23 @@ struct Fa3FwdParams : FwdParams {
     int tail_tiles, tail_blocks, tail_ranges;
 };
 
+// fa2's masked forward (fa2_fwd.cu's fa2_fwd_masked): FwdParams and what AttnMask (mask.cuh) reads. Packed
+// (varlen) calls give cu_seqlens: sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and o and keys
+// [cu_seqlens_k[b], ...) of k and v, whose batch strides are 0; seqlen_q and seqlen_k are then the longest lengths.
+// (Derived: the base has no tail padding, so these follow it.)
+struct MaskedFwdParams : FwdParams {
+    const int* cu_seqlens_q;     // (batch + 1,) cumulative lengths; null: a dense batch
+    const int* cu_seqlens_k;
+    const float* alibi_slopes;   // (batch or 1, heads); null: no ALiBi
+    const float* sinks;          // (heads,) one logit per query head, in S's units; null: no sinks
+    i64 lse_h;                   // the LSE's head stride: seqlen_q, (batch, heads, seqlen_q), or total_q, (heads, total_q)
+    int alibi_b;                 // alibi_slopes' batch stride: heads, or 0 for one row the batch shares
+    int window_left;             // keys i + diag - left ..= i + diag + right are seen; -1: unbounded
+    int window_right;
+    float softcap_raw;           // the softcap in raw score units (softcap / softmax_scale); 0: none
+    float inv_scale;             // 1 / softmax_scale: ALiBi's bias in raw score units
+};
+
 // The fp8 forwards (fa2_fp8, fa3_fp8): e4m3 operands in the quantizer's layouts (fp8_quantize.cu) and their scales.
 struct Fp8FwdParams {
     const unsigned char* q;   // (batch, heads, seqlen_q, D) e4m3, columns >= head_dim zero

@@ -165,8 +165,8 @@ def merge_partials(parts, dtype):
 
 
 def _sources():
-    from . import fa2_bwd, fa2_bwd_sm90
-    return {SOURCE: specializations(), **SOURCES, fa2_bwd.SOURCE: fa2_bwd.specializations(),
+    from . import fa2_bwd, fa2_bwd_sm90, fa2_masked
+    return {SOURCE: specializations() + fa2_masked.specializations(), **SOURCES, fa2_bwd.SOURCE: fa2_bwd.specializations(),
             fa2_bwd_sm90.SOURCE: fa2_bwd_sm90.specializations()}
 
 

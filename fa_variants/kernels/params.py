@@ -90,6 +90,12 @@ SPLIT_TAIL = _fields("tail_tiles tail_blocks tail_ranges", "int")
 # fa3's (derived from FwdParams in C++)
 FA3_FWD = ParamStruct("Fa3FwdParams", (*FWD.fields, *SPLIT_TAIL))
 
+# fa2's masked forward (derived from FwdParams in C++)
+MASKED_FWD = ParamStruct("MaskedFwdParams", (
+    *FWD.fields, *_fields("cu_seqlens_q cu_seqlens_k alibi_slopes sinks", "ptr"), ("lse_h", "i64"),
+    *_fields("alibi_b window_left window_right", "int"), *_fields("softcap_raw inv_scale", "float"),
+))
+
 FP8_FWD = ParamStruct("Fp8FwdParams", (
     *_fields("q k vt sq sk sv o lse", "ptr"),
     *_fields("o_b o_n o_h", "i64"),
@@ -141,7 +147,7 @@ MERGE = ParamStruct("MergeParams", (
     *_fields("states batch seqlen heads head_dim", "int"),
 ))
 
-STRUCTS = (FWD, FA3_FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT, DECODE, APPEND, MERGE)
+STRUCTS = (FWD, FA3_FWD, MASKED_FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT, DECODE, APPEND, MERGE)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 

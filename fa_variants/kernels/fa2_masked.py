@@ -1,0 +1,130 @@
+"""Launcher of cuda_src/fa2_fwd.cu's fa2_fwd_masked: fa2's loop (mma.sync, every sm_80+ GPU) under a sliding
+window, a softcap, ALiBi and sinks (common/mask.cuh's AttnMask), over a dense batch or a packed (varlen) one.
+
+The tile is fa2's own (fa_variants/tiles.py), the grid (Q block, head, sequence) sized by the longest sequence; a
+CTA past its sequence's end leaves at once. The parameter struct is MaskedFwdParams, packed per call: its side
+arrays (cu_seqlens, slopes, sinks) are pointers of the call.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .. import jit
+from ..tiles import FA2_MASKED_TILES
+from .common import CTYPE, cdiv, check_grid, elem_strides, ensure_vector_aligned, pad_last_dim, pick_tiles, \
+    round_up, scale_log2, template_dim
+from .launch import function_of, launch
+
+SOURCE = "fa2_fwd.cu"   # beside fa2_fwd, whose block loop it shares
+SIDE_ARRAYS = ("sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")   # Masks' device arrays
+TILES = FA2_MASKED_TILES
+
+
+def smem_bytes(d: int, tile) -> int:
+    from .fa2 import smem_bytes as fa2_smem
+    return fa2_smem(d, tile)
+
+
+def instance(ctype: str, d: int, tile) -> str:
+    return (f"fa2_fwd_masked<{ctype}, {d}, {tile.block_q}, {tile.block_k}, {tile.warps}, "
+            f"{'true' if tile.early_prefetch else 'false'}>")
+
+
+def specializations() -> tuple:
+    return tuple(instance(c, d, tile) for c in CTYPE.values() for d, cands in TILES.items() for tile in cands)
+
+
+@dataclasses.dataclass(frozen=True)
+class Masks:
+    """What a call asks beyond fa2's plain forward, checked by the caller (varlen.py): the window's sides (-1:
+    unbounded), the softcap (0: none), and the side arrays as CuPy arrays on q's device (or None): sinks (heads,),
+    alibi_slopes (heads,) or (batch, heads) float32, cu_seqlens_q/_k (batch + 1,) int32, with the longest query
+    length and cu_seqlens_q[-1] as host ints (the caller read them to check the lengths)."""
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    sinks: object = None
+    alibi_slopes: object = None
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    max_seqlen_q: int = 0
+    total_q: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+
+def check_scale(softmax_scale: float, masks: Masks) -> None:
+    """The kernel applies the softcap and ALiBi to raw scores (q . k), in units of 1 / softmax_scale: a scale of 0
+    has none."""
+    if softmax_scale == 0 and (masks.softcap > 0 or masks.alibi_slopes is not None):
+        raise ValueError("softmax_scale = 0 with softcap or alibi_slopes: not supported on the GPU (every score is "
+                         "0 there; pass a nonzero softmax_scale)")
+
+
+def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+    """(out, lse or None) for CuPy q, k, v: dense (batch, seqlen, heads, d) or, with masks.cu_seqlens_q, packed
+    (total, heads, d). out has q's shape; lse is (batch, heads, seqlen_q), or (heads, total_q) when packed. Rows of
+    a packed q past cu_seqlens_q[-1] give 0 and -inf. A negative scale runs on a negated copy of q."""
+    import cupy
+    check_scale(softmax_scale, masks)
+    if softmax_scale < 0:  # the sign bit of every element: exact, a NaN stays NaN
+        q, softmax_scale = (q.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(q.dtype), -softmax_scale
+    packed = masks.packed
+    q4, k4, v4 = (a[None] if packed else a for a in (q, k, v))
+    d = q4.shape[3]
+    if d % 8:
+        q4, k4, v4 = (pad_last_dim(a, round_up(d, 8)) for a in (q4, k4, v4))
+    else:
+        q4, k4, v4 = (ensure_vector_aligned(a) for a in (q4, k4, v4))
+    out, lse = _run(q4, k4, v4, d, causal, softmax_scale, return_lse, masks)
+    out = out[..., :d] if d % 8 else out
+    return (out[0] if packed else out), lse
+
+
+def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+    import cupy
+    _, nq, h, dp = q.shape
+    packed = masks.packed
+    batch = masks.cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    rows = masks.max_seqlen_q if packed else nq
+    dt = template_dim(dp)
+    tile = pick_tiles(TILES, smem_bytes, dt)
+    smem = smem_bytes(dt, tile)
+    check_grid(h, "heads")
+    check_grid(batch, "batch")
+    # rows of a packed q that no sequence holds are never visited: zeros and -inf there
+    uncovered = packed and masks.total_q < nq
+    fill = cupy.zeros if uncovered else cupy.empty
+    out = fill((1 if packed else batch, nq, h, dp), q.dtype)
+    lse = None
+    if return_lse:
+        shape = (h, nq) if packed else (batch, h, nq)
+        lse = cupy.full(shape, -cupy.inf, cupy.float32) if uncovered else cupy.empty(shape, cupy.float32)
+    if rows == 0 or batch == 0 or nq == 0:
+        return out, lse
+    qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
+    if packed:
+        qs, ks, vs = (0, qs[1], qs[2]), (0, ks[1], ks[2]), (0, vs[1], vs[2])
+    o_b = 0 if packed else nq * h * dp
+    sinks = None if masks.sinks is None else cupy.ascontiguousarray(masks.sinks, dtype=cupy.float32)
+    slopes = None if masks.alibi_slopes is None else cupy.ascontiguousarray(masks.alibi_slopes, dtype=cupy.float32)
+    cu_q = None if not packed else cupy.ascontiguousarray(masks.cu_seqlens_q, dtype=cupy.int32)
+    cu_k = None if not packed else cupy.ascontiguousarray(masks.cu_seqlens_k, dtype=cupy.int32)
+    ptr = (lambda a: 0 if a is None else a.data.ptr)
+    from .params import KV_BLOCKS_ALL, MASKED_FWD
+    template = MASKED_FWD.pack(
+        q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
+        q_b=qs[0], q_n=qs[1], q_h=qs[2], k_b=ks[0], k_n=ks[1], k_h=ks[2], v_b=vs[0], v_n=vs[1], v_h=vs[2],
+        o_b=o_b, o_n=h * dp, o_h=dp, batch=batch, seqlen_q=rows if packed else nq,
+        seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=dp, kv_block_begin=0,
+        kv_block_end=KV_BLOCKS_ALL, scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)),
+        cu_seqlens_q=ptr(cu_q), cu_seqlens_k=ptr(cu_k), alibi_slopes=ptr(slopes), sinks=ptr(sinks),
+        lse_h=nq, alibi_b=0 if slopes is None or slopes.ndim == 1 else h,
+        window_left=masks.window[0], window_right=masks.window[1],
+        softcap_raw=masks.softcap / softmax_scale if masks.softcap > 0 else 0.0,
+        inv_scale=1.0 / softmax_scale if softmax_scale != 0 else 0.0)
+    func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
+    launch(func, (cdiv(rows, tile.block_q), h, batch), 32 * tile.warps, smem, cupy.cuda.get_current_stream().ptr,
+           template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, ptr(lse), 0, 0, 0)
+    return out, lse

@@ -1,0 +1,181 @@
+"""fa2's masked kernel (kernels/fa2_masked.py) on the GPU: packed (varlen) batches and the mask keywords of
+``attention()``, against the float64 reference of tests/test_masks_model.py on fresh random inputs, every output
+poisoned (NaN) before the call: zero-length and length-1 sequences, seqlen_q != seqlen_k, GQA, windows larger than
+the sequence, head dims that pad, strided inputs; rows past cu_seqlens_q[-1]; a NaN reaches only its row; torch
+tensors in and out."""
+import numpy as np
+import pytest
+from conftest import DTYPES, LSE_ATOL, TOL, Case, has_gpu, rel_err, to_host
+from test_masks_model import reference
+
+import fa_variants as fav
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")]
+
+H, HKV = 4, 2
+LENS_Q = [1, 0, 37, 1000, 300, 5, 0]      # length 0 and 1, seqlen_q != seqlen_k, a sequence without keys
+LENS_K = [1, 5, 37, 1000, 777, 0, 0]
+
+MASKS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window=(64, 16)),
+    "causal window": dict(causal=True, window=(100, -1)),
+    "window past the sequence": dict(window=(5000, 3000)),
+    "softcap": dict(softcap=2.5),
+    "alibi": dict(causal=True, alibi="per sequence"),
+    "sinks": dict(sinks=True),
+    "everything": dict(causal=True, window=(200, 0), softcap=3.0, alibi="per head", sinks=True),
+}
+
+
+def _masks(rng, name, batch):
+    """The call's keywords and the reference's (slopes of sequence b are picked per call)."""
+    kw = dict(MASKS[name])
+    alibi = kw.pop("alibi", None)
+    if alibi is not None:
+        shape = (batch, H) if alibi == "per sequence" else (H,)
+        kw["alibi_slopes"] = rng.uniform(0.01, 0.3, shape).astype(np.float32)
+    if kw.pop("sinks", False):
+        kw["sinks"] = (rng.standard_normal(H) + 1.0).astype(np.float32)
+    return kw
+
+
+def _ref_kw(kw, b):
+    out = {n: x for n, x in kw.items() if n not in ("alibi_slopes", "sinks")}
+    if "sinks" in kw:
+        out["sinks"] = kw["sinks"].astype(np.float64)
+    if "alibi_slopes" in kw:
+        s = kw["alibi_slopes"]
+        out["alibi"] = (s[b] if s.ndim == 2 else s).astype(np.float64)
+    return out
+
+
+def _packed(rng, dtype, d, lens_q, lens_k):
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((int(cu_q[-1]), H, d)).astype(dt)
+    k = rng.standard_normal((int(cu_k[-1]), HKV, d)).astype(dt)
+    v = rng.standard_normal((int(cu_k[-1]), HKV, d)).astype(dt)
+    return q, k, v, cu_q, cu_k
+
+
+def _check_sequence(out, lse, q, k, v, rows, keys, kw, b, dtype):
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    if rows.stop == rows.start:
+        return
+    if keys.stop == keys.start:   # no key: 0, and the sink's logit (or -inf)
+        assert (f(out[rows]) == 0).all(), b
+        want = kw["sinks"][:, None].repeat(rows.stop - rows.start, 1) if "sinks" in kw else -np.inf
+        np.testing.assert_allclose(lse[:, rows], np.broadcast_to(want, lse[:, rows].shape), atol=LSE_ATOL)
+        return
+    want = reference(f(q[None, rows]), f(k[None, keys]), f(v[None, keys]), **_ref_kw(kw, b))
+    if np.linalg.norm(want["out"]) > 0:
+        assert rel_err(out[None, rows], want["out"]) <= TOL[dtype], b
+    ref_lse = want["lse"][0]
+    assert np.array_equal(np.isneginf(lse[:, rows]), np.isneginf(ref_lse)), b
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[:, rows][fin], ref_lse[fin], atol=LSE_ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128, 72, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_packed_batch_matches_float64(rng, poisoned, mask, dtype, d):
+    import cupy
+    q, k, v, cu_q, cu_k = _packed(rng, dtype, d, LENS_Q, LENS_K)
+    kw = _masks(rng, mask, len(LENS_Q))
+    dev = lambda a: cupy.asarray(a)  # noqa: E731
+    dkw = {n: dev(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    with poisoned(Case(1, q.shape[0], k.shape[0], H, HKV, d, False)):
+        out, lse = fav.attention_varlen(dev(q), dev(k), dev(v), dev(cu_q), dev(cu_k), max(LENS_Q), max(LENS_K),
+                                        return_lse=True, **dkw)
+    assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (H, q.shape[0]) and lse.dtype == np.float32
+    out, lse = to_host(out), to_host(lse)
+    for b in range(len(LENS_Q)):
+        _check_sequence(out, lse, q, k, v, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), kw, b, dtype)
+
+
+DENSE = [Case(2, 37, 1000, 8, 2, 128, True), Case(1, 1000, 37, 4, 4, 64, False), Case(2, 1, 4097, 4, 1, 64, True),
+         Case(1, 513, 513, 2, 2, 256, True), Case(1, 300, 500, 4, 2, 80, False, True)]
+
+
+@pytest.mark.parametrize("mask", ["window", "causal window", "softcap", "alibi", "sinks", "everything"])
+@pytest.mark.parametrize("case", DENSE, ids=[c.id for c in DENSE])
+def test_masked_attention_matches_float64(rng, poisoned, case, mask):
+    """attention() with mask keywords on GPU arrays (seqlen_q != seqlen_k, GQA, padded head dims, strided views)."""
+    import cupy
+    b, nq, nk, h, hkv, d = case[:6]
+    dt = DTYPES["bfloat16"]
+    shape_q, shape_k = (b, nq, h, d), (b, nk, hkv, d)
+    if case.strided:   # every other head of a wider tensor: strides that are not the contiguous ones
+        qh = rng.standard_normal((b, nq, 2 * h, d)).astype(dt)
+        kh = rng.standard_normal((b, nk, 2 * hkv, d)).astype(dt)
+        vh = rng.standard_normal((b, nk, 2 * hkv, d)).astype(dt)
+        qd, kd, vd = (cupy.asarray(a)[:, :, ::2] for a in (qh, kh, vh))
+        q, k, v = qh[:, :, ::2], kh[:, :, ::2], vh[:, :, ::2]
+    else:
+        q, k, v = (rng.standard_normal(s).astype(dt) for s in (shape_q, shape_k, shape_k))
+        qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
+    kw = _masks(rng, mask, b)
+    kw.setdefault("causal", case.causal)
+    dkw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    with poisoned(case):
+        out, lse = fav.attention(qd, kd, vd, return_lse=True, **dkw)
+    out, lse = to_host(out), to_host(lse)
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    ref_kw = {n: x for n, x in kw.items() if n not in ("alibi_slopes", "sinks")}
+    if "sinks" in kw:
+        ref_kw["sinks"] = kw["sinks"].astype(np.float64)
+    if "alibi_slopes" in kw:   # (heads,) or (batch, heads): the reference takes both
+        ref_kw["alibi"] = kw["alibi_slopes"].astype(np.float64)
+    want = reference(f(q), f(k), f(v), **ref_kw)
+    assert rel_err(out, want["out"]) <= TOL["bfloat16"]
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want["lse"]))
+    fin = np.isfinite(want["lse"])
+    np.testing.assert_allclose(lse[fin], want["lse"][fin], atol=LSE_ATOL, rtol=1e-5)
+
+
+def test_rows_past_the_last_sequence_and_nan_rows(rng, poisoned):
+    """Rows of q past cu_seqlens_q[-1]: 0 and -inf (never left as the allocator's bytes). A NaN in one query: NaN
+    in its row alone."""
+    import cupy
+    q, k, v, cu_q, cu_k = _packed(rng, "float16", 64, [5, 40], [9, 50])
+    q[3, 1, 7] = np.nan
+    short = np.array([0, 5, 30], np.int32)
+    with poisoned(Case(1, 45, 59, H, HKV, 64, False)):
+        out, lse = fav.attention_varlen(*(cupy.asarray(a) for a in (q, k, v, short, cu_k)), 40, 50,
+                                        return_lse=True, window=(8, 8), softcap=4.0)
+    out, lse = to_host(out).astype(np.float32), to_host(lse)
+    assert (out[30:] == 0).all() and np.isneginf(lse[:, 30:]).all()
+    nan_rows = np.zeros(out.shape[:2], bool)
+    nan_rows[3, 1] = True
+    assert np.isnan(out[nan_rows]).all() and np.isfinite(out[:30][~nan_rows[:30]]).all()
+
+
+def test_torch_tensors_in_and_out(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    q, k, v, cu_q, cu_k = _packed(rng, "float16", 128, [17, 200], [30, 190])
+    t = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    kw = dict(causal=True, window=(32, 0), sinks=(rng.standard_normal(H)).astype(np.float32))
+    out = fav.attention_varlen(t(q), t(k), t(v), t(cu_q), t(cu_k), 200, 190, causal=True, window=(32, 0),
+                               sinks=t(kw["sinks"]))
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.shape == q.shape
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        want = reference(*(a.astype(np.float64)[None] for a in (q[rows], k[keys], v[keys])), **_ref_kw(kw, b))
+        assert rel_err(out[rows].cpu().numpy()[None], want["out"]) <= TOL["float16"]
+
+
+def test_variants_without_a_masked_kernel_are_refused_by_name(rng):
+    import cupy
+    q, k, v, cu_q, cu_k = (cupy.asarray(a) for a in _packed(rng, "float16", 64, [3], [4]))
+    with pytest.raises(NotImplementedError, match="variant 'fa3'.*'auto' or 'fa2'"):
+        fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, variant="fa3")
+    with pytest.raises(NotImplementedError, match="softcap on the GPU"):
+        fav.attention_backward(q[None], q[None], k[None], v[None], q[None], cupy.zeros((1, H, 3), cupy.float32),
+                               softcap=2.0)
