@@ -42,11 +42,11 @@ fa2_bwd_delta(const fav::BwdParams p) {
     if (lane == 0) p.delta[((i64)b * p.heads + h) * p.seqlen_q + i] = sum;
 }
 
-template <class T, int D, int DC, int BM, int BN, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32)
-fa2_bwd_dkdv(const fav::BwdParams p) {
+// Pass 2 for K/V block j (columns from c0) of kv head h_kv in batch row b, under mask policy MASK (mask.cuh).
+template <class T, int D, int DC, int BM, int BN, int NWARPS, class MASK, class Params>
+__forceinline__ __device__ void dkdv_block(const Params& p, const MASK& mask, int j, int c0, int h_kv, int b) {
     using namespace fav;
-    constexpr int THREADS = NWARPS * 32, NT = BM / 8, DCT = DC / 8, SLICES = D / DC;
+    constexpr int THREADS = NWARPS * 32, NT = BM / 8, DCT = DC / 8;
     using TQ = Tile<BM, D>;
     using TKV = Tile<BN, D>;
     static_assert(BN == 16 * NWARPS && BM % 16 == 0 && D % 16 == 0, "a warp owns 16 keys");
@@ -59,13 +59,11 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
     auto sdO = [&](int stage) { return sQ(stage) + TQ::BYTES; };
     float* stats = reinterpret_cast<float*>(smem + 2 * TKV::BYTES + 4 * TQ::BYTES);  // [stage][lse2 | D][BM]
 
-    const int j = blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC, h_kv = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32;
     const int seqlen_q = p.seqlen_q;
-    const CausalMask mask = CausalMask::of(p);
     const int seqlen_k = mask.seqlen_k;
     const int key0 = j * BN, kr0 = warp * 16;  // the block's first key; this warp's first row of it
-    const BlockRange q_range = mask.q_blocks<BM>(key0);                 // the Q blocks that see block j
+    const BlockRange q_range = mask.template q_blocks<BM, BN>(key0);   // the Q blocks that see block j
     const int i_first = q_range.begin, n_i = max(0, q_range.end - i_first);  // (per query head)
     const int steps = p.group * n_i;                              // (query head, Q block), head-major
 
@@ -97,7 +95,8 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
         if (s + 1 < steps) load_q(s + 1, stage ^ 1);
         float ds[1][NT][4];
         key_rows_step<T, D, BM, BN>(dk, dv, ds, sK, sV, kr0, sQ(stage), sdO(stage), c0, stats + (2 * stage) * BM,
-                                    stats + (2 * stage + 1) * BM, p.scale_log2, key0, m0, mask);
+                                    stats + (2 * stage + 1) * BM, p.scale_log2, key0, m0,
+                                    mask.for_head(p, h_kv * p.group + s / n_i));
     }
     cp_async_wait<0>();
     __syncthreads();  // with no step to run, K_j's and V_j's copies (from every thread) may still be landing
@@ -117,9 +116,17 @@ fa2_bwd_dkdv(const fav::BwdParams p) {
 
 template <class T, int D, int DC, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
-fa2_bwd_dq(const fav::BwdParams p) {
+fa2_bwd_dkdv(const fav::BwdParams p) {
+    constexpr int SLICES = D / DC;
+    dkdv_block<T, D, DC, BM, BN, NWARPS>(p, fav::CausalMask::of(p), blockIdx.x / SLICES, (blockIdx.x % SLICES) * DC,
+                                         blockIdx.y, blockIdx.z);
+}
+
+// Pass 3 for Q block i_block (columns from c0) of query head h in batch row b, under mask policy MASK.
+template <class T, int D, int DC, int BM, int BN, int NWARPS, class MASK, class Params>
+__forceinline__ __device__ void dq_block(const Params& p, const MASK& mask, int i_block, int c0, int h, int b) {
     using namespace fav;
-    constexpr int THREADS = NWARPS * 32, NT = BN / 8, DCT = DC / 8, SLICES = D / DC;
+    constexpr int THREADS = NWARPS * 32, NT = BN / 8, DCT = DC / 8;
     using TQ = Tile<BM, D>;
     using TKV = Tile<BN, D>;
     static_assert(BM == 16 * NWARPS && BN % 16 == 0 && D % 16 == 0, "a warp owns 16 query rows");
@@ -131,15 +138,12 @@ fa2_bwd_dq(const fav::BwdParams p) {
     auto sK = [&](int stage) { return sdO + TQ::BYTES + stage * 2 * TKV::BYTES; };
     auto sV = [&](int stage) { return sK(stage) + TKV::BYTES; };
 
-    // The heaviest Q blocks (causal: the last) first; the slices of one block are neighbours.
-    const int i_block = gridDim.x / SLICES - 1 - blockIdx.x / SLICES, c0 = (blockIdx.x % SLICES) * DC;
-    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    const int h_kv = h / p.group;
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const int seqlen_q = p.seqlen_q;
-    const CausalMask mask = CausalMask::of(p);
     const int seqlen_k = mask.seqlen_k;
     const int m0 = i_block * BM, row0 = warp * 16;
-    const BlockRange blocks = mask.kv_blocks<BM, BN>(m0);
+    const BlockRange blocks = mask.template kv_blocks<BM, BN>(m0);
 
     load_tile_async<BM, D, THREADS>(sQ, p.q + b * p.q_b + h * p.q_h + (i64)m0 * p.q_n, p.q_n, seqlen_q - m0,
                                     p.head_dim);
@@ -172,8 +176,8 @@ fa2_bwd_dq(const fav::BwdParams p) {
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                pr[0][nt][e] = recompute_p(pr[0][nt][e], p.scale_log2, lse2[e / 2], key0 + nt * 8 + 2 * t + (e % 2),
-                                           m0 + row0 + g + 8 * (e / 2), seqlen_k, mask.diag, mask.causal);
+                pr[0][nt][e] = recompute_p(mask, pr[0][nt][e], p.scale_log2, lse2[e / 2],
+                                           key0 + nt * 8 + 2 * t + (e % 2), m0 + row0 + g + 8 * (e / 2));
 
         // dP = dO_w V_j^T, then dS = P * (dP - D) in place
         float ds[1][NT][4] = {};
@@ -181,7 +185,12 @@ fa2_bwd_dq(const fav::BwdParams p) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ds[0][nt][e] = pr[0][nt][e] * (ds[0][nt][e] - delta[e / 2]);
+            for (int e = 0; e < 4; ++e) {
+                ds[0][nt][e] = pr[0][nt][e] * (ds[0][nt][e] - delta[e / 2]);
+                if constexpr (MASK::TRANSFORMS)
+                    ds[0][nt][e] = mask.ds_raw(ds[0][nt][e], pr[0][nt][e], p.scale_log2, lse2[e / 2],
+                                               m0 + row0 + g + 8 * (e / 2), key0 + nt * 8 + 2 * t + (e % 2));
+            }
 
         // dQ_i[:, c0 + DC) += dS K_j[:, c0 + DC)
         warp_mma_pb<T, TKV>(dq, ds, sK(stage) + 2 * c0);
@@ -196,4 +205,62 @@ fa2_bwd_dq(const fav::BwdParams p) {
     store_acc_rows<T, DC>(dq, scale, reinterpret_cast<u16*>(smem) + row0 * TQ::STRIDE,
                           p.dq + ((i64)b * seqlen_q + m0 + row0) * ld + (i64)h * p.head_dim + c0, ld,
                           seqlen_q - m0 - row0, p.head_dim - c0);
+}
+
+template <class T, int D, int DC, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_bwd_dq(const fav::BwdParams p) {
+    // The heaviest Q blocks (causal: the last) first; the slices of one block are neighbours.
+    constexpr int SLICES = D / DC;
+    dq_block<T, D, DC, BM, BN, NWARPS>(p, fav::CausalMask::of(p), gridDim.x / SLICES - 1 - blockIdx.x / SLICES,
+                                       (blockIdx.x % SLICES) * DC, blockIdx.y, blockIdx.z);
+}
+
+// ---- the masked backward: the same passes under AttnMask (windows, softcap, ALiBi; the sinks are in the LSE), over
+// a dense batch or a packed one. A CTA's view of its sequence: the pointers at the sequence's first row (packed) or
+// its LSE and D at its batch row (dense), the lengths its own; b (for the dense strides) is 0 in a packed view.
+struct MaskedBwdView {
+    fav::MaskedBwdParams p;
+    int b;
+    __forceinline__ __device__ MaskedBwdView(const fav::MaskedBwdParams& params, int seq) : p(params), b(seq) {
+        if (params.cu_seqlens_q != nullptr) {
+            const int q0 = params.cu_seqlens_q[seq], k0 = params.cu_seqlens_k[seq];
+            const long long ldq = (long long)params.heads * params.head_dim;
+            const long long ldk = (long long)(params.heads / params.group) * params.head_dim;
+            p.seqlen_q = params.cu_seqlens_q[seq + 1] - q0;
+            p.seqlen_k = params.cu_seqlens_k[seq + 1] - k0;
+            p.q += q0 * params.q_n, p.o += q0 * params.o_n, p.dout += q0 * params.do_n, p.dq += q0 * ldq;
+            p.k += k0 * params.k_n, p.v += k0 * params.v_n, p.dk += k0 * ldk, p.dv += k0 * ldk;
+            p.lse += q0, p.delta += q0;
+            b = 0;
+        } else {
+            const long long at = (long long)seq * params.heads * params.seqlen_q;
+            p.lse += at, p.delta += at;
+        }
+    }
+};
+
+template <class T, int D, int DC, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_bwd_dkdv_masked(const fav::MaskedBwdParams params) {
+    using namespace fav;
+    constexpr int SLICES = D / DC;
+    const int j = blockIdx.x / SLICES, h_kv = blockIdx.y;
+    const MaskedBwdView view(params, blockIdx.z);
+    if (j * BN >= view.p.seqlen_k) return;
+    dkdv_block<T, D, DC, BM, BN, NWARPS>(view.p, AttnMask::of(view.p, view.p.seqlen_q, view.p.seqlen_k, blockIdx.z,
+                                                              h_kv * params.group),
+                                         j, (blockIdx.x % SLICES) * DC, h_kv, view.b);
+}
+
+template <class T, int D, int DC, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa2_bwd_dq_masked(const fav::MaskedBwdParams params) {
+    using namespace fav;
+    constexpr int SLICES = D / DC;
+    const int i_block = gridDim.x / SLICES - 1 - blockIdx.x / SLICES, h = blockIdx.y;
+    const MaskedBwdView view(params, blockIdx.z);
+    if (i_block * BM >= view.p.seqlen_q) return;
+    dq_block<T, D, DC, BM, BN, NWARPS>(view.p, AttnMask::of(view.p, view.p.seqlen_q, view.p.seqlen_k, blockIdx.z, h),
+                                       i_block, (blockIdx.x % SLICES) * DC, h, view.b);
 }

@@ -10,11 +10,10 @@ The keywords (reference/masks.py has the conventions, docs/masks.md their source
 
 Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
 Then the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU arrays), and on the GPU
-the forward runs fa2's masked kernel (kernels/fa2_masked.py, sm_80+; variant "auto" or "fa2"; the other variants'
-kernels take no masks and are refused by name). No GPU backward takes them yet: attention_backward with a mask
-keyword or cu_seqlens on GPU arrays raises NotImplementedError naming the argument, before any launch. A window
-that hides nothing a plain call would not (a side at least the sequence long, or (-1, 0), which is causal) runs as
-that plain call, on the GPU too.
+fa2's masked kernels run them, forward and backward (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU; variant
+"auto" or "fa2": the other variants' kernels take no masks and are refused by name). A window that hides nothing a
+plain call would not (a side at least the sequence long, or (-1, 0), which is causal) runs as that plain call, on
+the GPU too.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ from .tolerances import LSE_ATOL, LSE_RTOL
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 ALIBI_DTYPES = ("float32",)                       # flash-attn's: the slopes are fp32
 CU_SEQLENS_DTYPES = ("int32",)
-NOT_SHIPPED = "on the GPU: not shipped yet; NumPy arrays run the model (backend='numpy' runs it on host copies)"
 GPU_MASKED_VARIANTS = ("auto", "fa2")             # whose GPU forward takes masks and packed batches
 
 
@@ -91,13 +89,6 @@ def _refuse_autograd(*xs) -> None:
 def _runs_on_gpu(inp, backend: str) -> bool:
     """backend="cuda", or GPU arrays with "auto"; host arrays with "auto" run the model even where a GPU is usable."""
     return backend == "cuda" or (inp.on_gpu and backend == "auto")
-
-
-def _unshipped(window, softcap, sinks, alibi_slopes) -> str:
-    """The first mask argument a call gives that no kernel takes (its window does not reduce to a plain call)."""
-    given = [("window", window != (-1, -1)), ("softcap", softcap > 0), ("sinks", sinks is not None),
-             ("alibi_slopes", alibi_slopes is not None)]
-    return next(name for name, on in given if on)
 
 
 def _model(direction: str, variant: str, dtype: str, head_dim: int):
@@ -190,8 +181,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     d = inp.q.shape[2]
     if _runs_on_gpu(inp, backend):
         on_gpu = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,
-                            cu=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=int(bounds.seqlens_q.max(initial=0)),
-                            total_q=int(bounds.cu_q[-1]))
+                            cu=(cu_seqlens_q, cu_seqlens_k), bounds=bounds)
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse, on_gpu)
     entry = _model("forward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
@@ -203,8 +193,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
-def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes, cu=(None, None), max_seqlen_q=0,
-               total_q=0):
+def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes, cu=(None, None), bounds=None):
     """The masked kernel's arguments (kernels/fa2_masked.Masks) for a checked call on the GPU: a variant whose
     kernel takes them (GPU_MASKED_VARIANTS), fa2's dtypes and head dims, the side arrays on q's device."""
     if variant not in GPU_MASKED_VARIANTS:
@@ -218,12 +207,16 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes, cu=
     side = {n: None if x is None else _side_import(n, x, inp, dt)
             for n, x, dt in (("sinks", sinks, SINK_DTYPES), ("alibi_slopes", alibi_slopes, ALIBI_DTYPES),
                              ("cu_seqlens_q", cu[0], CU_SEQLENS_DTYPES), ("cu_seqlens_k", cu[1], CU_SEQLENS_DTYPES))}
-    return Masks(window=window, softcap=softcap, max_seqlen_q=max_seqlen_q, total_q=total_q, **side)
+    lengths = {} if bounds is None else dict(
+        max_seqlen_q=int(bounds.seqlens_q.max(initial=0)), max_seqlen_k=int(bounds.seqlens_k.max(initial=0)),
+        total_q=int(bounds.cu_q[-1]), total_k=int(bounds.cu_k[-1]))
+    return Masks(window=window, softcap=softcap, **lengths, **side)
 
 
-def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks):
-    """fa2's masked kernel on the checked arrays (host arrays with backend="cuda": on device copies, the results
-    copied back); results as q's array type."""
+def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=None, sinks_dtype=None):
+    """fa2's masked kernels on the checked arrays (host arrays with backend="cuda": on device copies, the results
+    copied back), as q's array type: the forward's (out, lse), or with ``saved`` (the backward's dout, out, lse)
+    the gradients (dq, dk, dv, and dsinks in ``sinks_dtype`` where sinks are given)."""
     import dataclasses
 
     import cupy
@@ -234,11 +227,19 @@ def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks):
             kernel_masks = dataclasses.replace(kernel_masks, **{
                 f: arrays.to_cupy(getattr(kernel_masks, f)) for f in fa2_masked.SIDE_ARRAYS
                 if getattr(kernel_masks, f) is not None})
-        out, lse = fa2_masked.forward(q, k, v, causal=bool(causal), softmax_scale=scale, return_lse=return_lse,
-                                      masks=kernel_masks)
+        if saved is None:
+            results = fa2_masked.forward(q, k, v, causal=bool(causal), softmax_scale=scale, return_lse=return_lse,
+                                         masks=kernel_masks)
+            results = results if return_lse else results[:1]
+        else:
+            dout, out, lse = (arrays.to_cupy(saved[n]) for n in ("dout", "out", "lse"))
+            *results, dsinks = fa2_masked.backward(dout, q, k, v, out, lse, causal=bool(causal), softmax_scale=scale,
+                                                   masks=kernel_masks)
+            if dsinks is not None:
+                results.append(dsinks.astype(sinks_dtype))
     back = (lambda a: a) if inp.on_gpu else arrays.to_numpy
-    out = inp.wrap(back(out))
-    return (out, inp.wrap(back(lse))) if return_lse else out
+    results = [inp.wrap(back(a)) for a in results]
+    return tuple(results) if len(results) > 1 else results[0]
 
 
 def _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, alibi_slopes):
@@ -291,8 +292,10 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
             return plain(dout, q, k, v, out, lse, variant=variant, causal=reduced, softmax_scale=softmax_scale,
                          backend=backend, check_lse=check_lse)
     if _runs_on_gpu(inp, backend):
-        what = "varlen (cu_seqlens_q, cu_seqlens_k)" if packed else _unshipped(window, softcap, sinks, alibi_slopes)
-        raise NotImplementedError(f"{what} {NOT_SHIPPED}")
+        kernel_masks = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,
+                                  cu=(cu_seqlens_q, cu_seqlens_k) if packed else (None, None), bounds=bounds)
+        return _on_gpu(inp, causal, arrays.default_scale(scale, d), False, kernel_masks, saved=saved,
+                       sinks_dtype=None if sinks_h is None else sinks_h.dtype)
     entry = _model("backward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     saved = {n: arrays.to_numpy(a) for n, a in saved.items()}

@@ -1,11 +1,11 @@
-"""fa2's masked kernel (kernels/fa2_masked.py) on the GPU: packed (varlen) batches and the mask keywords of
-``attention()``, against the float64 reference of tests/test_masks_model.py on fresh random inputs, every output
-poisoned (NaN) before the call: zero-length and length-1 sequences, seqlen_q != seqlen_k, GQA, windows larger than
-the sequence, head dims that pad, strided inputs; rows past cu_seqlens_q[-1]; a NaN reaches only its row; torch
-tensors in and out."""
+"""fa2's masked kernels (kernels/fa2_masked.py) on the GPU, forward and backward: packed (varlen) batches and the
+mask keywords of ``attention()`` and ``attention_backward()``, against the float64 reference of
+tests/test_masks_model.py on fresh random inputs, every output poisoned (NaN) before the call: zero-length and
+length-1 sequences, seqlen_q != seqlen_k, GQA, windows larger than the sequence, head dims that pad, strided inputs;
+rows past cu_seqlens_q[-1]; a NaN reaches only its row; torch tensors in and out."""
 import numpy as np
 import pytest
-from conftest import DTYPES, LSE_ATOL, TOL, Case, has_gpu, rel_err, to_host
+from conftest import DTYPES, GRAD_TOL, LSE_ATOL, TOL, Case, has_gpu, rel_err, to_host
 from test_masks_model import reference
 
 import fa_variants as fav
@@ -171,11 +171,84 @@ def test_torch_tensors_in_and_out(rng):
         assert rel_err(out[rows].cpu().numpy()[None], want["out"]) <= TOL["float16"]
 
 
+BACKWARD_MASKS = ["causal", "window", "softcap", "alibi", "sinks", "everything"]
+
+
+@pytest.mark.parametrize("d", [64, 128, 72])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mask", BACKWARD_MASKS)
+def test_packed_backward_matches_float64(rng, poisoned, mask, dtype, d):
+    """dq, dk, dv (and dsinks) of a packed batch against float64 per sequence; rows of k and v past the last
+    sequence get zero gradients."""
+    import cupy
+    lens_q, lens_k = [1, 0, 37, 300, 200, 5], [1, 5, 37, 777, 200, 0]
+    q, k, v, cu_q, cu_k = _packed(rng, dtype, d, lens_q, lens_k)
+    k_extra = np.concatenate([k, rng.standard_normal((3, HKV, d)).astype(k.dtype)])   # rows no sequence holds
+    v_extra = np.concatenate([v, rng.standard_normal((3, HKV, d)).astype(v.dtype)])
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    kw = _masks(rng, mask, len(lens_q))
+    dev = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    args = [cupy.asarray(a) for a in (q, k_extra, v_extra)]
+    lens = dict(cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_k=cupy.asarray(cu_k), max_seqlen_q=max(lens_q),
+                max_seqlen_k=max(lens_k))
+    out, lse = fav.attention_varlen(*args, lens["cu_seqlens_q"], lens["cu_seqlens_k"], max(lens_q), max(lens_k),
+                                    return_lse=True, **dev)
+    with poisoned(Case(1, q.shape[0], k_extra.shape[0], H, HKV, d, False)):
+        grads = fav.attention_backward(cupy.asarray(dout), *args, out, lse, **lens, **dev)
+    assert len(grads) == (4 if "sinks" in kw else 3)
+    dq, dk, dv = (to_host(g).astype(np.float64) for g in grads[:3])
+    assert (dk[k.shape[0]:] == 0).all() and (dv[k.shape[0]:] == 0).all()
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    want = {n: np.zeros(a.shape) for n, a in (("dq", q), ("dk", k), ("dv", v))}
+    dsinks = np.zeros(H)
+    for b in range(len(lens_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        r = reference(f(q[None, rows]), f(k[None, keys]), f(v[None, keys]), f(dout[None, rows]), **_ref_kw(kw, b))
+        want["dq"][rows], want["dk"][keys], want["dv"][keys] = r["dq"][0], r["dk"][0], r["dv"][0]
+        dsinks += r["dsinks"]
+    for name, got in (("dq", dq), ("dk", dk[:k.shape[0]]), ("dv", dv[:k.shape[0]])):
+        assert rel_err(got, want[name]) <= GRAD_TOL[dtype], name
+    if "sinks" in kw:
+        np.testing.assert_allclose(to_host(grads[3]).astype(np.float64), dsinks, rtol=GRAD_TOL[dtype],
+                                   atol=GRAD_TOL[dtype] * np.abs(dsinks).max())
+
+
+@pytest.mark.parametrize("mask", ["window", "softcap", "everything"])
+@pytest.mark.parametrize("case", DENSE[:3] + DENSE[4:], ids=[c.id for c in DENSE[:3] + DENSE[4:]])
+def test_masked_attention_backward_matches_float64(rng, poisoned, case, mask):
+    """attention_backward() with mask keywords on GPU arrays: seqlen_q != seqlen_k, GQA, padded head dims, strided."""
+    import cupy
+    b, nq, nk, h, hkv, d = case[:6]
+    dt = DTYPES["float16"]
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in ((b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, d)))
+    dout = rng.standard_normal(q.shape).astype(dt)
+    kw = _masks(rng, mask, b)
+    kw.setdefault("causal", case.causal)
+    dkw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
+    if case.strided:
+        qd = cupy.asarray(np.stack([q, q], axis=3).reshape(b, nq, 2 * h, d))[:, :, ::2]   # q, every other head
+    out, lse = fav.attention(qd, kd, vd, return_lse=True, **dkw)
+    with poisoned(case):
+        grads = fav.attention_backward(cupy.asarray(dout), qd, kd, vd, out, lse, **dkw)
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    ref_kw = {n: x for n, x in kw.items() if n not in ("alibi_slopes", "sinks")}
+    if "sinks" in kw:
+        ref_kw["sinks"] = kw["sinks"].astype(np.float64)
+    if "alibi_slopes" in kw:
+        ref_kw["alibi"] = kw["alibi_slopes"].astype(np.float64)
+    want = reference(f(q), f(k), f(v), f(dout), **ref_kw)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert rel_err(got, want[name]) <= GRAD_TOL["float16"], name
+
+
 def test_variants_without_a_masked_kernel_are_refused_by_name(rng):
     import cupy
     q, k, v, cu_q, cu_k = (cupy.asarray(a) for a in _packed(rng, "float16", 64, [3], [4]))
     with pytest.raises(NotImplementedError, match="variant 'fa3'.*'auto' or 'fa2'"):
         fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, variant="fa3")
-    with pytest.raises(NotImplementedError, match="softcap on the GPU"):
+    with pytest.raises(NotImplementedError, match="variant 'fa3'.*'auto' or 'fa2'"):
         fav.attention_backward(q[None], q[None], k[None], v[None], q[None], cupy.zeros((1, H, 3), cupy.float32),
-                               softcap=2.0)
+                               softcap=2.0, variant="fa3")

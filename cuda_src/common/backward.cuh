@@ -5,6 +5,7 @@
 // dS^T), for dQ = dS K.
 #pragma once
 #include "fragments.cuh"
+#include "mask.cuh"
 #include "params.cuh"
 
 namespace fav {
@@ -22,8 +23,16 @@ struct RowStats {
 __forceinline__ __device__ RowStats row_stats(const BwdParams& p, int b, int h, int row) {
     return {row_lse2(p, b, h, row), row < p.seqlen_q ? p.delta[((i64)b * p.heads + h) * p.seqlen_q + row] : 0.f};
 }
+// The masked backward's view of one sequence (or batch row) has its LSE and D pointers at the sequence's first row
+// and a head stride of its own (packed calls: (heads, total_q)); b is 0 there.
+__forceinline__ __device__ RowStats row_stats(const MaskedBwdParams& p, int, int h, int row) {
+    if (row >= p.seqlen_q) return {__int_as_float(0x7f800000), 0.f};
+    const i64 at = h * p.lse_h + row;
+    return {p.lse[at] * LOG2E, p.delta[at]};
+}
 // The two rows a thread holds in an mma C fragment: g and g + 8 (g = lane / 4) of the warp's 16 from row0.
-__forceinline__ __device__ void fragment_row_stats(const BwdParams& p, int b, int h, int row0, float (&lse2)[2],
+template <class Params>
+__forceinline__ __device__ void fragment_row_stats(const Params& p, int b, int h, int row0, float (&lse2)[2],
                                                    float (&delta)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -40,6 +49,15 @@ __forceinline__ __device__ float recompute_p(float s, float scale_log2, float ls
                                              int seqlen_k, int diag, bool causal) {
     const bool visible = key < seqlen_k && !(causal && key > query + diag);
     return visible ? exp2f_approx(s * scale_log2 - lse_log2) : 0.f;
+}
+// recompute_p under a mask policy: the written-out test for CausalMask, AttnMask's own (its transforms too)
+__forceinline__ __device__ float recompute_p(const CausalMask& m, float s, float scale_log2, float lse_log2, int key,
+                                             int query) {
+    return recompute_p(s, scale_log2, lse_log2, key, query, m.seqlen_k, m.diag, m.causal);
+}
+__forceinline__ __device__ float recompute_p(const AttnMask& m, float s, float scale_log2, float lse_log2, int key,
+                                             int query) {
+    return m.p_of(s, scale_log2, lse_log2, query, key);
 }
 
 // A operand (16 x 16) of rows [row0, row0+16), reduction cols [col0, col0+16) of a matrix A stored transposed in
@@ -84,8 +102,6 @@ __forceinline__ __device__ void key_rows_step(float (&dk)[1][DCT][4], float (&dv
                                               u32 sK, u32 sV, int kr0, u32 sQ, u32 sdO, int c0,
                                               const float* lse2, const float* delta, float scale_log2, int key0,
                                               int m0, const Mask& mask) {
-    const int seqlen_k = mask.seqlen_k, diag = mask.diag;
-    const bool causal = mask.causal;
     using TQ = Tile<BM, D>;
     using TKV = Tile<BN, D>;
     constexpr int NT = BM / 8;
@@ -98,8 +114,8 @@ __forceinline__ __device__ void key_rows_step(float (&dk)[1][DCT][4], float (&dv
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int col = nt * 8 + 2 * t + (e % 2);
-            pt[0][nt][e] = recompute_p(pt[0][nt][e], scale_log2, lse2[col], key0 + kr0 + g + 8 * (e / 2), m0 + col,
-                                       seqlen_k, diag, causal);
+            pt[0][nt][e] = recompute_p(mask, pt[0][nt][e], scale_log2, lse2[col], key0 + kr0 + g + 8 * (e / 2),
+                                       m0 + col);
         }
 
     warp_mma_pb<T, TQ>(dv, pt, sdO + 2 * c0);
@@ -112,7 +128,13 @@ __forceinline__ __device__ void key_rows_step(float (&dk)[1][DCT][4], float (&dv
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ds[0][nt][e] = pt[0][nt][e] * (ds[0][nt][e] - delta[nt * 8 + 2 * t + (e % 2)]);
+        for (int e = 0; e < 4; ++e) {
+            const int col = nt * 8 + 2 * t + (e % 2);
+            ds[0][nt][e] = pt[0][nt][e] * (ds[0][nt][e] - delta[col]);
+            if constexpr (Mask::TRANSFORMS)
+                ds[0][nt][e] = mask.ds_raw(ds[0][nt][e], pt[0][nt][e], scale_log2, lse2[col], m0 + col,
+                                           key0 + kr0 + g + 8 * (e / 2));
+        }
 
     warp_mma_pb<T, TQ>(dk, ds, sQ + 2 * c0);
 }

@@ -81,7 +81,7 @@ struct CausalMask {
     __forceinline__ __device__ BlockRange kv_blocks(int m0, BlockRange within = all_blocks()) const {
         return kv_block_range<BM, BN>(m0, seqlen_q, seqlen_k, causal, within.begin, within.end);
     }
-    template <int BM>
+    template <int BM, int BN = 0>
     __forceinline__ __device__ BlockRange q_blocks(int key0) const {
         return {first_q_block<BM>(key0, seqlen_q, seqlen_k, causal), (seqlen_q + BM - 1) / BM};
     }
@@ -128,6 +128,11 @@ struct CausalMask {
     }
     template <int MT, int DT>
     __forceinline__ __device__ void end_rows(float (&)[MT][DT][4], float (&)[MT][2], float (&)[MT][2], float) const {}
+
+    // ---- the backward's: no transform of the scores (so no chain rule), one policy for every query head
+    static constexpr bool TRANSFORMS = false;
+    template <class Params>
+    __forceinline__ __device__ const CausalMask& for_head(const Params&, int) const { return *this; }
 };
 
 // The masks and logit transforms of real batches (fa2_fwd.cu's fa2_fwd_masked; reference/masks.py is the model):
@@ -138,22 +143,46 @@ struct CausalMask {
 // K/V blocks (kv_blocks), and a block needs the element test only where it crosses an end (if_needs_mask).
 // The scores arrive raw (Q K^T, softmax_scale applied later in the exponent), so the transforms work in raw units:
 // cap / scale for the cap, slope / scale for the bias.
+// The sinks a kernel's parameters carry (the forward's; the backward needs none: its LSE holds them).
+__forceinline__ __device__ const float* sinks_of(const MaskedFwdParams& p) { return p.sinks; }
+__forceinline__ __device__ const float* sinks_of(const MaskedBwdParams&) { return nullptr; }
+
 struct AttnMask {
     int seqlen_q, seqlen_k, diag;
     int left, right;       // the window's sides, bounded (an unbounded side is longer than any distance here)
     float cap;             // softcap in raw units; 0: none
     float slope;           // ALiBi slope in raw units; 0: none
     float sink_log2;       // the sink's logit in log2 units; -inf: no sink
+    const float* slopes;   // this sequence's row of ALiBi slopes (null: none), for for_head
 
-    // A sequence's policy: its lengths (a packed batch's b-th, or the dense batch's), query head h.
-    __forceinline__ __device__ static AttnMask of(const MaskedFwdParams& p, int seqlen_q, int seqlen_k, int b, int h) {
+    // A sequence's policy (MaskedFwdParams or MaskedBwdParams): its lengths (a packed batch's b-th, or the dense
+    // batch's), query head h.
+    template <class Params>
+    __forceinline__ __device__ static AttnMask of(const Params& p, int seqlen_q, int seqlen_k, int b, int h) {
         const int far = seqlen_q + seqlen_k + 1;  // farther than any query is from any key
         const int left = p.window_left < 0 ? far : p.window_left;
         int right = p.window_right < 0 ? far : p.window_right;
         if (p.causal) right = min(right, 0);
-        const float slope = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_b + h] * p.inv_scale : 0.f;
-        const float sink = p.sinks ? p.sinks[h] * 1.4426950408889634f : neg_inf();
-        return {seqlen_q, seqlen_k, seqlen_k - seqlen_q, left, right, p.softcap_raw, slope, sink};
+        const float* slopes = p.alibi_slopes ? p.alibi_slopes + b * p.alibi_b : nullptr;
+        const float slope = slopes ? slopes[h] * p.inv_scale : 0.f;
+        const float sink = sinks_of(p) ? sinks_of(p)[h] * 1.4426950408889634f : neg_inf();
+        return {seqlen_q, seqlen_k, seqlen_k - seqlen_q, left, right, p.softcap_raw, slope, sink, slopes};
+    }
+    // The same sequence's policy for query head h (the dK/dV pass steps over a group's heads).
+    template <class Params>
+    __forceinline__ __device__ AttnMask for_head(const Params& p, int h) const {
+        AttnMask m = *this;
+        if (slopes) m.slope = slopes[h] * p.inv_scale;
+        return m;
+    }
+    static constexpr bool TRANSFORMS = true;
+
+    // softcap, then ALiBi, of a raw score (query row, key): cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)),
+    // two MUFU operations, exact at +-inf
+    __forceinline__ __device__ float transform(float x, int row, int key) const {
+        if (cap > 0.f) x = cap * (1.f - __fdividef(2.f, exp2f_approx(x * (2.885390081777927f / cap)) + 1.f));
+        if (slope != 0.f) x -= slope * fabsf(float(row + diag - key));
+        return x;
     }
 
     __forceinline__ __device__ int first_key(int query) const { return max(0, query + diag - left); }
@@ -165,6 +194,16 @@ struct AttnMask {
         const int first = first_key(m0), last = last_key(min(m0 + BM, seqlen_q) - 1);
         if (last < first) return {0, 0};
         return {max(within.begin, first / BN), min(within.end, last / BN + 1)};
+    }
+
+    // the Q blocks of BM queries that see some key of the block [key0, key0 + BN): query i sees key j iff
+    // j - diag - right <= i <= j - diag + left (the K/V-outer loops: the backward's dK/dV pass)
+    template <int BM, int BN>
+    __forceinline__ __device__ BlockRange q_blocks(int key0) const {
+        const int last_key = min(key0 + BN, seqlen_k) - 1;
+        const int first = max(0, key0 - diag - right), last = min(seqlen_q - 1, last_key - diag + left);
+        if (last < first) return {0, 0};
+        return {first / BM, last / BM + 1};
     }
 
     // ---- the edge test: the last row starts latest, the first row ends earliest
@@ -183,7 +222,6 @@ struct AttnMask {
     template <bool MASKED, int MT, int NT>
     __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-        const float inv_cap2 = cap > 0.f ? 2.885390081777927f / cap : 0.f;  // 2 log2(e) / cap
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -191,10 +229,7 @@ struct AttnMask {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + mt * 16 + g + 8 * (e / 2), key = key0 + nt * 8 + 2 * t + (e % 2);
-                    float x = s[mt][nt][e];
-                    // cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)): two MUFU operations, exact at +-inf
-                    if (cap > 0.f) x = cap * (1.f - __fdividef(2.f, exp2f_approx(x * inv_cap2) + 1.f));
-                    if (slope != 0.f) x -= slope * fabsf(float(row + diag - key));
+                    const float x = transform(s[mt][nt][e], row, key);
                     s[mt][nt][e] = MASKED && !visible(row, key) ? neg_inf() : x;
                 }
     }
@@ -204,6 +239,20 @@ struct AttnMask {
         if_needs_mask<16 * MT, 8 * NT>(m0, row0, key0, [&] { masked = true; });
         if (masked) apply<true>(s, m0 + row0, key0);
         else if (cap > 0.f || slope != 0.f) apply<false>(s, m0 + row0, key0);
+    }
+
+    // ---- the backward's: P of a recomputed raw score from the row's LSE (log2 units), exactly 0 where hidden (a
+    // select: LSE = -inf must not make a NaN); and dS of the raw score from dS of the transformed one, the softcap's
+    // derivative 1 - tanh^2 (tanh read back from P itself: T = (log2 P + LSE) / scale less the ALiBi bias; where P
+    // is 0 so is dS, and nothing is read back)
+    __forceinline__ __device__ float p_of(float s, float scale_log2, float lse2, int row, int key) const {
+        return visible(row, key) ? exp2f_approx(transform(s, row, key) * scale_log2 - lse2) : 0.f;
+    }
+    __forceinline__ __device__ float ds_raw(float ds, float p, float scale_log2, float lse2, int row, int key) const {
+        if (cap <= 0.f || !(p > 0.f)) return ds;
+        const float capped = (__log2f(p) + lse2) / scale_log2 + slope * fabsf(float(row + diag - key));
+        const float th = capped / cap;
+        return ds * (1.f - th * th);
     }
 
     // The sink joins each row's denominator as one more logit without a value: the row's reference point moves to

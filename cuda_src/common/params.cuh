@@ -110,6 +110,20 @@ struct BwdParams {
     int causal;
 };
 
+// fa2's masked backward (fa2_bwd.cu's *_masked kernels): BwdParams and what AttnMask reads, as MaskedFwdParams
+// adds them (packed calls: batch strides 0, seqlen_q and seqlen_k the longest lengths; the LSE and D of a packed call
+// are (heads, total_q), head stride lse_h). (Derived: the base has no tail padding, so these follow it.)
+struct MaskedBwdParams : BwdParams {
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    const float* alibi_slopes;
+    i64 lse_h;
+    int alibi_b;
+    int window_left, window_right;
+    float softcap_raw;
+    float inv_scale;
+};
+
 // The fp8 quantizers (fp8_quantize.cu): fp16/bf16 Q, K, V (strides in elements, as FwdParams) into the layouts
 // Fp8FwdParams reads. A launch that quantizes Q only (a KV cache's new query) or K and V only has no items of the
 // other parts.

@@ -44,6 +44,12 @@ DQ_TILES = {
 }
 assert tuple(DKDV_TILES) == tuple(DQ_TILES) == DIMS
 
+# The masked passes (fa2_bwd_dkdv_masked, fa2_bwd_dq_masked: the mask's interval, cap and slope take registers):
+# the tiles above that compile without spills for sm_80 and sm_90a.
+MASKED_DKDV_TILES = {**DKDV_TILES, 96: DKDV_TILES[96][1:], 128: DKDV_TILES[128][1:], 192: DKDV_TILES[192][1:],
+                     224: DKDV_TILES[224][1:], 256: DKDV_TILES[256][2:]}
+MASKED_DQ_TILES = {**DQ_TILES, 160: DQ_TILES[160][1:], 192: DQ_TILES[192][:1]}
+
 
 def dkdv_smem(d: int, cfg) -> int:
     bm, bn = cfg[:2]
@@ -71,6 +77,16 @@ def dq_instance(ctype: str, d: int, cfg) -> str:
     return f"fa2_bwd_dq<{ctype}, {d}, {dc}, {bm}, {bn}, {w}>"
 
 
+def masked(instance: str) -> str:
+    """The masked kernel of a pass's instance name (fa2_bwd_dkdv<...> -> fa2_bwd_dkdv_masked<...>)."""
+    return instance.replace("<", "_masked<", 1)
+
+
+def masked_instances(ctype: str, d: int):
+    return (tuple(masked(dkdv_instance(ctype, d, cfg)) for cfg in MASKED_DKDV_TILES[d])
+            + tuple(masked(dq_instance(ctype, d, cfg)) for cfg in MASKED_DQ_TILES[d]))
+
+
 def instances(ctype: str, d: int):
     """The dK/dV and dQ kernels of one dtype and template dim: one NVRTC module (the delta pass is its own)."""
     return (tuple(dkdv_instance(ctype, d, cfg) for cfg in DKDV_TILES[d])
@@ -79,7 +95,7 @@ def instances(ctype: str, d: int):
 
 def specializations():
     return (tuple(delta_instance(c) for c in CTYPE.values())
-            + tuple(e for c in CTYPE.values() for d in DIMS for e in instances(c, d)))
+            + tuple(e for c in CTYPE.values() for d in DIMS for e in instances(c, d) + masked_instances(c, d)))
 
 
 def prepare(what: str, dims, dout, q, k, v, out, lse):

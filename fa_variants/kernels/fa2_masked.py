@@ -1,9 +1,11 @@
-"""Launcher of cuda_src/fa2_fwd.cu's fa2_fwd_masked: fa2's loop (mma.sync, every sm_80+ GPU) under a sliding
-window, a softcap, ALiBi and sinks (common/mask.cuh's AttnMask), over a dense batch or a packed (varlen) one.
+"""Launchers of fa2's masked kernels (mma.sync, every sm_80+ GPU) under a sliding window, a softcap, ALiBi and sinks
+(common/mask.cuh's AttnMask), over a dense batch or a packed (varlen) one: cuda_src/fa2_fwd.cu's fa2_fwd_masked,
+and the backward's passes in cuda_src/fa2_bwd.cu (fa2_bwd_delta over the packed rows as one sequence, then
+fa2_bwd_dkdv_masked and fa2_bwd_dq_masked; the sinks' gradient from the LSE and D).
 
-The tile is fa2's own (fa_variants/tiles.py), the grid (Q block, head, sequence) sized by the longest sequence; a
-CTA past its sequence's end leaves at once. The parameter struct is MaskedFwdParams, packed per call: its side
-arrays (cu_seqlens, slopes, sinks) are pointers of the call.
+The tiles are tiles.FA2_MASKED_TILES and fa2_bwd's MASKED_* tables, the grids (block, head, sequence) sized by the
+longest sequence; a CTA past its sequence's end leaves at once. The parameter structs (MaskedFwdParams,
+MaskedBwdParams) are packed per call: their side arrays (cu_seqlens, slopes) are pointers of the call.
 """
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ def specializations() -> tuple:
 class Masks:
     """What a call asks beyond fa2's plain forward, checked by the caller (varlen.py): the window's sides (-1:
     unbounded), the softcap (0: none), and the side arrays as CuPy arrays on q's device (or None): sinks (heads,),
-    alibi_slopes (heads,) or (batch, heads) float32, cu_seqlens_q/_k (batch + 1,) int32, with the longest query
-    length and cu_seqlens_q[-1] as host ints (the caller read them to check the lengths)."""
+    alibi_slopes (heads,) or (batch, heads) float32, cu_seqlens_q/_k (batch + 1,) int32, with the longest lengths
+    and cu_seqlens_q[-1], cu_seqlens_k[-1] as host ints (the caller read them to check the lengths)."""
     window: tuple = (-1, -1)
     softcap: float = 0.0
     sinks: object = None
@@ -47,7 +49,9 @@ class Masks:
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
     max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
     total_q: int = 0
+    total_k: int = 0
 
     @property
     def packed(self) -> bool:
@@ -108,10 +112,10 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         qs, ks, vs = (0, qs[1], qs[2]), (0, ks[1], ks[2]), (0, vs[1], vs[2])
     o_b = 0 if packed else nq * h * dp
     sinks = None if masks.sinks is None else cupy.ascontiguousarray(masks.sinks, dtype=cupy.float32)
-    slopes = None if masks.alibi_slopes is None else cupy.ascontiguousarray(masks.alibi_slopes, dtype=cupy.float32)
     cu_q = None if not packed else cupy.ascontiguousarray(masks.cu_seqlens_q, dtype=cupy.int32)
     cu_k = None if not packed else cupy.ascontiguousarray(masks.cu_seqlens_k, dtype=cupy.int32)
     ptr = (lambda a: 0 if a is None else a.data.ptr)
+    fields, _slopes = _mask_fields(masks, softmax_scale, h, ptr)   # (_slopes: alive until the launch)
     from .params import KV_BLOCKS_ALL, MASKED_FWD
     template = MASKED_FWD.pack(
         q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
@@ -119,12 +123,102 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         o_b=o_b, o_n=h * dp, o_h=dp, batch=batch, seqlen_q=rows if packed else nq,
         seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=dp, kv_block_begin=0,
         kv_block_end=KV_BLOCKS_ALL, scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)),
-        cu_seqlens_q=ptr(cu_q), cu_seqlens_k=ptr(cu_k), alibi_slopes=ptr(slopes), sinks=ptr(sinks),
-        lse_h=nq, alibi_b=0 if slopes is None or slopes.ndim == 1 else h,
-        window_left=masks.window[0], window_right=masks.window[1],
-        softcap_raw=masks.softcap / softmax_scale if masks.softcap > 0 else 0.0,
-        inv_scale=1.0 / softmax_scale if softmax_scale != 0 else 0.0)
+        cu_seqlens_q=ptr(cu_q), cu_seqlens_k=ptr(cu_k), sinks=ptr(sinks), lse_h=nq, **fields)
     func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
     launch(func, (cdiv(rows, tile.block_q), h, batch), 32 * tile.warps, smem, cupy.cuda.get_current_stream().ptr,
            template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, ptr(lse), 0, 0, 0)
     return out, lse
+
+
+def _mask_fields(masks: Masks, softmax_scale: float, heads: int, ptr) -> dict:
+    """The fields MaskedFwdParams and MaskedBwdParams share past their bases (every one but sinks)."""
+    import cupy
+    slopes = None if masks.alibi_slopes is None else cupy.ascontiguousarray(masks.alibi_slopes, dtype=cupy.float32)
+    return dict(alibi_slopes=ptr(slopes), alibi_b=0 if slopes is None or slopes.ndim == 1 else heads,
+                window_left=masks.window[0], window_right=masks.window[1],
+                softcap_raw=masks.softcap / softmax_scale if masks.softcap > 0 else 0.0,
+                inv_scale=1.0 / softmax_scale if softmax_scale != 0 else 0.0), slopes
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks):
+    """(dq, dk, dv, dsinks or None) for CuPy arrays of forward's layouts (lse (batch, heads, seqlen_q), or (heads,
+    total_q) when packed); dsinks float32 (heads,). Rows of a packed q, k, v past the last sequence get zero
+    gradients. A negative scale runs on a negated copy of q (dq negated back)."""
+    import cupy
+    from . import fa2_bwd
+    check_scale(softmax_scale, masks)
+    negated = softmax_scale < 0
+    if negated:
+        q, softmax_scale = (q.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(q.dtype), -softmax_scale
+    packed = masks.packed
+    four = [a[None] if packed else a for a in (dout, q, k, v, out)]
+    d = four[1].shape[3]
+    if d % 8:
+        four = [pad_last_dim(a, round_up(d, 8)) for a in four]
+    dout4, q4, k4, v4, out4 = (ensure_vector_aligned(a) for a in four)
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    dlt = fa2_bwd.delta(dout4, out4)   # (1, heads, total_q) when packed: D is per row, whatever its sequence
+    dq, dk, dv = _dqdkdv(dout4, q4, k4, v4, out4, lse, dlt, causal, softmax_scale, masks)
+    if d % 8:
+        dq, dk, dv = (a[..., :d] for a in (dq, dk, dv))
+    if packed:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    if negated:
+        dq = (dq.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(dq.dtype)
+    dsinks = None
+    if masks.sinks is not None:
+        # dsink_h = -sum over rows of P_sink * D, P_sink = exp(sink_h - LSE): rows that saw nothing (LSE -inf,
+        # past the last sequence) add nothing
+        l64 = lse.reshape(lse.shape[-2], -1) if packed else lse.transpose(1, 0, 2).reshape(lse.shape[1], -1)
+        d64 = dlt.reshape(lse.shape[-2], -1) if packed else dlt.transpose(1, 0, 2).reshape(lse.shape[1], -1)
+        sink = masks.sinks.astype(cupy.float64)[:, None]
+        p_sink = cupy.where(cupy.isneginf(l64), 0.0, cupy.exp(sink - l64.astype(cupy.float64)))
+        dsinks = -(p_sink * d64).sum(axis=1)
+    return dq, dk, dv, dsinks
+
+
+def _dqdkdv(dout, q, k, v, out, lse, dlt, causal, softmax_scale, masks):
+    import cupy
+    from . import fa2_bwd
+    from .params import MASKED_BWD
+    _, nq, h, dp = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    packed = masks.packed
+    batch = masks.cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    fill = cupy.zeros if packed and (masks.total_q < nq or masks.total_k < nk) else cupy.empty
+    dq, dk, dv = fill(q.shape, q.dtype), fill(k.shape, k.dtype), fill(v.shape, v.dtype)
+    rows_q, rows_k = (masks.max_seqlen_q, masks.max_seqlen_k) if packed else (nq, nk)
+    if batch == 0 or rows_q == 0 or rows_k == 0:
+        return dq, dk, dv
+    check_grid(h, "heads")
+    check_grid(batch, "batch")
+    ptr = (lambda a: 0 if a is None else a.data.ptr)
+    strides = {n: elem_strides(a) for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout))}
+    if packed:
+        strides = {n: (0,) + st[1:] for n, st in strides.items()}
+    cu = {n: None if a is None else cupy.ascontiguousarray(a, dtype=cupy.int32)
+          for n, a in (("q", masks.cu_seqlens_q), ("k", masks.cu_seqlens_k))}
+    fields, _slopes = _mask_fields(masks, softmax_scale, h, ptr)   # (_slopes: alive until the launches)
+    template = MASKED_BWD.pack(
+        q=0, k=0, v=0, o=0, dout=0, lse=0, delta=0, dq=0, dk=0, dv=0,
+        **{f"{n}_{axis}": st[i] for n, st in strides.items() for i, axis in enumerate("bnh")},
+        seqlen_q=rows_q, seqlen_k=rows_k, heads=h, group=h // hkv, head_dim=dp,
+        scale_log2=scale_log2(softmax_scale), scale=softmax_scale, causal=int(bool(causal)),
+        cu_seqlens_q=ptr(cu["q"]), cu_seqlens_k=ptr(cu["k"]), lse_h=nq, **fields)
+    ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse, dlt, dq, dk, dv))
+    stream = cupy.cuda.get_current_stream().ptr
+    D = template_dim(dp)
+    ctype = CTYPE[q.dtype.name]
+    exprs = fa2_bwd.masked_instances(ctype, D)
+
+    def run(expr, grid, block, smem):
+        func = function_of(jit.kernel(fa2_bwd.SOURCE, expr, exprs), smem)
+        launch(func, grid, block, smem, stream, template, MASKED_BWD.pointers_format, *ptrs)
+
+    kv = pick_tiles(fa2_bwd.MASKED_DKDV_TILES, fa2_bwd.dkdv_smem, D)
+    run(fa2_bwd.masked(fa2_bwd.dkdv_instance(ctype, D, kv)), (cdiv(rows_k, kv[1]) * (D // kv[3]), hkv, batch),
+        32 * kv[2], fa2_bwd.dkdv_smem(D, kv))
+    qc = pick_tiles(fa2_bwd.MASKED_DQ_TILES, fa2_bwd.dq_smem, D)
+    run(fa2_bwd.masked(fa2_bwd.dq_instance(ctype, D, qc)), (cdiv(rows_q, qc[0]) * (D // qc[3]), h, batch),
+        32 * qc[2], fa2_bwd.dq_smem(D, qc))
+    return dq, dk, dv

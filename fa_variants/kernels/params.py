@@ -115,6 +115,12 @@ BWD = ParamStruct("BwdParams", (
     ("scale_log2", "float"), ("scale", "float"), ("causal", "int"),
 ))
 
+# fa2's masked backward (derived from BwdParams in C++)
+MASKED_BWD = ParamStruct("MaskedBwdParams", (
+    *BWD.fields, *_fields("cu_seqlens_q cu_seqlens_k alibi_slopes", "ptr"), ("lse_h", "i64"),
+    *_fields("alibi_b window_left window_right", "int"), *_fields("softcap_raw inv_scale", "float"),
+))
+
 PAD = ParamStruct("PadParams", (
     *_fields("src dst", "ptr"),
     *_fields("s_b s_n s_h", "i64"),
@@ -147,7 +153,7 @@ MERGE = ParamStruct("MergeParams", (
     *_fields("states batch seqlen heads head_dim", "int"),
 ))
 
-STRUCTS = (FWD, FA3_FWD, MASKED_FWD, FP8_FWD, FA3_FP8_FWD, BWD, PAD, QUANT, DECODE, APPEND, MERGE)
+STRUCTS = (FWD, FA3_FWD, MASKED_FWD, FP8_FWD, FA3_FP8_FWD, BWD, MASKED_BWD, PAD, QUANT, DECODE, APPEND, MERGE)
 KV_BLOCKS_ALL = 1 << 30   # kv_block_end when a launch visits every K/V block
 
 
