@@ -29,15 +29,15 @@ MASKS = {
 }
 
 
-def _masks(rng, name, batch):
-    """The call's keywords and the reference's (slopes of sequence b are picked per call)."""
+def _masks(rng, name, batch, heads=H):
+    """The call's keywords: the case's, with random ALiBi slopes and sinks where it asks for them."""
     kw = dict(MASKS[name])
     alibi = kw.pop("alibi", None)
     if alibi is not None:
-        shape = (batch, H) if alibi == "per sequence" else (H,)
+        shape = (batch, heads) if alibi == "per sequence" else (heads,)
         kw["alibi_slopes"] = rng.uniform(0.01, 0.3, shape).astype(np.float32)
     if kw.pop("sinks", False):
-        kw["sinks"] = (rng.standard_normal(H) + 1.0).astype(np.float32)
+        kw["sinks"] = (rng.standard_normal(heads) + 1.0).astype(np.float32)
     return kw
 
 
@@ -119,7 +119,7 @@ def test_masked_attention_matches_float64(rng, poisoned, case, mask):
     else:
         q, k, v = (rng.standard_normal(s).astype(dt) for s in (shape_q, shape_k, shape_k))
         qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
-    kw = _masks(rng, mask, b)
+    kw = _masks(rng, mask, b, h)
     kw.setdefault("causal", case.causal)
     dkw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     with poisoned(case):
@@ -224,7 +224,7 @@ def test_masked_attention_backward_matches_float64(rng, poisoned, case, mask):
     dt = DTYPES["float16"]
     q, k, v = (rng.standard_normal(s).astype(dt) for s in ((b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, d)))
     dout = rng.standard_normal(q.shape).astype(dt)
-    kw = _masks(rng, mask, b)
+    kw = _masks(rng, mask, b, h)
     kw.setdefault("causal", case.causal)
     dkw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))

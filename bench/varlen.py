@@ -1,0 +1,119 @@
+"""Real batches on the GPU: fa2's masked kernels (kernels/fa2_masked.py) on a packed batch of documents, a sliding
+window, and each logit transform, forward and backward, against the same kernels on a plain problem, in one run.
+
+    python bench/varlen.py [--quick] [--json FILE]
+
+Kernel time: CUDA events around the launcher's call (the public API's host checks, which read cu_seqlens back to
+the host, are not in it), median of --reps after a warm-up. TFLOP/s count the products a causal problem needs:
+4 n_q n_k d heads, halved under causal, summed over the sequences; the backward 2.5 times the forward's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import cupy
+import ml_dtypes
+import numpy as np
+from tabulate import tabulate
+
+from fa_variants.kernels import fa2_masked
+from fa_variants.kernels.fa2_masked import Masks
+
+H, D = 16, 128
+DT = ml_dtypes.bfloat16
+
+
+def timed_ms(fn, reps: int) -> float:
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
+
+
+def rand(shape, rng):
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(DT))
+
+
+def causal_flops(lens_q, lens_k) -> float:
+    return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
+
+
+def run_case(name, q, k, v, masks, causal, flops, reps, rng):
+    scale = D ** -0.5
+    fwd = lambda: fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)  # noqa: E731
+    t_f = timed_ms(fwd, reps)
+    out, lse = fwd()
+    dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(DT))
+    bwd = lambda: fa2_masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)  # noqa: E731
+    t_b = timed_ms(bwd, reps)
+    return dict(case=name, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=flops / t_f / 1e9, bwd_tflops=2.5 * flops / t_b / 1e9)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+
+    # a packed batch of documents, 128 to 16K tokens, 64K in all, causal; against one dense sequence of 8K
+    total = 16384 if args.quick else 65536
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(min(total - sum(lens), rng.integers(128, 16385))))
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    q, k, v = rand((total, H, D), rng), rand((total, H, D), rng), rand((total, H, D), rng)
+    packed = Masks(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), total_q=total,
+                   total_k=total)
+    rows.append(run_case(f"packed {len(lens)} docs, {total} tokens", q, k, v, packed, True,
+                         causal_flops(lens, lens), args.reps, rng))
+    n = 8192
+    qd, kd, vd = (rand((total // n, n, H, D), rng) for _ in range(3))
+    rows.append(run_case(f"dense {total // n} x {n}", qd, kd, vd, Masks(), True,
+                         (total // n) * causal_flops([n], [n]), args.reps, rng))
+
+    # a window of 4K over 32K (causal): its cost against the dense causal problem's
+    n, w = (8192, 1024) if args.quick else (32768, 4096)
+    qd, kd, vd = (rand((1, n, H, D), rng) for _ in range(3))
+    dense = run_case(f"causal {n}", qd, kd, vd, Masks(), True, causal_flops([n], [n]), args.reps, rng)
+    win_flops = 4.0 * D * H * sum(min(i + 1, w + 1) for i in range(n))
+    win = run_case(f"causal window {w} of {n}", qd, kd, vd, Masks(window=(w, 0)), True, win_flops, args.reps, rng)
+    win["x dense time"] = win["fwd_ms"] / dense["fwd_ms"]
+    win["ideal"] = win_flops / causal_flops([n], [n])
+    rows += [dense, win]
+
+    # each transform against the plain masked kernel, 2 x 8K causal
+    b, n = 2, (4096 if args.quick else 8192)
+    qd, kd, vd = (rand((b, n, H, D), rng) for _ in range(3))
+    flops = b * causal_flops([n], [n])
+    plain = run_case(f"plain {b} x {n}", qd, kd, vd, Masks(), True, flops, args.reps, rng)
+    rows.append(plain)
+    for name, m in (("softcap 30", Masks(softcap=30.0)),
+                    ("sinks", Masks(sinks=cupy.asarray(rng.standard_normal(H).astype(np.float32)))),
+                    ("alibi", Masks(alibi_slopes=cupy.asarray(rng.uniform(0.01, 0.2, H).astype(np.float32))))):
+        r = run_case(f"{name} {b} x {n}", qd, kd, vd, m, True, flops, args.reps, rng)
+        r["fwd x plain"], r["bwd x plain"] = r["fwd_ms"] / plain["fwd_ms"], r["bwd_ms"] / plain["bwd_ms"]
+        rows.append(r)
+
+    keys = ["case", "fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops", "x dense time", "ideal", "fwd x plain",
+            "bwd x plain"]
+    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")
+    print(tabulate([[r.get(k2, "") if not isinstance(r.get(k2), float) else f"{r[k2]:.3g}" for k2 in keys]
+                    for r in rows], headers=keys))
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
