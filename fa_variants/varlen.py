@@ -77,15 +77,6 @@ def _side_import(name: str, x, inp, dtypes, required=False):
     return a
 
 
-def _refuse_autograd(*xs) -> None:
-    """Torch tensors that require grad would lose their graph here: these calls have no autograd op yet (varlen
-    without sinks or ALiBi has one)."""
-    if any(getattr(x, "requires_grad", False) for x in xs if type(x).__module__.split(".")[0] == "torch"):
-        raise NotImplementedError("window, softcap, sinks and alibi_slopes under torch autograd, and sinks or ALiBi "
-                                  "with varlen: not shipped yet; call with tensors that do not require grad, and "
-                                  "attention_backward for the gradients")
-
-
 def _runs_on_gpu(inp, backend: str) -> bool:
     """backend="cuda", or GPU arrays with "auto"; host arrays with "auto" run the model even where a GPU is usable."""
     return backend == "cuda" or (inp.on_gpu and backend == "auto")
@@ -118,6 +109,18 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
     window that reduces to a plain call)."""
     backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, return_lse, window,
                                                      softcap)
+    if arrays.torch_op_needed(q, k, v, sinks):
+        # Torch tensors that require grad (sinks too), or under Dynamo: the dense batch as a packed one through the
+        # varlen torch ops (integrations/torch.py), whose body checks the rest
+        arrays.check_dims(q, k, v)
+        reduced = masks.window_as_causal(q.shape[1], k.shape[1], causal, window)
+        if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
+            return plain(q, k, v, variant=variant, causal=reduced, softmax_scale=softmax_scale,
+                         return_lse=return_lse, backend=backend)
+        from .integrations import torch as torch_ops
+        return torch_ops.attention_masked(q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks,
+                                          alibi_slopes=alibi_slopes, softmax_scale=scale, return_lse=return_lse,
+                                          variant=variant, backend=backend)
     inp = arrays.import_arrays(q, k, v)
     arrays.check_dims(inp.q, inp.k, inp.v)
     dtype = arrays.common_dtype(inp)
@@ -131,7 +134,6 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
     if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
         return plain(q, k, v, variant=variant, causal=reduced, softmax_scale=softmax_scale, return_lse=return_lse,
                      backend=backend)
-    _refuse_autograd(q, k, v, sinks)
     if _runs_on_gpu(inp, backend):
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse,
                        _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes))
@@ -159,25 +161,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     The NumPy models run it on host arrays (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
     run fa2's masked kernel (variant "auto" or "fa2"); backend="numpy" runs the model on host copies. ``backend``
-    None means "auto". The lengths are checked on the host: a GPU call copies cu_seqlens there first (a sync). 2026-12-06: torch tensors that require grad (without sinks or ALiBi) are
-    recorded for autograd, and under torch.compile the call is one opaque op (integrations/torch.py).
+    None means "auto". The lengths are checked on the host: a GPU call copies cu_seqlens there first (a sync).
+    Torch tensors that require grad (q, k, v, sinks) are recorded for autograd, and under torch.compile the call
+    is one opaque op (integrations/torch.py).
     """
     backend, scale, window, softcap = _check_scalars(variant, "auto" if backend is None else backend, causal,
                                                      softmax_scale, return_lse, window, softcap)
-    if sinks is None and alibi_slopes is None and arrays.torch_op_needed(q, k, v):
-        # Torch tensors that require grad, or under Dynamo: the torch ops, whose body is this call on detached
-        # tensors (every array check runs there, before anything is computed).
+    if arrays.torch_op_needed(q, k, v, sinks):
+        # Torch tensors that require grad (sinks too), or under Dynamo: the torch ops, whose body is this call on
+        # detached tensors (every array check runs there, before anything is computed).
         from .integrations import torch as torch_ops
         return torch_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          causal=causal, window=window, softcap=softcap, softmax_scale=scale,
-                                          return_lse=return_lse, variant=variant, backend=backend)
+                                          causal=causal, window=window, softcap=softcap, sinks=sinks,
+                                          alibi_slopes=alibi_slopes, softmax_scale=scale, return_lse=return_lse,
+                                          variant=variant, backend=backend)
     inp = arrays.import_arrays(q, k, v)
     model_varlen.check_packed_dims(inp.q, inp.k, inp.v)
     dtype = arrays.common_dtype(inp)
     arrays.check_layout({n: a for n, a in dict(q=inp.q, k=inp.k, v=inp.v).items() if a.size})  # (empty: no strides)
     bounds, sinks_h, slopes_h = _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
                                               alibi_slopes)
-    _refuse_autograd(q, k, v, sinks)
     d = inp.q.shape[2]
     if _runs_on_gpu(inp, backend):
         on_gpu = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,

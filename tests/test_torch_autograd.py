@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fa_variants as fav
-from conftest import TOL, has_gpu, random_qkv_host, rel_err
+from conftest import GRAD_TOL, TOL, has_gpu, random_qkv_host, rel_err
 
 torch = pytest.importorskip("torch")
 fat = pytest.importorskip("fa_variants.integrations.torch")
@@ -214,7 +214,7 @@ def test_varlen_gradients_match_torch_autograd(dtype, rng):
 def test_varlen_ops_pass_opcheck_and_compile(rng):
     q, k, v, dout, cu = _packed(rng, "bfloat16")
     n = max(VARLEN_LENS)
-    args = (cu, cu, n, n, "fa2", True, None, -1, -1, 0.0, BACKEND)
+    args = (cu, cu, n, n, "fa2", True, None, -1, -1, 0.0, None, None, BACKEND)
     torch.library.opcheck(fat._varlen_forward, (q.detach(), k.detach(), v.detach(), *args))
     out, lse = fat._varlen_forward(q.detach(), k.detach(), v.detach(), *args)
     torch.library.opcheck(fat._varlen_backward, (dout, q.detach(), k.detach(), v.detach(), out, lse, *args))
@@ -224,6 +224,84 @@ def test_varlen_ops_pass_opcheck_and_compile(rng):
     eager = _grads(call, q, k, v, dout)
     compiled = _grads(torch.compile(call, backend="aot_eager", fullgraph=True), q, k, v, dout)
     for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
+# ------------------------------------------------------------------------------------------------ masks
+MASKS = {
+    "window": dict(causal=True, window=(7, 0)),
+    "softcap": dict(softcap=2.0),
+    "alibi": dict(causal=True, alibi_slopes=np.array([0.1, 0.3, 0.05, 0.2], np.float32)),
+    "sinks": dict(causal=True, sinks=np.array([0.5, -1.0, 1.5, 0.0], np.float32)),
+    "everything": dict(causal=True, window=(9, 2), softcap=3.0, sinks=np.array([1.0, 0.0, -0.5, 2.0], np.float32),
+                       alibi_slopes=np.array([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]], np.float32)),
+}
+
+
+def _mask_args(kw, requires_grad=True):
+    """attention()'s keywords as torch tensors (sinks a leaf that requires grad), and the float64 reference's."""
+    args = {n: torch.from_numpy(x.copy()) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    if "sinks" in args:
+        args["sinks"].requires_grad_(requires_grad)
+    ref = {n: x for n, x in kw.items() if n not in ("sinks", "alibi_slopes")}
+    if "sinks" in kw:
+        ref["sinks"] = kw["sinks"].astype(np.float64)
+    if "alibi_slopes" in kw:
+        ref["alibi"] = kw["alibi_slopes"].astype(np.float64)
+    return args, ref
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_masked_gradients_match_float64(mask, packed, rng):
+    """attention() with mask keywords, and attention_varlen, under autograd (the varlen torch ops): dq, dk, dv and
+    the sinks' gradient against the float64 reference of tests/test_masks_model.py."""
+    from test_masks_model import reference
+    dtype = "float16"
+    q, k, v, dout = _tensors(rng, 2, 29, 37, 4, 2, 32, dtype)
+    args, ref_kw = _mask_args(MASKS[mask])
+    if packed:
+        cu = torch.tensor([0, 29, 58], dtype=torch.int32), torch.tensor([0, 37, 74], dtype=torch.int32)
+        flat = [x.detach().reshape(-1, *x.shape[2:]).requires_grad_() for x in (q, k, v)]
+        out = fav.attention_varlen(*flat, *cu, 29, 37, backend=BACKEND, **args)
+        out.backward(dout.reshape(-1, *dout.shape[2:]))
+        grads = [x.grad.reshape(y.shape) for x, y in zip(flat, (q, k, v))]
+    else:
+        out = fav.attention(q, k, v, backend=BACKEND, **args)
+        out.backward(dout)
+        grads = [q.grad, k.grad, v.grad]
+    f = lambda x: x.detach().double().numpy()  # noqa: E731
+    want = reference(f(q), f(k), f(v), f(dout), **ref_kw)
+    assert rel_err(out.reshape(q.shape).detach().float().numpy(), want["out"]) <= TOL[dtype]
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert rel_err(g.float().numpy(), want[name]) <= GRAD_TOL[dtype], name
+    if "sinks" in args:
+        got = args["sinks"].grad.double().numpy()
+        assert args["sinks"].grad.dtype == torch.float32
+        np.testing.assert_allclose(got, want["dsinks"], rtol=GRAD_TOL[dtype], atol=1e-3 * np.abs(want["dsinks"]).max())
+
+
+def test_masked_ops_pass_opcheck_and_compile(rng):
+    """The varlen ops with sinks and ALiBi pass opcheck; attention() with every mask keyword compiles (fullgraph)
+    to the gradients eager autograd gives."""
+    q, k, v, dout = _tensors(rng, 2, 29, 37, 4, 2, 32, "bfloat16")
+    args, _ = _mask_args(MASKS["everything"])
+    cu_q, cu_k = torch.tensor([0, 29, 58], dtype=torch.int32), torch.tensor([0, 37, 74], dtype=torch.int32)
+    flat = [x.detach().reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    op_args = (cu_q, cu_k, 29, 37, "fa2", True, None, 9, 2, 3.0, args["sinks"].detach(), args["alibi_slopes"],
+               BACKEND)
+    torch.library.opcheck(fat._varlen_forward, (*flat, *op_args))
+    out, lse = fat._varlen_forward(*flat, *op_args)
+    torch.library.opcheck(fat._varlen_backward, (dout.reshape(-1, 4, 32), *flat, out, lse, *op_args))
+
+    def call(q, k, v, sinks):
+        return fav.attention(q, k, v, backend=BACKEND, **dict(args, sinks=sinks))
+    results = []
+    for fn in (call, torch.compile(call, backend="aot_eager", fullgraph=True)):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, args["sinks"])]
+        fn(*leaves).backward(dout)
+        results.append([x.grad for x in leaves])
+    for e, c in zip(*results):
         assert torch.equal(e, c)
 
 

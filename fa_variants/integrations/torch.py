@@ -134,15 +134,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
 @torch.library.custom_op("fa_variants::attention_varlen_fwd", mutates_args=())
 def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                     max_seqlen_k: int, variant: str, causal: bool, softmax_scale: Optional[float], window_left: int,
-                    window_right: int, softcap: float, backend: str) -> Tuple[Tensor, Tensor]:
+                    window_right: int, softcap: float, sinks: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                    backend: str) -> Tuple[Tensor, Tensor]:
     return varlen.attention_varlen(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, causal=causal, window=(window_left, window_right), softcap=softcap,
+                                   sinks=None if sinks is None else sinks.detach(), alibi_slopes=alibi_slopes,
                                    softmax_scale=softmax_scale, return_lse=True, variant=variant, backend=backend)
 
 
 @_varlen_forward.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant, causal,
-                         softmax_scale, window_left, window_right, softcap, backend):
+                         softmax_scale, window_left, window_right, softcap, sinks, alibi_slopes, backend):
     total_q, h, d = q.shape
     return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -151,42 +153,64 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, variant: str, causal: bool,
                      softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
-                     backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    return backward.attention_backward(*(t.detach() for t in (dout, q, k, v, out, lse)), variant=variant,
-                                       causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False,
-                                       window=(window_left, window_right), softcap=softcap,
-                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                     sinks: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                     backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty where no sinks are given (an op returns tensors only)."""
+    grads = backward.attention_backward(*(t.detach() for t in (dout, q, k, v, out, lse)), variant=variant,
+                                        causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False,
+                                        window=(window_left, window_right), softcap=softcap,
+                                        sinks=None if sinks is None else sinks.detach(), alibi_slopes=alibi_slopes,
+                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return tuple(grads) if sinks is not None else (*grads, q.new_empty(0))
 
 
 @_varlen_backward.register_fake
 def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant,
-                          causal, softmax_scale, window_left, window_right, softcap, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                          causal, softmax_scale, window_left, window_right, softcap, sinks, alibi_slopes, backend):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, variant, *flags = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, variant, causal, scale, left, right, softcap, sinks, slopes, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, dispatch.backward_variant(variant), *flags)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks, slopes)
+    ctx.args = (max_q, max_k, dispatch.backward_variant(variant), causal, scale, left, right, softcap)
+    ctx.backend = backend
 
 
 def _varlen_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _varlen_backward(_dense(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+    q, k, v, out, lse, cu_q, cu_k, sinks, slopes = ctx.saved_tensors
+    dq, dk, dv, dsinks = _varlen_backward(_dense(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks, slopes,
+                                          ctx.backend)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks, None, None)
 
 
 _varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window, softcap,
-                     softmax_scale, return_lse, variant, backend):
+                     softmax_scale, return_lse, variant, backend, sinks=None, alibi_slopes=None):
     """``fa_variants.attention_varlen`` for torch tensors (its arguments checked already), recorded for autograd
-    and opaque to torch.compile. The backward is ``variant``'s (auto's for a forward without one), with the
-    forward's masks and bounds."""
+    (q, k, v and sinks) and opaque to torch.compile. The backward is ``variant``'s (auto's for a forward without
+    one), with the forward's masks and bounds."""
     out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), variant,
                                bool(causal), None if softmax_scale is None else float(softmax_scale),
-                               int(window[0]), int(window[1]), float(softcap), backend)
+                               int(window[0]), int(window[1]), float(softcap), sinks, alibi_slopes, backend)
     return (out, lse.detach()) if return_lse else out
+
+
+def attention_masked(q, k, v, *, causal, window, softcap, sinks, alibi_slopes, softmax_scale, return_lse, variant,
+                     backend):
+    """``fa_variants.attention`` with mask keywords for torch tensors, recorded for autograd: the dense batch as a
+    packed one of equal lengths (a reshape; a copy only for strided inputs), through the varlen ops, and back."""
+    b, n_q, h, d = q.shape
+    n_k = k.shape[1]
+    step = lambda n: torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)  # noqa: E731
+    packed = [x.reshape(b * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v)]
+    out, lse = _varlen_forward(*packed, step(n_q), step(n_k), n_q, n_k, variant, bool(causal),
+                               None if softmax_scale is None else float(softmax_scale), int(window[0]),
+                               int(window[1]), float(softcap), sinks, alibi_slopes, backend)
+    out = out.reshape(b, n_q, h, d)
+    return (out, lse.detach().reshape(h, b, n_q).transpose(0, 1)) if return_lse else out

@@ -34,16 +34,16 @@ What the attention function does with transformers' arguments:
   (transformers' own flash path casts the same way). The cast is the one copy this path makes.
 * A padded batch (a 2D mask with zeros, the dynamic cache) and sequences packed in rows (position_ids that
   restart at 0: the mask hook hands on the sequence ids transformers' packed pattern holds) run as a
-  variable-length batch, training included, on the NumPy model as of 2026-12-06 (``attention_varlen`` has no
-  GPU kernel yet: on the GPU it raises).
+  variable-length batch (``attention_varlen``), training included.
 * ``sliding_window`` (Mistral, Gemma 2's alternate layers), ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks)
   go to ``fav.attention``'s ``window=(sliding_window - 1, 0)``, ``softcap`` and ``sinks`` (and to
-  ``attention_varlen``'s with padding or packing): on the NumPy model, inference only, as of 2026-12-06 (no GPU
-  kernel and no backward for them yet: they raise).
+  ``attention_varlen``'s with padding or packing), training included (the sinks get their gradient).
+  On the GPU these run fa2's masked kernels (kernels/fa2_masked.py); the CPU tests below run the NumPy models,
+  and the GPU ones of these paths have not run yet (2026-12-06).
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
   rows), a window or softcap with a StaticCache, ``cu_seq_lens_*`` without packed position_ids, chunked
-  attention, custom mask overlays, sinks under autograd, position biases, a value head dim
+  attention, custom mask overlays, position biases, a value head dim
   other than the query's, and attention dropout != 0 (there is no dropout in ``fav.attention``: transformers
   passes ``dropout=attention_dropout`` only in training, so set ``config.attention_dropout = 0`` or use
   ``model.eval()``).
@@ -297,10 +297,6 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
         if position_bias is not None:
             raise Unsupported(f"fa_variants attention does not implement an additive position bias "
                               f"(position_bias={_short(position_bias)})")
-        if s_aux is not None and torch.is_grad_enabled() and s_aux.requires_grad:
-            raise Unsupported("fa_variants attention has no backward for attention sinks under torch autograd yet "
-                              "(s_aux, gpt-oss): run inference under torch.no_grad(), or train with "
-                              "attn_implementation='eager'")
         packed = [name for name in _PACKED if kwargs.get(name) is not None]
         if packed and sequence_ids is None:
             raise Unsupported(f"fa_variants attention takes packed sequences from position_ids that restart at 0 "
@@ -322,7 +318,7 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
                      softcap=0.0 if softcap is None else float(softcap))
         plain = sliding_window is None and softcap is None and s_aux is None
         if s_aux is not None:   # gpt-oss: one logit per head in every row's softmax denominator
-            masks["sinks"] = s_aux.detach()
+            masks["sinks"] = s_aux
 
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, d) views: no copy
         out_dtype = q.dtype
