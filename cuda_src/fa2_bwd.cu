@@ -42,9 +42,12 @@ fa2_bwd_delta(const fav::BwdParams p) {
     if (lane == 0) p.delta[((i64)b * p.heads + h) * p.seqlen_q + i] = sum;
 }
 
-// Pass 2 for K/V block j (columns from c0) of kv head h_kv in batch row b, under mask policy MASK (mask.cuh).
-template <class T, int D, int DC, int BM, int BN, int NWARPS, class MASK, class Params>
-__forceinline__ __device__ void dkdv_block(const Params& p, const MASK& mask, int j, int c0, int h_kv, int b) {
+// Pass 2 for K/V block j (columns from c0) of kv head h_kv in batch row b, under the mask policy (mask.cuh) that
+// make_mask() builds. (Built after seqlen_q is read: the other order changed the plain kernels' machine code, and
+// made fa2_bwd_dq at d 224 spill on sm_90a.)
+template <class T, int D, int DC, int BM, int BN, int NWARPS, class Params, class MakeMask>
+__forceinline__ __device__ void dkdv_block(const Params& p, const MakeMask& make_mask, int j, int c0, int h_kv,
+                                           int b) {
     using namespace fav;
     constexpr int THREADS = NWARPS * 32, NT = BM / 8, DCT = DC / 8;
     using TQ = Tile<BM, D>;
@@ -61,6 +64,7 @@ __forceinline__ __device__ void dkdv_block(const Params& p, const MASK& mask, in
 
     const int warp = threadIdx.x / 32;
     const int seqlen_q = p.seqlen_q;
+    const auto mask = make_mask();
     const int seqlen_k = mask.seqlen_k;
     const int key0 = j * BN, kr0 = warp * 16;  // the block's first key; this warp's first row of it
     const BlockRange q_range = mask.template q_blocks<BM, BN>(key0);   // the Q blocks that see block j
@@ -118,13 +122,14 @@ template <class T, int D, int DC, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_bwd_dkdv(const fav::BwdParams p) {
     constexpr int SLICES = D / DC;
-    dkdv_block<T, D, DC, BM, BN, NWARPS>(p, fav::CausalMask::of(p), blockIdx.x / SLICES, (blockIdx.x % SLICES) * DC,
-                                         blockIdx.y, blockIdx.z);
+    dkdv_block<T, D, DC, BM, BN, NWARPS>(p, [&] { return fav::CausalMask::of(p); }, blockIdx.x / SLICES,
+                                         (blockIdx.x % SLICES) * DC, blockIdx.y, blockIdx.z);
 }
 
-// Pass 3 for Q block i_block (columns from c0) of query head h in batch row b, under mask policy MASK.
-template <class T, int D, int DC, int BM, int BN, int NWARPS, class MASK, class Params>
-__forceinline__ __device__ void dq_block(const Params& p, const MASK& mask, int i_block, int c0, int h, int b) {
+// Pass 3 for Q block i_block (columns from c0) of query head h in batch row b, under make_mask()'s policy.
+template <class T, int D, int DC, int BM, int BN, int NWARPS, class Params, class MakeMask>
+__forceinline__ __device__ void dq_block(const Params& p, const MakeMask& make_mask, int i_block, int c0, int h,
+                                         int b) {
     using namespace fav;
     constexpr int THREADS = NWARPS * 32, NT = BN / 8, DCT = DC / 8;
     using TQ = Tile<BM, D>;
@@ -141,6 +146,7 @@ __forceinline__ __device__ void dq_block(const Params& p, const MASK& mask, int 
     const int h_kv = h / p.group;
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const int seqlen_q = p.seqlen_q;
+    const auto mask = make_mask();
     const int seqlen_k = mask.seqlen_k;
     const int m0 = i_block * BM, row0 = warp * 16;
     const BlockRange blocks = mask.template kv_blocks<BM, BN>(m0);
@@ -177,7 +183,7 @@ __forceinline__ __device__ void dq_block(const Params& p, const MASK& mask, int 
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 pr[0][nt][e] = recompute_p(mask, pr[0][nt][e], p.scale_log2, lse2[e / 2],
-                                           key0 + nt * 8 + 2 * t + (e % 2), m0 + row0 + g + 8 * (e / 2));
+                                           key0 + nt * 8 + 2 * t + (e % 2), m0 + row0 + g + 8 * (e / 2), seqlen_k);
 
         // dP = dO_w V_j^T, then dS = P * (dP - D) in place
         float ds[1][NT][4] = {};
@@ -187,7 +193,7 @@ __forceinline__ __device__ void dq_block(const Params& p, const MASK& mask, int 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 ds[0][nt][e] = pr[0][nt][e] * (ds[0][nt][e] - delta[e / 2]);
-                if constexpr (MASK::TRANSFORMS)
+                if constexpr (decltype(mask)::TRANSFORMS)
                     ds[0][nt][e] = mask.ds_raw(ds[0][nt][e], pr[0][nt][e], p.scale_log2, lse2[e / 2],
                                                m0 + row0 + g + 8 * (e / 2), key0 + nt * 8 + 2 * t + (e % 2));
             }
@@ -212,8 +218,9 @@ __global__ void __launch_bounds__(NWARPS * 32)
 fa2_bwd_dq(const fav::BwdParams p) {
     // The heaviest Q blocks (causal: the last) first; the slices of one block are neighbours.
     constexpr int SLICES = D / DC;
-    dq_block<T, D, DC, BM, BN, NWARPS>(p, fav::CausalMask::of(p), gridDim.x / SLICES - 1 - blockIdx.x / SLICES,
-                                       (blockIdx.x % SLICES) * DC, blockIdx.y, blockIdx.z);
+    dq_block<T, D, DC, BM, BN, NWARPS>(p, [&] { return fav::CausalMask::of(p); },
+                                       gridDim.x / SLICES - 1 - blockIdx.x / SLICES, (blockIdx.x % SLICES) * DC,
+                                       blockIdx.y, blockIdx.z);
 }
 
 // ---- the masked backward: the same passes under AttnMask (windows, softcap, ALiBi; the sinks are in the LSE), over
@@ -248,9 +255,10 @@ fa2_bwd_dkdv_masked(const fav::MaskedBwdParams params) {
     const int j = blockIdx.x / SLICES, h_kv = blockIdx.y;
     const MaskedBwdView view(params, blockIdx.z);
     if (j * BN >= view.p.seqlen_k) return;
-    dkdv_block<T, D, DC, BM, BN, NWARPS>(view.p, AttnMask::of(view.p, view.p.seqlen_q, view.p.seqlen_k, blockIdx.z,
-                                                              h_kv * params.group),
-                                         j, (blockIdx.x % SLICES) * DC, h_kv, view.b);
+    const MaskedBwdParams& p = view.p;
+    dkdv_block<T, D, DC, BM, BN, NWARPS>(
+        p, [&] { return AttnMask::of(p, p.seqlen_q, p.seqlen_k, blockIdx.z, h_kv * params.group); }, j,
+        (blockIdx.x % SLICES) * DC, h_kv, view.b);
 }
 
 template <class T, int D, int DC, int BM, int BN, int NWARPS>
@@ -261,6 +269,7 @@ fa2_bwd_dq_masked(const fav::MaskedBwdParams params) {
     const int i_block = gridDim.x / SLICES - 1 - blockIdx.x / SLICES, h = blockIdx.y;
     const MaskedBwdView view(params, blockIdx.z);
     if (i_block * BM >= view.p.seqlen_q) return;
-    dq_block<T, D, DC, BM, BN, NWARPS>(view.p, AttnMask::of(view.p, view.p.seqlen_q, view.p.seqlen_k, blockIdx.z, h),
+    const MaskedBwdParams& p = view.p;
+    dq_block<T, D, DC, BM, BN, NWARPS>(p, [&] { return AttnMask::of(p, p.seqlen_q, p.seqlen_k, blockIdx.z, h); },
                                        i_block, (blockIdx.x % SLICES) * DC, h, view.b);
 }

@@ -50,13 +50,15 @@ __forceinline__ __device__ float recompute_p(float s, float scale_log2, float ls
     const bool visible = key < seqlen_k && !(causal && key > query + diag);
     return visible ? exp2f_approx(s * scale_log2 - lse_log2) : 0.f;
 }
-// recompute_p under a mask policy: the written-out test for CausalMask, AttnMask's own (its transforms too)
+// recompute_p under a mask policy: the written-out test for CausalMask, AttnMask's own (its transforms too).
+// seqlen_k: the policy's, where the caller holds it already (fa2_bwd's dQ pass at d 224 spilled when it was read
+// from the policy here)
 __forceinline__ __device__ float recompute_p(const CausalMask& m, float s, float scale_log2, float lse_log2, int key,
-                                             int query) {
-    return recompute_p(s, scale_log2, lse_log2, key, query, m.seqlen_k, m.diag, m.causal);
+                                             int query, int seqlen_k) {
+    return recompute_p(s, scale_log2, lse_log2, key, query, seqlen_k, m.diag, m.causal);
 }
 __forceinline__ __device__ float recompute_p(const AttnMask& m, float s, float scale_log2, float lse_log2, int key,
-                                             int query) {
+                                             int query, int) {
     return m.p_of(s, scale_log2, lse_log2, query, key);
 }
 
@@ -115,7 +117,7 @@ __forceinline__ __device__ void key_rows_step(float (&dk)[1][DCT][4], float (&dv
         for (int e = 0; e < 4; ++e) {
             const int col = nt * 8 + 2 * t + (e % 2);
             pt[0][nt][e] = recompute_p(mask, pt[0][nt][e], scale_log2, lse2[col], key0 + kr0 + g + 8 * (e / 2),
-                                       m0 + col);
+                                       m0 + col, mask.seqlen_k);
         }
 
     warp_mma_pb<T, TQ>(dv, pt, sdO + 2 * c0);
