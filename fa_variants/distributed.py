@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from . import api, dispatch
 from . import backward as backward_mod
+from .reference.ring import chunks_of, pairs   # the layout and the pairs a step computes: the model's own
 
 __all__ = ["ring_attention", "ulysses_attention", "shard", "unshard", "chunks_of"]
 
@@ -43,12 +44,6 @@ __all__ = ["ring_attention", "ulysses_attention", "shard", "unshard", "chunks_of
 # ------------------------------------------------------------------------------------------------ the layout
 def _world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def chunks_of(rank: int, world: int, zigzag: bool) -> tuple[int, ...]:
-    """The sequence chunks a rank holds, in order: (rank,) of world chunks, or zigzag's (rank, 2 world - 1 - rank)
-    of 2 * world."""
-    return (rank, 2 * world - 1 - rank) if zigzag else (rank,)
 
 
 def shard(x: torch.Tensor, group=None, *, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
@@ -86,19 +81,6 @@ def _exchange(send: list, recv: list, rank: int, world: int, group):
     return dist.batch_isend_irecv(ops)
 
 
-def _pairs(rank: int, src: int, world: int, causal: bool, zigzag: bool):
-    """(query chunk index, key chunk index, causal) of every pair of this rank's chunks and ``src``'s that sees
-    something: all of them without causal; with it a key chunk before the query chunk in full, the same chunk
-    under the causal mask, a later one not at all."""
-    mine, theirs = chunks_of(rank, world, zigzag), chunks_of(src, world, zigzag)
-    for i, a in enumerate(mine):
-        for j, c in enumerate(theirs):
-            if not causal or c < a:
-                yield i, j, False
-            elif c == a:
-                yield i, j, True
-
-
 def _merge(acc_out, acc_lse, out, lse):
     """(acc_out, acc_lse) and one more state over other keys, merged in place (float32 out, lse (B, H, N)): rows
     that saw nothing (LSE -inf) add nothing."""
@@ -127,7 +109,7 @@ class _Ring(torch.autograd.Function):
             nxt = [torch.empty_like(t) for t in kv] if step + 1 < world else None
             reqs = _exchange(kv, nxt, rank, world, group) if nxt is not None else []
             ks, vs = kv[0].chunk(per, dim=1), kv[1].chunk(per, dim=1)
-            for i, j, diag in _pairs(rank, src, world, causal, zigzag):
+            for i, j, diag in pairs(rank, src, world, causal, zigzag):
                 out, lse = api.attention(qs[i], ks[j], vs[j], causal=diag, softmax_scale=scale, return_lse=True,
                                          variant=variant, backend=backend)
                 _merge(outs[i], lses[i], out, lse)
@@ -157,7 +139,7 @@ class _Ring(torch.autograd.Function):
         for step in range(world):
             src = (rank - step) % world
             ks, vs, dks, dvs = (t.chunk(per, dim=1) for t in travel)
-            for i, j, diag in _pairs(rank, src, world, causal, zigzag):
+            for i, j, diag in pairs(rank, src, world, causal, zigzag):
                 g = backward_mod.attention_backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i].contiguous(),
                                                     causal=diag, softmax_scale=scale, check_lse=False,
                                                     variant=bwd_variant, backend=backend)

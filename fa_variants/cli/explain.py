@@ -10,6 +10,7 @@ from .. import iomodel
 from ..registry import VARIANTS, Variant, get, variants
 from . import explain_mask
 from . import explain_decode
+from . import explain_ring
 from .args import add_block_args, positive
 from .blocks import Blocks, backward_tiles_note
 
@@ -28,6 +29,7 @@ def explain_auto(args: argparse.Namespace) -> int:
 # What explain takes besides a variant's name: a target name -> its command (parsed flags -> exit status).
 OTHER_TARGETS: dict[str, Callable[[argparse.Namespace], int]] = {"auto": explain_auto, "decode": explain_decode.run}
 OTHER_TARGETS["mask"] = explain_mask.run   # the tiles a mask computes (--causal, --window, --seqlens)
+OTHER_TARGETS["ring"] = explain_ring.run   # context parallelism: a step's compute against its transfer
 
 
 def add_parser(sub) -> None:
@@ -49,6 +51,7 @@ def add_parser(sub) -> None:
                    "its rows and what each lever buys (fa3 prints the run shipped with the package without it)")
     explain_mask.add_args(e)
     explain_decode.add_arguments(e)
+    explain_ring.add_arguments(e)
     e.set_defaults(func=run)
 
 
