@@ -49,11 +49,14 @@ def causal_flops(lens_q, lens_k) -> float:
 
 def run_case(name, q, k, v, masks, causal, flops, reps, rng):
     scale = D ** -0.5
-    fwd = lambda: fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)  # noqa: E731
+    def fwd():
+        return fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)
     t_f = timed_ms(fwd, reps)
     out, lse = fwd()
     dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(DT))
-    bwd = lambda: fa2_masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)  # noqa: E731
+
+    def bwd():
+        return fa2_masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
     t_b = timed_ms(bwd, reps)
     return dict(case=name, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=flops / t_f / 1e9, bwd_tflops=2.5 * flops / t_b / 1e9)
 

@@ -37,6 +37,7 @@
 #include "block_range.cuh"
 #include "math.cuh"
 #include "params.cuh"
+#include "softmax.cuh"
 
 namespace fav {
 
@@ -221,17 +222,10 @@ struct AttnMask {
     // softcap and ALiBi on every score of the block; -inf where hidden, if MASKED. Rows from row0, keys from key0.
     template <bool MASKED, int MT, int NT>
     __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + mt * 16 + g + 8 * (e / 2), key = key0 + nt * 8 + 2 * t + (e % 2);
-                    const float x = transform(s[mt][nt][e], row, key);
-                    s[mt][nt][e] = MASKED && !visible(row, key) ? neg_inf() : x;
-                }
+        for_each_score(s, row0, key0, [&](float& x, int row, int key) {
+            const float y = transform(x, row, key);   // before the select: a branch per score otherwise
+            x = MASKED && !visible(row, key) ? neg_inf() : y;
+        });
     }
     template <int MT, int NT>
     __forceinline__ __device__ void apply_if_needed(float (&s)[MT][NT][4], int m0, int row0, int key0) const {
@@ -298,15 +292,9 @@ struct PackedCausalMask {
     // a warp's scores (softmax.cuh's fragment layout), rows from row0, keys from key0: hidden ones to -inf
     template <int MT, int NT>
     __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
-        const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!visible(row0 + mt * 16 + g + 8 * (e / 2), key0 + nt * 8 + 2 * t + (e % 2)))
-                        s[mt][nt][e] = neg_inf();
+        for_each_score(s, row0, key0, [&](float& x, int row, int key) {
+            if (!visible(row, key)) x = neg_inf();
+        });
     }
 };
 

@@ -17,6 +17,20 @@ __forceinline__ __device__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// f(score, row, key) for each of a warp's scores of a block, its rows from row0 and keys from key0 (the layout
+// above: the mask policies' element walk).
+template <int MT, int NT, class F>
+__forceinline__ __device__ void for_each_score(float (&s)[MT][NT][4], int row0, int key0, const F& f) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                f(s[mt][nt][e], row0 + mt * 16 + g + 8 * (e / 2), key0 + nt * 8 + 2 * t + (e % 2));
+}
+
 // Row maxima of a block (over the quad too), one per (m-tile, half): max[mt][0] row g, max[mt][1] row g+8,
 // each folded into the value mx holds. A thread's 2 NT values of a row are reduced as a tree (depth log2 2 NT
 // rather than a chain of 2 NT dependent FMNMX: the row max is on every block's critical path).
