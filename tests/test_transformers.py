@@ -341,14 +341,14 @@ WINDOWED = {   # model, the implementation it is compared with, its masks, what 
 }
 
 
-def _windowed_model(name, **overrides):
+def _windowed_model(name, device="cpu", **overrides):
     prefix, impl, masks, _ = WINDOWED[name]
     sinks = overrides.pop("sinks", None)
     torch.manual_seed(0)
     cfg = getattr(transformers, prefix + "Config")(**{**CONFIG, "max_position_embeddings": 128, **masks,
                                                        **overrides})
     cfg._attn_implementation = impl
-    model = getattr(transformers, prefix + "ForCausalLM")(cfg).to(torch.bfloat16).eval()
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).to(device=device, dtype=torch.bfloat16).eval()
     with torch.no_grad():   # gpt-oss's sinks: N(0, 1), or so low that they take nothing from any row
         for m in model.modules():
             if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
@@ -515,3 +515,35 @@ def test_gpu_generation_through_kvcache_matches_sdpa(cache, decode_calls):
 def test_gpu_training_step_gradients_match_sdpa():
     ref, ours = _cuda_models()
     assert_step_matches(ref, ours, token_ids(device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_padded_generation_and_training_match_sdpa():
+    """A left-padded batch on CUDA: 64 greedy tokens and a training step through attention_varlen, which runs
+    fa2's masked kernels (forward and backward) there."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    ref = make_model(device="cuda", max_position_embeddings=128)
+    ours = with_impl(ref, AUTO_IMPL)
+    ids, mask = (x.cuda() for x in left_padded(pads=(0, 5, 11, 17)))
+    kw = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    assert_same_greedy(ref.generate(ids, **kw), ours.generate(ids, **kw), SEQ)
+    assert_step_matches(ref, ours, ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_gpu_windowed_softcapped_and_sink_models_match(name):
+    """Mistral, Gemma 2 and gpt-oss on CUDA: logits and a training step through fa2's masked kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    if not hasattr(transformers, WINDOWED[name][0] + "Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    ref = _windowed_model(name, device="cuda")
+    ours = with_impl(ref, AUTO_IMPL)
+    ids = token_ids(device="cuda")
+    with torch.no_grad():
+        assert rel(ours(ids).logits, ref(ids).logits) < LOGITS_TOL
+    assert_step_matches(ref, ours, ids)
