@@ -72,12 +72,16 @@ def unshard(x: torch.Tensor, group=None, *, zigzag: bool = True, dim: int = 1) -
 
 
 # ------------------------------------------------------------------------------------------------ the ring
+def _global(group, rank: int) -> int:
+    """The global rank of ``group``'s rank (P2POp takes global ranks)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
 def _exchange(send: list, recv: list, rank: int, world: int, group):
     """Post the sends of ``send`` to rank + 1 and the receives into ``recv`` from rank - 1; returns the requests."""
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
-    g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    ops = [dist.P2POp(dist.isend, t, g(nxt), group) for t in send]
-    ops += [dist.P2POp(dist.irecv, t, g(prv), group) for t in recv]
+    nxt, prv = _global(group, (rank + 1) % world), _global(group, (rank - 1) % world)
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
     return dist.batch_isend_irecv(ops)
 
 
@@ -192,11 +196,11 @@ def _all_to_all(x: torch.Tensor, split: int, cat: int, group) -> torch.Tensor:
     pieces = [p.contiguous() for p in x.chunk(world, dim=split)]
     got = [torch.empty_like(pieces[0]) for _ in range(world)]
     got[rank].copy_(pieces[rank])
-    g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     ops = []
     for j in range(world):
         if j != rank:
-            ops += [dist.P2POp(dist.isend, pieces[j], g(j), group), dist.P2POp(dist.irecv, got[j], g(j), group)]
+            ops += [dist.P2POp(dist.isend, pieces[j], _global(group, j), group),
+                    dist.P2POp(dist.irecv, got[j], _global(group, j), group)]
     if ops:
         for r in dist.batch_isend_irecv(ops):
             r.wait()

@@ -142,10 +142,11 @@ def _on_copies(entry, inp, causal: bool, scale: float, return_lse: bool):
     scale < 0 the running max's -inf start times the scale is +inf, and fa1/fa2/fa3 returned all NaN). A negative
     scale runs softmax(|scale| (-Q) K^T), the same function, on a negated copy of q."""
     import cupy
+    from .kernels.common import negated
     with cupy.cuda.Device(inp.q.device.id if inp.on_gpu else None):
         qd, kd, vd = (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
-        if scale < 0:  # the sign bit of every element: exact in fp16 and bf16, a NaN stays NaN
-            qd, scale = (qd.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(qd.dtype), -scale
+        if scale < 0:
+            qd, scale = negated(qd), -scale
         out, lse = entry.launcher.forward(qd, kd, vd, causal=causal, softmax_scale=scale, return_lse=return_lse)
     host = (lambda a: a) if inp.on_gpu else arrays.to_numpy
     return inp.wrap(host(out)), (None if lse is None else inp.wrap(host(lse)))

@@ -77,6 +77,14 @@ def _side_import(name: str, x, inp, dtypes, required=False):
     return a
 
 
+def _as_plain(q, k, causal, window, softcap, sinks, alibi_slopes):
+    """The ``causal`` of a plain call that computes what this masked one does (a window that hides no more than a
+    plain call, and no transform), or None."""
+    if softcap != 0 or sinks is not None or alibi_slopes is not None:
+        return None
+    return masks.window_as_causal(q.shape[1], k.shape[1], causal, window)
+
+
 def _runs_on_gpu(inp, backend: str) -> bool:
     """backend="cuda", or GPU arrays with "auto"; host arrays with "auto" run the model even where a GPU is usable."""
     return backend == "cuda" or (inp.on_gpu and backend == "auto")
@@ -113,8 +121,8 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
         # Torch tensors that require grad (sinks too), or under Dynamo: the dense batch as a packed one through the
         # varlen torch ops (integrations/torch.py), whose body checks the rest
         arrays.check_dims(q, k, v)
-        reduced = masks.window_as_causal(q.shape[1], k.shape[1], causal, window)
-        if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
+        reduced = _as_plain(q, k, causal, window, softcap, sinks, alibi_slopes)
+        if reduced is not None:
             return plain(q, k, v, variant=variant, causal=reduced, softmax_scale=softmax_scale,
                          return_lse=return_lse, backend=backend)
         from .integrations import torch as torch_ops
@@ -125,13 +133,13 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
     arrays.check_dims(inp.q, inp.k, inp.v)
     dtype = arrays.common_dtype(inp)
     arrays.check_layout(dict(q=inp.q, k=inp.k, v=inp.v))
-    batch, seqlen_q, heads, d = inp.q.shape
+    batch, _, heads, d = inp.q.shape
     sinks_h = _side_array("sinks", sinks, inp, SINK_DTYPES)
     slopes_h = _side_array("alibi_slopes", alibi_slopes, inp, ALIBI_DTYPES)
     masks.check_sinks(sinks_h, heads)
     masks.check_alibi(slopes_h, heads, batch)
-    reduced = masks.window_as_causal(seqlen_q, inp.k.shape[1], causal, window)
-    if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
+    reduced = _as_plain(inp.q, inp.k, causal, window, softcap, sinks, alibi_slopes)
+    if reduced is not None:
         return plain(q, k, v, variant=variant, causal=reduced, softmax_scale=softmax_scale, return_lse=return_lse,
                      backend=backend)
     if _runs_on_gpu(inp, backend):
@@ -290,8 +298,8 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
         slopes_h = _side_array("alibi_slopes", alibi_slopes, inp, ALIBI_DTYPES)
         masks.check_sinks(sinks_h, heads)
         masks.check_alibi(slopes_h, heads, inp.q.shape[0])
-        reduced = masks.window_as_causal(inp.q.shape[1], inp.k.shape[1], causal, window)
-        if reduced is not None and softcap == 0 and sinks is None and alibi_slopes is None:
+        reduced = _as_plain(inp.q, inp.k, causal, window, softcap, sinks, alibi_slopes)
+        if reduced is not None:
             return plain(dout, q, k, v, out, lse, variant=variant, causal=reduced, softmax_scale=softmax_scale,
                          backend=backend, check_lse=check_lse)
     if _runs_on_gpu(inp, backend):

@@ -49,7 +49,8 @@ __forceinline__ __device__ BlockRange kv_split(const BwdParams&) { return all_bl
 // CausalMask's mask on a warp's block of scores (softmax.cuh's fragment layout): -inf for every score whose key is
 // past the end (>= seqlen_k) or, with causal, right of the bottom-right aligned diagonal (key > query + diag, diag =
 // seqlen_k - seqlen_q). row0: this warp's first query row; key0: the block's first key. Called only on blocks that
-// hold a hidden key.
+// hold a hidden key. Its loop is softmax.cuh's for_each_score written out: through the lambda, every fa1, fa2, fp8
+// and fa3 forward that masks with it got other machine code (docs/kernels/masks.md).
 template <int MT, int NT>
 __forceinline__ __device__ void mask_scores(float (&s)[MT][NT][4], int row0, int key0, int seqlen_k, int diag,
                                             bool causal) {

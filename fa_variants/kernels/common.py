@@ -18,6 +18,13 @@ def ensure_vector_aligned(a):
     return a if arrays.aligned_for_vector_loads(a) else a.copy()
 
 
+def negated(a):
+    """-a for a 16-bit CuPy array by its sign bits: exact, and a NaN stays NaN (a negative softmax_scale runs as a
+    positive one on a negated q: every kernel takes each row's max over the raw scores and scales it)."""
+    import cupy
+    return (a.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(a.dtype)
+
+
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

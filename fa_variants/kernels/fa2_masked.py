@@ -13,8 +13,8 @@ import dataclasses
 
 from .. import jit
 from ..tiles import FA2_MASKED_TILES
-from .common import CTYPE, cdiv, check_grid, elem_strides, ensure_vector_aligned, pad_last_dim, pick_tiles, \
-    round_up, scale_log2, template_dim
+from .common import CTYPE, cdiv, check_grid, elem_strides, ensure_vector_aligned, negated, pad_last_dim, \
+    pick_tiles, round_up, scale_log2, template_dim
 from .launch import function_of, launch
 
 SOURCE = "fa2_fwd.cu"   # beside fa2_fwd, whose block loop it shares
@@ -70,20 +70,29 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
     """(out, lse or None) for CuPy q, k, v: dense (batch, seqlen, heads, d) or, with masks.cu_seqlens_q, packed
     (total, heads, d). out has q's shape; lse is (batch, heads, seqlen_q), or (heads, total_q) when packed. Rows of
     a packed q past cu_seqlens_q[-1] give 0 and -inf. A negative scale runs on a negated copy of q."""
-    import cupy
     check_scale(softmax_scale, masks)
-    if softmax_scale < 0:  # the sign bit of every element: exact, a NaN stays NaN
-        q, softmax_scale = (q.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(q.dtype), -softmax_scale
-    packed = masks.packed
-    q4, k4, v4 = (a[None] if packed else a for a in (q, k, v))
-    d = q4.shape[3]
-    if d % 8:
-        q4, k4, v4 = (pad_last_dim(a, round_up(d, 8)) for a in (q4, k4, v4))
-    else:
-        q4, k4, v4 = (ensure_vector_aligned(a) for a in (q4, k4, v4))
+    if softmax_scale < 0:
+        q, softmax_scale = negated(q), -softmax_scale
+    d = q.shape[-1]
+    q4, k4, v4 = _launchable((q, k, v), masks.packed)
     out, lse = _run(q4, k4, v4, d, causal, softmax_scale, return_lse, masks)
-    out = out[..., :d] if d % 8 else out
-    return (out[0] if packed else out), lse
+    return _as_given(out, d, masks.packed), lse
+
+
+def _launchable(xs, packed: bool) -> list:
+    """Arrays as the kernels read them: (batch, seqlen, heads, d) (a packed one as batch 1), rows padded to a
+    multiple of 8 elements (a copy) or else 16-byte aligned (a copy where they are not)."""
+    four = [a[None] if packed else a for a in xs]
+    d = four[0].shape[3]
+    if d % 8:
+        return [pad_last_dim(a, round_up(d, 8)) for a in four]
+    return [ensure_vector_aligned(a) for a in four]
+
+
+def _as_given(a, d: int, packed: bool):
+    """A result of _launchable's layout back in the caller's: the first d columns, the packed batch axis gone."""
+    a = a[..., :d] if d % 8 else a
+    return a[0] if packed else a
 
 
 def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
@@ -112,10 +121,7 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         qs, ks, vs = (0, qs[1], qs[2]), (0, ks[1], ks[2]), (0, vs[1], vs[2])
     o_b = 0 if packed else nq * h * dp
     sinks = None if masks.sinks is None else cupy.ascontiguousarray(masks.sinks, dtype=cupy.float32)
-    cu_q = None if not packed else cupy.ascontiguousarray(masks.cu_seqlens_q, dtype=cupy.int32)
-    cu_k = None if not packed else cupy.ascontiguousarray(masks.cu_seqlens_k, dtype=cupy.int32)
-    ptr = (lambda a: 0 if a is None else a.data.ptr)
-    fields, _slopes = _mask_fields(masks, softmax_scale, h, ptr)   # (_slopes: alive until the launch)
+    fields, _held = _mask_fields(masks, softmax_scale, h)   # (_held: alive until the launch)
     from .params import KV_BLOCKS_ALL, MASKED_FWD
     template = MASKED_FWD.pack(
         q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
@@ -123,21 +129,30 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         o_b=o_b, o_n=h * dp, o_h=dp, batch=batch, seqlen_q=rows if packed else nq,
         seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=dp, kv_block_begin=0,
         kv_block_end=KV_BLOCKS_ALL, scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)),
-        cu_seqlens_q=ptr(cu_q), cu_seqlens_k=ptr(cu_k), sinks=ptr(sinks), lse_h=nq, **fields)
+        sinks=_ptr(sinks), lse_h=nq, **fields)
     func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
     launch(func, (cdiv(rows, tile.block_q), h, batch), 32 * tile.warps, smem, cupy.cuda.get_current_stream().ptr,
-           template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, ptr(lse), 0, 0, 0)
+           template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, _ptr(lse), 0, 0, 0)
     return out, lse
 
 
-def _mask_fields(masks: Masks, softmax_scale: float, heads: int, ptr) -> dict:
-    """The fields MaskedFwdParams and MaskedBwdParams share past their bases (every one but sinks)."""
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+def _mask_fields(masks: Masks, softmax_scale: float, heads: int) -> tuple[dict, list]:
+    """The fields MaskedFwdParams and MaskedBwdParams share past their bases (every one but sinks, lse_h), and the
+    device arrays their pointers name (to keep alive until the launches are queued)."""
     import cupy
-    slopes = None if masks.alibi_slopes is None else cupy.ascontiguousarray(masks.alibi_slopes, dtype=cupy.float32)
-    return dict(alibi_slopes=ptr(slopes), alibi_b=0 if slopes is None or slopes.ndim == 1 else heads,
+    side = [None if a is None else cupy.ascontiguousarray(a, dtype=dt) for a, dt in
+            ((masks.cu_seqlens_q, cupy.int32), (masks.cu_seqlens_k, cupy.int32),
+             (masks.alibi_slopes, cupy.float32))]
+    cu_q, cu_k, slopes = side
+    return dict(cu_seqlens_q=_ptr(cu_q), cu_seqlens_k=_ptr(cu_k), alibi_slopes=_ptr(slopes),
+                alibi_b=0 if slopes is None or slopes.ndim == 1 else heads,
                 window_left=masks.window[0], window_right=masks.window[1],
                 softcap_raw=masks.softcap / softmax_scale if masks.softcap > 0 else 0.0,
-                inv_scale=1.0 / softmax_scale if softmax_scale != 0 else 0.0), slopes
+                inv_scale=1.0 / softmax_scale if softmax_scale != 0 else 0.0), side
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks):
@@ -147,24 +162,18 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, mas
     import cupy
     from . import fa2_bwd
     check_scale(softmax_scale, masks)
-    negated = softmax_scale < 0
-    if negated:
-        q, softmax_scale = (q.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(q.dtype), -softmax_scale
+    flip = softmax_scale < 0
+    if flip:
+        q, softmax_scale = negated(q), -softmax_scale
     packed = masks.packed
-    four = [a[None] if packed else a for a in (dout, q, k, v, out)]
-    d = four[1].shape[3]
-    if d % 8:
-        four = [pad_last_dim(a, round_up(d, 8)) for a in four]
-    dout4, q4, k4, v4, out4 = (ensure_vector_aligned(a) for a in four)
+    d = q.shape[-1]
+    dout4, q4, k4, v4, out4 = _launchable((dout, q, k, v, out), packed)
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     dlt = fa2_bwd.delta(dout4, out4)   # (1, heads, total_q) when packed: D is per row, whatever its sequence
-    dq, dk, dv = _dqdkdv(dout4, q4, k4, v4, out4, lse, dlt, causal, softmax_scale, masks)
-    if d % 8:
-        dq, dk, dv = (a[..., :d] for a in (dq, dk, dv))
-    if packed:
-        dq, dk, dv = dq[0], dk[0], dv[0]
-    if negated:
-        dq = (dq.view(cupy.uint16) ^ cupy.uint16(0x8000)).view(dq.dtype)
+    dq, dk, dv = (_as_given(g, d, packed) for g in _dqdkdv(dout4, q4, k4, v4, out4, lse, dlt, causal, softmax_scale,
+                                                         masks))
+    if flip:
+        dq = negated(dq)
     dsinks = None
     if masks.sinks is not None:
         # dsink_h = -sum over rows of P_sink * D, P_sink = exp(sink_h - LSE): rows that saw nothing (LSE -inf,
@@ -192,19 +201,16 @@ def _dqdkdv(dout, q, k, v, out, lse, dlt, causal, softmax_scale, masks):
         return dq, dk, dv
     check_grid(h, "heads")
     check_grid(batch, "batch")
-    ptr = (lambda a: 0 if a is None else a.data.ptr)
     strides = {n: elem_strides(a) for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout))}
     if packed:
         strides = {n: (0,) + st[1:] for n, st in strides.items()}
-    cu = {n: None if a is None else cupy.ascontiguousarray(a, dtype=cupy.int32)
-          for n, a in (("q", masks.cu_seqlens_q), ("k", masks.cu_seqlens_k))}
-    fields, _slopes = _mask_fields(masks, softmax_scale, h, ptr)   # (_slopes: alive until the launches)
+    fields, _held = _mask_fields(masks, softmax_scale, h)   # (_held: alive until the launches)
     template = MASKED_BWD.pack(
         q=0, k=0, v=0, o=0, dout=0, lse=0, delta=0, dq=0, dk=0, dv=0,
         **{f"{n}_{axis}": st[i] for n, st in strides.items() for i, axis in enumerate("bnh")},
         seqlen_q=rows_q, seqlen_k=rows_k, heads=h, group=h // hkv, head_dim=dp,
         scale_log2=scale_log2(softmax_scale), scale=softmax_scale, causal=int(bool(causal)),
-        cu_seqlens_q=ptr(cu["q"]), cu_seqlens_k=ptr(cu["k"]), lse_h=nq, **fields)
+        lse_h=nq, **fields)
     ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse, dlt, dq, dk, dv))
     stream = cupy.cuda.get_current_stream().ptr
     D = template_dim(dp)
