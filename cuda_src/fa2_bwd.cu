@@ -31,14 +31,7 @@ fa2_bwd_delta(const fav::BwdParams p) {
     using namespace fav;
     const int i = blockIdx.x * NWARPS + threadIdx.x / 32, h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % 32;
     if (i >= p.seqlen_q) return;
-    const u16* o = p.o + b * p.o_b + (i64)i * p.o_n + h * p.o_h;
-    const u16* dout = p.dout + b * p.do_b + (i64)i * p.do_n + h * p.do_h;
-    float sum = 0.f;
-    for (int c = 2 * lane; c < p.head_dim; c += 64) {  // head_dim is a multiple of 8: whole pairs
-        const u32 x = *reinterpret_cast<const u32*>(o + c), y = *reinterpret_cast<const u32*>(dout + c);
-        sum += T::to_float((u16)x) * T::to_float((u16)y) + T::to_float((u16)(x >> 16)) * T::to_float((u16)(y >> 16));
-    }
-    sum = warp_sum(sum);
+    const float sum = row_delta<T>(p, b, h, i, lane);
     if (lane == 0) p.delta[((i64)b * p.heads + h) * p.seqlen_q + i] = sum;
 }
 

@@ -187,26 +187,20 @@ fa2_bwd_dkdv_sm90(const fav::BwdParams p) {
 
 // The fused dQ (deterministic, two passes instead of three): a persistent grid of `groups` x n_kv CTAs, all
 // resident at once (the launcher sizes it to the SMs), CTA (group, c) takes the role of K/V block j of every
-// groups-th (batch, kv head) from `group` on, in DqOrder's order; causal items alternate the roles (c, n_kv - 1 - c)
-// and the visiting direction so that every CTA's two items add up to one head's work. A CTA only ever waits for
+// groups-th (batch, kv head) from `group` on, in DqOrder's order (fused_item_role). A CTA only ever waits for
 // CTAs of its own head and group, which run beside it, for a share they add at an earlier step of theirs: no
 // cycle. fa2_bwd_dq_convert then scales dQ into the input dtype.
 namespace fav {
 template <class T, int D, int BN, int BM>
 __forceinline__ __device__ void fused_items(const BwdParams& p, int batch) {
     using C = DkdvConfig<T, D, BN, BM, true, true, false, false, true>;
-    const int n_kv = (p.seqlen_k + BN - 1) / BN;
-    const int n_q = (p.seqlen_q + BM - 1) / BM, heads_kv = p.heads / p.group;
+    const int n_kv = (p.seqlen_k + BN - 1) / BN, heads_kv = p.heads / p.group;
     const int block = blockIdx.x;  // (signed: the divisions by n_kv are)
     const int c = block % n_kv, groups = gridDim.x / n_kv;
     DqShares shares{0};
     for (int item = block / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
-        const bool down = p.causal && (m & 1);
-        const int j = down ? n_kv - 1 - c : c;
-        const int i_first = BwdMask(p).q_blocks<BM>(j * BN).begin;
-        const DqOrder order{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_kv, n_q,
-                            i_first, j * n_q / n_kv};
-        dkdv_block<C>(p, j, item % heads_kv, item / heads_kv, order, &shares);
+        const FusedItemRole role = fused_item_role<BN, BM>(p, c, n_kv, m);
+        dkdv_block<C>(p, role.j, item % heads_kv, item / heads_kv, role.order, &shares);
         // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
         named_sync(3, 2 * BN);
     }
@@ -222,12 +216,8 @@ __global__ void __launch_bounds__(2 * BN + 128, 1)
 fa2_bwd_fused_writer_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts, int batch) {
     using namespace fav;
     extern __shared__ unsigned char smem[];
-    const u32 bars = ((smem_u32(smem) + 1023) & ~1023u) + DkdvSmem<D, BN, BM, 2, false>::DQ_BARS;
     if (threadIdx.x == 0) {
-        for (int k = 0; k < 2; ++k) {  // (DqBuffers' full(k) and empty(k))
-            mbar_init(bars + 8 * k, 2 * BN);  // full: every compute thread, once its part of the share is stored
-            mbar_init(bars + 16 + 8 * k, 2);  // empty: both writer threads, once their copies have read it
-        }
+        DqBuffers<D, BN, BM>{(smem_u32(smem) + 1023) & ~1023u}.init(2 * BN);
         fence_mbar_init();
     }
     __syncthreads();

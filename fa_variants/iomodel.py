@@ -23,6 +23,7 @@ import numpy as np
 from tabulate import tabulate
 
 from .reference.common import DEFAULT_SRAM, paper_blocks, resolve_blocks
+from .tiles import FA3_BWD_TILES
 
 __all__ = ["standard_attention", "paper_blocks", "kv_reread", "flash_ratio", "fa1_extra", "naive_accesses",
            "fa1_accesses", "fa2_accesses", "standard_backward", "naive_backward_accesses", "fa1_backward_accesses",
@@ -194,7 +195,8 @@ def fa2_backward_accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=No
 #: Matrix products per visited (Q block, K block) pair, 2 B_r B_c d FLOPs each. The forward has 2 (S = Q K^T,
 #: P V); the standard backward 4 (P^T dO, dO V^T, dS K, dS^T Q); recomputing S instead of reading P adds 1;
 #: FA2's separate dQ pass recomputes S and dP once more and moves dS K there: 4 + 3.
-BACKWARD_PRODUCTS = {"naive": 4, "fa1": 5, ("fa2", "separate"): 7, ("fa2", "atomic"): 5}
+#: FA3's backward accumulates dQ across the K/V-block programs, as fa2's "atomic" mode (above d 128 it is fa2's).
+BACKWARD_PRODUCTS = {"naive": 4, "fa1": 5, ("fa2", "separate"): 7, ("fa2", "atomic"): 5, "fa3": 5}
 
 
 def forward_flops(seqlen_q, seqlen_k, head_dim) -> int:
@@ -204,7 +206,7 @@ def forward_flops(seqlen_q, seqlen_k, head_dim) -> int:
 
 def backward_flops(variant, seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False,
                    dq_mode="separate") -> int:
-    """Matmul FLOPs per head of ``variant``'s backward model ("naive", "fa1" or "fa2"), as its ``flops`` counts:
+    """Matmul FLOPs per head of ``variant``'s backward model ("naive", "fa1", "fa2" or "fa3"), as its ``flops`` counts:
     ``BACKWARD_PRODUCTS`` x 2 d x the score elements of the visited block pairs (``_pair_area``; naive works on
     the whole N_q x N_k matrices, causal or not). Non-causal: naive 8 N_q N_k d (2x the forward), fa1 and fa2
     "atomic" 10 N_q N_k d (2.5x), fa2 "separate" 14 N_q N_k d (3.5x)."""
@@ -212,8 +214,10 @@ def backward_flops(variant, seqlen_q, seqlen_k, head_dim, block_q=None, block_k=
     if variant == "naive":
         return 2 * BACKWARD_PRODUCTS["naive"] * N_q * N_k * d
     key = (variant, dq_mode) if variant == "fa2" else variant
+    if variant == "fa3" and d > max(FA3_BWD_TILES):
+        key = ("fa2", "separate")
     if key not in BACKWARD_PRODUCTS:
-        raise ValueError(f"variant must be 'naive', 'fa1' or 'fa2' (dq_mode 'separate' or 'atomic'), "
+        raise ValueError(f"variant must be 'naive', 'fa1', 'fa2' (dq_mode 'separate' or 'atomic') or 'fa3', "
                          f"got {variant!r}, dq_mode={dq_mode!r}")
     B_r, B_c = resolve_blocks(d, block_q, block_k)
     return 2 * BACKWARD_PRODUCTS[key] * _pair_area(N_q, N_k, B_r, B_c, causal) * d
@@ -322,4 +326,11 @@ def _explain_backward(entry, N, d, M, blocks) -> str:
                   f"{atomic['total']:,} (dQ {atomic['dQ']:,} vs {formula['dQ']:,}, K+V {atomic['K'] + atomic['V']:,} "
                   f"vs {formula['K'] + formula['V']:,}; ~ (4d+2)/B_c N^2 = {c_atomic:.3g} N^2), matmul FLOPs "
                   f"{a_flops:,} = {a_flops / fwd_flops:.3g}x the forward"]
+    elif name == "fa3" and d <= max(FA3_BWD_TILES):
+        c = (4 * d + 2) / B_c
+        lines.append(f"recompute trade: FA2's backward with dQ accumulated across the K/V-block CTAs (fa2's "
+                     f"dq_mode=\"atomic\"): S and dP computed once per (i, j), 5 products ({flops / fwd_flops:.3g}x "
+                     f"the forward, against 3.5x for fa2's separate dQ pass), at the price of dQ_i's fp32 "
+                     f"read-modify-write per (i, j), ~ (4d+2)/B_c N^2 = {c:.3g} N^2 of re-reads against naive's 7N^2; "
+                     f"on the GPU those adds are bulk reduce-adds in L2, in a fixed order (deterministic)")
     return "\n".join(lines)

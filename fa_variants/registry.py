@@ -166,6 +166,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
         dtypes=HALF_DTYPES, head_dims=ALL_HEAD_DIMS, min_cc=90, max_cc=90, launcher=k_fa3.LAUNCHER,
         reference=ref_fa3.forward, loops=ref_fa3.LOOPS, io_model=ref_fa3.accesses, tensor_bytes={"LSE": 4},
         archs=("sm_90a",), pipeline=ref_fa3.PIPELINE,
+        reference_backward=ref_fa3.backward, io_model_backward=ref_fa3.backward_accesses,
+        directions=("forward", "backward"),
     ),
     Variant(
         name="fa3_fp8",

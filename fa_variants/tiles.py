@@ -1,5 +1,5 @@
-"""The tile configurations of the forward kernels: one table per kernel, and for fa3 the one function that says
-which configuration a call launches (``fa3_tile``).
+"""The tile configurations of the forward kernels and of fa3's backward: one table per kernel, and for fa3's
+forward the one function that says which configuration a call launches (``fa3_tile``).
 
 Everything that speaks of a kernel's tiles reads them here: the launchers (fa_variants/kernels/) compile and launch
 them, their ``tiles()`` report them to the IO model, the NumPy models (fa_variants/reference/) take them as their
@@ -199,3 +199,15 @@ def fa3_instances(fp8: bool = False) -> tuple[tuple[int, Fa3Tile], ...]:
     if fp8:
         return tuple(FA3_FP8_TILES.items())
     return tuple(dict.fromkeys((d, tile) for (d, _), rules in FA3_TILES.items() for _, tile in rules))
+
+
+class Fa3BwdTile(NamedTuple):
+    """fa3_bwd.cu: a persistent dK/dV CTA of two compute warpgroups (64 keys each), the dQ writer and the producer."""
+    block_q: int     # BM: queries per step (the N of S^T and dP^T; dQ's share is BM x d in two 64 x 64 halves)
+    block_k: int     # BN: keys per CTA
+
+
+#: fa3's backward by template head dim: 128 keys a CTA, and queries per step so that a step's share of dQ is
+#: two 64 x 64 fp32 halves, one per compute warpgroup (by rows at d 64, by columns at d 128). Head dims above 128
+#: run fa2's Hopper backward (kernels/fa3_bwd.py ``applies``).
+FA3_BWD_TILES = MappingProxyType({64: Fa3BwdTile(128, 128), 128: Fa3BwdTile(64, 128)})

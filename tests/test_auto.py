@@ -28,11 +28,11 @@ def test_ampere_and_ada_run_fa2_both_ways(cc, head_dim, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [1, 8, 40, 64, 96, 128, 200, 256])
-def test_hopper_runs_fa3_forward_and_fa2_backward(head_dim, dtype):
+def test_hopper_runs_fa3_forward_and_backward(head_dim, dtype):
     fwd = choice.choose("forward", 90, dtype, head_dim)
     bwd = choice.choose("backward", 90, dtype, head_dim)
     assert (fwd.variant, fwd.backend) == ("fa3", "cuda")
-    assert (bwd.variant, bwd.backend) == ("fa2", "cuda") and "fa3 (no backward)" in bwd.reason
+    assert (bwd.variant, bwd.backend) == ("fa3", "cuda")
 
 
 @pytest.mark.parametrize("cc", [100, 120])
@@ -98,7 +98,7 @@ def _fake_gpu(monkeypatch, cc):
     monkeypatch.setattr(gpu, "probe", lambda device_id=None: gpu.Probe(cc, "" if cc else "no CUDA device", "fake"))
 
 
-@pytest.mark.parametrize("cc, forward, backward", [(80, "fa2", "fa2"), (90, "fa3", "fa2")])
+@pytest.mark.parametrize("cc, forward, backward", [(80, "fa2", "fa2"), (90, "fa3", "fa3")])
 def test_dispatch_resolves_auto_on_a_faked_device(monkeypatch, cc, forward, backward):
     _fake_gpu(monkeypatch, cc)
     for direction, want in (("forward", forward), ("backward", backward)):
@@ -132,15 +132,15 @@ def test_backward_variant_of_each_forward():
     for v in registry.variants():
         want = v.name if "backward" in v.directions else "auto"
         assert dispatch.backward_variant(v.name) == want
-    assert dispatch.backward_variant("fa3") == "auto" and dispatch.backward_variant("fa2_fp8") == "auto"
+    assert dispatch.backward_variant("fa3") == "fa3" and dispatch.backward_variant("fa2_fp8") == "auto"
 
 
 # ------------------------------------------------------------------------------------------------ explain
 def test_explain_choice_by_dtype_and_head_dim_on_a_named_device():
     report = fav.explain_choice(dtype="bfloat16", head_dim=128, device_cc=90)
-    assert (report.forward.variant, report.backward.variant) == ("fa3", "fa2")
+    assert (report.forward.variant, report.backward.variant) == ("fa3", "fa3")
     text = repr(report)
-    assert text.splitlines()[0].startswith("forward : fa3 (GPU)") and "backward: fa2 (GPU)" in text
+    assert text.splitlines()[0].startswith("forward : fa3 (GPU)") and "backward: fa3 (GPU)" in text
     assert fav.explain_choice(dtype=ml_dtypes.bfloat16, head_dim=128, device_cc=80).forward.variant == "fa2"
 
 

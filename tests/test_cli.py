@@ -438,7 +438,7 @@ def test_explain_backward_naive_and_given_blocks(capsys):
 
 def test_explain_backward_without_a_model_is_one_line(capsys):
     rc, out, err = run_cli(["explain", "fa2_fp8", "--backward"], capsys)
-    assert rc != 0 and "fa2_fp8 has no backward model (--backward: naive, fa1, fa2)" in err
+    assert rc != 0 and "fa2_fp8 has no backward model (--backward: naive, fa1, fa2, fa3)" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
@@ -611,7 +611,7 @@ def test_compare_backward_error_column_sees_a_wrong_gradient(no_gpu, monkeypatch
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--variants", "fa2_fp8"], "fa2_fp8 has no backward (--backward: naive, fa1, fa2)"),
+    (["--variants", "fa2_fp8"], "fa2_fp8 has no backward (--backward: naive, fa1, fa2, fa3)"),
     (["--dtype", "fp8"], "--dtype fp8 has no backward"),
     (["--variants", "fa9"], "unknown variant"),
 ])
@@ -713,7 +713,7 @@ def test_compare_backward_blocks_note_names_the_backward_kernels(no_gpu, capsys)
                             "--head-dim", "16"], capsys)
     assert rc == 0, err
     note = [ln for ln in out.splitlines() if "] blocks: " in ln][0]
-    assert "the GPU backward kernels of fa1 and fa2 pick their own tiles, which the launchers do not report" in note
+    assert "the GPU backward kernels of fa1, fa2 and fa3 pick their own tiles, which the launchers do not report" in note
     assert "yet" not in note and "naive" not in note         # naive does not tile
 
 
@@ -850,10 +850,10 @@ def test_imports_go_one_way():
     assert [m for m in mine if reaches(m, m)] == []
 
 
-@pytest.mark.parametrize("cc, forward", [(90, "fa3"), (80, "fa2")])
-def test_explain_auto_names_the_choice_for_a_device(cc, forward, capsys):
-    """`fa-variants explain auto` prints fav.explain_choice's answer: fa3 forward on sm_90, fa2 on sm_80, and
-    fa2's backward on both."""
+@pytest.mark.parametrize("cc, chosen", [(90, "fa3"), (80, "fa2")])
+def test_explain_auto_names_the_choice_for_a_device(cc, chosen, capsys):
+    """`fa-variants explain auto` prints fav.explain_choice's answer: fa3 forward and backward on sm_90, fa2 on
+    sm_80."""
     assert cli.main(["explain", "auto", "--head-dim", "128", "--device-cc", str(cc)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[2] == forward and lines[1].split()[1] == "fa2"
+    assert lines[0].split()[2] == chosen and lines[1].split()[1] == chosen

@@ -30,6 +30,8 @@ BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.dire
 # of CTAs takes several heads (causal: both directions)
 SCHEMES = ["separate", "writer", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
+# fa3 on 8 SMs: each CTA of its persistent grid takes several heads (causal: both directions)
+IMPLS += ["fa3:few_sms"] if "fa3" in BACKWARD_VARIANTS else []
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per test run: the inputs (and their float64 gradients) are shared by the implementations
 
@@ -68,6 +70,11 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
+        if kernel == "few_sms":  # fa3's grid cut to 8 SMs (its launcher sizes it as fa2's fused dQ does)
+            import cupy
+            from fa_variants.kernels import fa2_bwd_sm90
+            monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 8)
+            return name
         if kernel not in SCHEMES:  # mma_sync: the kernel fa2's plan and backward take where the device has no wgmma
             from fa_variants.kernels import fa2
             monkeypatch.setattr(fa2, "uses_wgmma", lambda: False)

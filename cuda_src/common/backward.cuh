@@ -17,6 +17,18 @@ constexpr float LOG2E = 1.4426950408889634f;
 __forceinline__ __device__ float row_lse2(const BwdParams& p, int b, int h, int row) {
     return row < p.seqlen_q ? p.lse[((i64)b * p.heads + h) * p.seqlen_q + row] * LOG2E : __int_as_float(0x7f800000);
 }
+// D = rowsum(dO * O) of query row i of head (b, h), summed by the 32 lanes of a warp (every lane gets it).
+template <class T>
+__forceinline__ __device__ float row_delta(const BwdParams& p, int b, int h, int i, int lane) {
+    const u16* o = p.o + b * p.o_b + (i64)i * p.o_n + h * p.o_h;
+    const u16* dout = p.dout + b * p.do_b + (i64)i * p.do_n + h * p.do_h;
+    float sum = 0.f;
+    for (int c = 2 * lane; c < p.head_dim; c += 64) {  // head_dim is a multiple of 8: whole pairs
+        const u32 x = *reinterpret_cast<const u32*>(o + c), y = *reinterpret_cast<const u32*>(dout + c);
+        sum += T::to_float((u16)x) * T::to_float((u16)y) + T::to_float((u16)(x >> 16)) * T::to_float((u16)(y >> 16));
+    }
+    return warp_sum(sum);
+}
 struct RowStats {
     float lse2, delta;
 };

@@ -65,6 +65,12 @@ __forceinline__ __device__ void tma_load_4d(u32 dst, const TmaDesc& map, u32 bar
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into shared memory at `dst` by the
+// TMA unit, without a tensor map, completion counted on `bar`.
+__forceinline__ __device__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 // The box of a 4-d tensor map at coordinates (c0 innermost .. c3) from shared memory at `src` (laid out and
 // swizzled as a load of that box would leave it) to global memory, by the TMA unit, in this thread's bulk group
 // (bulk_commit, bulk_wait_read below). Elements of the box outside the tensor's extent are not written. Generic

@@ -294,6 +294,30 @@ __forceinline__ __device__ void issue_dk(const DkdvCta<C>& cta, const DkdvRegs<C
     wgmma_commit();
 }
 
+// ---------------------------------------------------------------------------------------------------- epilogue
+// dK_j = scale * dS^T Q and dV_j, each staged through shared memory (this warp's own 16 rows of the K_j and V_j
+// tiles, which every warpgroup must be done with) for 16-byte stores into contiguous (batch, seqlen_k, heads_kv,
+// head_dim) gradients.
+template <class C>
+__forceinline__ __device__ void store_dkdv(const DkdvCta<C>& cta, const float (&dk)[1][C::DT][4],
+                                           const float (&dv)[1][C::DT][4]) {
+    extern __shared__ unsigned char smem[];
+    const BwdParams& p = cta.p;
+    const int heads_kv = p.heads / p.group, key0 = cta.key0, kr0 = cta.kr0, seqlen_k = cta.mask.seqlen_k;
+    const i64 ld = (i64)heads_kv * p.head_dim;
+    const i64 at = ((i64)cta.b * seqlen_k + key0 + kr0) * ld + (i64)cta.h_kv * p.head_dim;
+    u16* stage_k = reinterpret_cast<u16*>(smem + (cta.smem.base - smem_u32(smem))) + kr0 * Tile<16, C::D>::STRIDE;
+    u16* stage_v = stage_k + C::BN * Tile<16, C::D>::STRIDE;
+    if constexpr (C::DK) {
+        const float scale[1][2] = {{p.scale, p.scale}};
+        store_acc_rows<typename C::T, C::D>(dk, scale, stage_k, p.dk + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+    }
+    if constexpr (C::DV) {
+        const float one[1][2] = {{1.f, 1.f}};
+        store_acc_rows<typename C::T, C::D>(dv, one, stage_v, p.dv + at, ld, seqlen_k - key0 - kr0, p.head_dim);
+    }
+}
+
 // XCHG: P^T from the dV warpgroup to the dK one, in fragment order (thread x's float4 of column block nt at
 // (nt * 128 + x) * 16 bytes: the same thread of the other warpgroup holds the same keys and queries). One buffer
 // is enough: it is written again only after the next step's CTA barrier, which the reader passes after reading.

@@ -13,6 +13,23 @@ struct DqShares {
     int sent;
 };
 
+// The role a persistent fused-dQ CTA takes in its m-th work item: K/V block j and the order of its Q blocks. CTA c
+// of a head's n_kv takes block c; causal items alternate the roles (c, n_kv - 1 - c) and the visiting direction so
+// that every CTA's two items add up to one head's work.
+struct FusedItemRole {
+    int j;
+    DqOrder order;
+};
+template <int BN, int BM>
+__forceinline__ __device__ FusedItemRole fused_item_role(const BwdParams& p, int c, int n_kv, int m) {
+    const int n_q = (p.seqlen_q + BM - 1) / BM;
+    const bool down = p.causal && (m & 1);
+    const int j = down ? n_kv - 1 - c : c;
+    const int i_first = BwdMask(p).q_blocks<BM>(j * BN).begin;
+    return {j, DqOrder{p.causal ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_kv, n_q, i_first,
+                       j * n_q / n_kv}};
+}
+
 // The two share buffers (DkdvSmem's DQ on): each holds both warpgroups' 64 x 64 fp32 halves of a share.
 template <int D, int BN, int BM>
 struct DqBuffers {
@@ -24,6 +41,14 @@ struct DqBuffers {
     __forceinline__ __device__ u32 slot(int buf) const { return base + L::DQ_SLOTS + 8 * buf; }
     // (compute threads) until the writer has read the share two before `share` from the buffer `share` will take
     __forceinline__ __device__ void wait_free(int share) const { mbar_wait(empty(share % 2), ((share / 2) & 1) ^ 1); }
+    // (one thread, before the CTA's first barrier) full: every compute thread arrives, once its part of the share
+    // is stored; empty: both writer threads, once their copies have read it
+    __forceinline__ __device__ void init(int compute_threads) const {
+        for (int k = 0; k < 2; ++k) {
+            mbar_init(full(k), compute_threads);
+            mbar_init(empty(k), 2);
+        }
+    }
 };
 
 // dS_wg-half K_j, with dS^T already in shared memory (both warpgroups' keys make up the reduction): n64 wgmmas

@@ -291,6 +291,16 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-LAUNCHER = KernelLauncher(sources=lambda: {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES},
-                          forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes, source_archs={SOURCE: ARCHS},
-                          plan_fn=plan)
+def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
+    """fa3_bwd (kernels/fa3_bwd.py), or fa2's Hopper backward where it does not apply."""
+    from . import fa3_bwd
+    return fa3_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+
+
+def _sources():
+    from . import fa3_bwd
+    return {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES, fa3_bwd.SOURCE: fa3_bwd.specializations()}
+
+
+LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
+                          source_archs={SOURCE: ARCHS, "fa3_bwd.cu": ARCHS}, plan_fn=plan, backward_fn=backward)

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_FP8_TILES, FA3_TILES, fa3_tile
+from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_BWD_TILES, FA3_FP8_TILES, FA3_TILES, fa3_tile
+from . import fa2 as _fa2
 from . import fp8 as _fp8
 from .common import (AccessCounter, ModelResult, block_slices, check_block, logsumexp_from, normalize, prepare,
                      rescale, row_exp, to_flash_layout, validate)
@@ -529,3 +530,62 @@ PIPELINE = "\n".join([
     "  PINGPONG off, OVERLAP off, both off (bench/ablation.py): printed below from a run's JSON (the shipped",
     "    one, or --measured FILE)",
 ])
+
+
+# ----------------------------------------------------------------------------------------------------- backward
+LOOPS_BACKWARD = """\
+stats:   per Q block i: LSE_i (log2 units) and D_i = rowsum(dO_i o O_i), padded to B_r rows  (one pass)
+for j in 1..T_c:           (a persistent CTA per K/V block; a head's T_c CTAs side by side)
+  producer warp:           K_j, V_j once; then Q_i, dO_i, LSE_i, D_i of every step into a ring of 2 stages
+  compute warpgroup w:     keys 64w..64w+63 of K_j; dK_j = dV_j = 0 in its registers
+    for each query head of the group, for i over the Q blocks that see block j (in DqOrder's order):
+      S^T = K_j Q_i^T, dP^T = V_j dO_i^T                  (issued together: dP^T runs while P^T is computed)
+      P^T = exp2(S^T scale log2e - LSE_i) (masked to 0)   dV_j += P^T dO_i
+      dS^T = P^T o (dP^T - D_i)                           dK_j += dS^T Q_i
+      dS^T -> shared memory; dQ_i share = dS_ij K_j       (both warpgroups' keys; half of dQ_i's columns or rows each)
+  writer warps:            add each share into dQ_i's fp32 sum in a fixed order (rank 0 stores, then bulk adds)
+  write dK_j * scale, dV_j (once)
+convert: dQ = scale * the fp32 sum, in q's dtype"""
+
+
+def backward_blocks(head_dim: int, block_q=None, block_k=None) -> tuple[int, int] | None:
+    """(B_r, B_c) of fa3's backward for ``head_dim`` (tiles.FA3_BWD_TILES at the next template dim), the ones
+    given taking precedence; None above the table's head dims, where fa3's backward is fa2's."""
+    dims = [d for d in FA3_BWD_TILES if head_dim <= d]
+    if not dims:
+        return None
+    tile = FA3_BWD_TILES[min(dims)]
+    block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
+    return (tile.block_q if block_q is None else block_q), (tile.block_k if block_k is None else block_k)
+
+
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block_q=None, block_k=None, **policies):
+    """FlashAttention-3's backward (Shah et al. 2024, sec. 3.3), in the loop order of ``cuda_src/fa3_bwd.cu``
+    (``LOOPS_BACKWARD``), on float64 copies.
+
+    FA2's Algorithm 2 with dQ accumulated across the K/V-block programs, as the paper has it: one program per K/V
+    block j keeps dK_j, dV_j on chip and hands every (i, j) pair's dS_ij K_j to dQ_i's fp32 sum in HBM, so S and
+    dP are computed once (5 matrix products per pair, against the 7 of fa2's separate dQ pass). The kernel adds
+    the shares in a fixed order (fa2_bwd_sm90.dq_order): the same bits on every run. As arithmetic this is
+    ``reference/fa2.py``'s ``dq_mode="atomic"`` on fa3_bwd's blocks (tiles.FA3_BWD_TILES: B_c = 128 keys, B_r = 128
+    queries at d 64, 64 at d 128); in float64 the order of the adds does not show. Above d 128 fa3's backward is
+    fa2's (three passes: ``dq_mode="separate"``, fa2's blocks). ``policies``: the mask keywords fa2's model takes.
+
+    HBM traffic per head (``iomodel.fa2_backward_accesses``, "atomic"): the dQ sum is read and written at every
+    pair there; on the GPU the adds happen in L2 (bulk reduce-adds), which the count does not see.
+    """
+    blocks = backward_blocks(np.shape(q)[-1], block_q, block_k)
+    if blocks is None:
+        return _fa2.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
+                             block_k=block_k, **policies)
+    return _fa2.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, block_q=blocks[0],
+                         block_k=blocks[1], dq_mode="atomic", **policies)
+
+
+def backward_accesses(seqlen_q, seqlen_k, head_dim, block_q=None, block_k=None, causal=False) -> dict:
+    """HBM element accesses per head of ``backward`` (its blocks, its dQ mode)."""
+    from ..iomodel import fa2_backward_accesses
+    blocks = backward_blocks(head_dim, block_q, block_k)
+    if blocks is None:
+        return fa2_backward_accesses(seqlen_q, seqlen_k, head_dim, block_q, block_k, causal=causal)
+    return fa2_backward_accesses(seqlen_q, seqlen_k, head_dim, *blocks, causal=causal, dq_mode="atomic")

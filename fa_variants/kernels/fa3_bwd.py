@@ -1,0 +1,133 @@
+"""Launcher of cuda_src/fa3_bwd.cu: FlashAttention-3's backward on sm_90a (docs/kernels/fa3_bwd.md).
+
+Three launches on the current stream: ``fa3_bwd_stats`` (each Q block's LSE in log2 units and D = rowsum(dO o O),
+in the layout the producer copies in one piece), ``fa3_bwd`` (the persistent dK/dV grid: a TMA producer warp, two
+compute warpgroups, the fused dQ's writer), and fa2_bwd_sm90.cu's ``fa2_bwd_dq_convert`` (the writer's fp32 dQ sum
+into dq). dQ's shares are added in a fixed order: the result is the same bit for bit on every run.
+
+Where the kernel does not apply, fa2's Hopper backward (kernels/fa2_bwd_sm90.py) runs instead, and
+``applies`` says why: head dims above 128 (the fused dQ's tiles hold d 64 and 128; d 256 runs fa2's three
+passes), and sequences whose K/V blocks a head's CTAs cannot all hold at once (seqlen_k > 128 x SMs).
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+from .. import jit
+from ..tiles import FA3_BWD_TILES
+from . import fa2_bwd, fa2_bwd_sm90
+from .common import CTYPE, cdiv
+from .launch import function_of, launch, launch_argv
+from .params import BWD
+from . import tma
+
+SOURCE = "fa3_bwd.cu"
+ARCHS = ("sm_90a",)
+DIMS = tuple(FA3_BWD_TILES)  # template head dims; other d <= 128 run on the next one (the tensor maps zero-fill)
+STATS_WARPS = 8           # rows per CTA of fa3_bwd_stats
+# The share buffers, their layout and the conversion are the fused dQ's of fa2_bwd_sm90 (its tiles: (BN, BM)).
+assert {d: (t.block_k, t.block_q) for d, t in FA3_BWD_TILES.items()} == fa2_bwd_sm90.FUSED_TILES
+RING_BYTES = 48           # hopper/bwd_producer.cuh's BwdRing: after the fused dQ's buffers, bars and slots
+
+
+def instance(ctype: str, d: int) -> str:
+    t = FA3_BWD_TILES[d]
+    return f"fa3_bwd<{ctype}, {d}, {t.block_k}, {t.block_q}>"
+
+
+def stats_instance(ctype: str, d: int) -> str:
+    return f"fa3_bwd_stats<{ctype}, {FA3_BWD_TILES[d].block_q}, {STATS_WARPS}>"
+
+
+def instances(ctype: str, d: int) -> tuple:
+    return instance(ctype, d), stats_instance(ctype, d)
+
+
+def specializations() -> tuple:
+    return tuple(dict.fromkeys(e for c in CTYPE.values() for d in DIMS for e in instances(c, d)))
+
+
+def smem_bytes(d: int) -> int:
+    """The dK/dV CTA's shared memory: fa2's fused dQ kernel's (the same tiles and share buffers) and the ring's
+    mbarriers."""
+    return fa2_bwd_sm90.fused_smem(d) + RING_BYTES
+
+
+def threads(d: int) -> int:
+    return fa2_bwd_sm90.fused_threads(d)
+
+
+def template_dim(head_dim: int) -> int | None:
+    return next((t for t in DIMS if head_dim <= t), None)
+
+
+def applies(head_dim: int, seqlen_k: int, sms: int) -> str | None:
+    """None where fa3_bwd runs this call, else why fa2's Hopper backward runs it instead."""
+    if template_dim(head_dim) is None:
+        return f"head_dim {head_dim} > {DIMS[-1]}: fa2's three passes"
+    bn = FA3_BWD_TILES[template_dim(head_dim)].block_k
+    if cdiv(seqlen_k, bn) > sms:
+        return (f"seqlen_k {seqlen_k} > {bn} x {sms} SMs: a head's K/V blocks cannot all be resident "
+                f"(fa2's three passes)")
+    return None
+
+
+def stats_shape(batch: int, heads: int, seqlen_q: int, d: int) -> tuple:
+    """(batch, heads, Q blocks, 2, BM) float32: per Q block its LSE (log2 units), then its D."""
+    bm = FA3_BWD_TILES[d].block_q
+    return batch, heads, cdiv(seqlen_q, bm), 2, bm
+
+
+def tensor_map(a, rows: int, name: str) -> bytes:
+    """The TMA map of a (batch, seqlen, heads, head_dim) CuPy array in boxes of 64 columns x ``rows`` rows."""
+    tma.check(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows, name)
+    return tma.encode(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows)
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
+    """(dq, dk, dv) of validated CuPy arrays on the current stream (fa2_bwd.backward's contract)."""
+    import cupy
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    D = template_dim(d)
+    grid = 0 if D is None else fa2_bwd_sm90.fused_grid(q.device.id, cdiv(nk, FA3_BWD_TILES[D].block_k), b * hkv)
+    if not grid:  # (applies' two cases)
+        return fa2_bwd_sm90.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+    D, (dout, q, k, v, out, lse) = fa2_bwd.prepare("fa3's backward", DIMS, dout, q, k, v, out, lse)
+    ctype = CTYPE[q.dtype.name]
+    bm, bn = FA3_BWD_TILES[D]
+    dq = cupy.empty(q.shape, q.dtype)
+    dk = cupy.empty(k.shape, k.dtype)
+    dv = cupy.empty(v.shape, v.dtype)
+    stats = cupy.empty(stats_shape(b, h, nq, D), cupy.float32)
+    acc_shape, counts_shape = fa2_bwd_sm90.fused_buffers(b, h, nq, D)
+    acc = cupy.empty(acc_shape, cupy.float32)
+    counts = cupy.zeros(counts_shape, cupy.int32)
+    template = fa2_bwd.bwd_params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
+    # (BwdParams' delta stays null: D travels in stats)
+    ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse)) + (0,) + tuple(a.data.ptr for a in (dq, dk, dv))
+    stream = cupy.cuda.get_current_stream().ptr
+    exprs = instances(ctype, D)
+
+    launch(function_of(jit.kernel(SOURCE, stats_instance(ctype, D), exprs), 0),
+           (cdiv(stats_shape(b, h, nq, D)[2] * bm, STATS_WARPS), h, b), 32 * STATS_WARPS, 0, stream, template,
+           BWD.pointers_format, *ptrs, extra=(ctypes.c_uint64(stats.data.ptr),))
+
+    buffers = [ctypes.create_string_buffer(tensor_map(a, rows, name), 128)
+               for a, rows, name in ((q, bm, "q"), (dout, bm, "dout"), (k, bn, "k"), (v, bn, "v"))]
+    params = ctypes.create_string_buffer(template, len(template))
+    struct.pack_into(BWD.pointers_format, params, 0, *ptrs)
+    scalars = (ctypes.c_uint64(stats.data.ptr), ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr),
+               ctypes.c_int(b))
+    argv = (ctypes.c_void_p * 9)(*(ctypes.addressof(x) for x in buffers + [params]),
+                                 *(ctypes.addressof(x) for x in scalars))
+    smem = smem_bytes(D)
+    launch_argv(function_of(jit.kernel(SOURCE, instance(ctype, D), exprs), smem), (grid, 1, 1), threads(D), smem,
+                stream, argv)
+
+    convert = fa2_bwd_sm90.convert_instance(ctype, D)
+    launch(function_of(jit.kernel(fa2_bwd_sm90.SOURCE, convert, fa2_bwd_sm90.instances(ctype, D)), 0),
+           (cdiv(nq * (d // 8), 256), h, b), 256, 0, stream, template, BWD.pointers_format, *ptrs,
+           extra=(ctypes.c_uint64(acc.data.ptr),))
+    return dq, dk, dv
