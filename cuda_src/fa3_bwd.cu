@@ -78,10 +78,11 @@ __forceinline__ __device__ void fa3_bwd_items(const BwdParams& p, int batch) {
 }  // namespace fav
 
 // A persistent grid of groups x n_kv CTAs, all resident at once (kernels/fa3_bwd.py sizes it to the SMs), as
-// fa2_bwd_fused_writer_sm90's. Warpgroups 0 and 1 compute (240 registers a thread); warpgroup 2 holds the writer
+// fa2_bwd_fused_writer_sm90's. ORDERED (deterministic): dQ's shares are added in DqOrder's fixed order; else as
+// they come, into a zeroed sum (bwd_dq_writer.cuh's dq_writer). Warpgroups 0 and 1 compute (240 registers a thread); warpgroup 2 holds the writer
 // (lane 0 of warps 0 and 1) and the producer (warp 2) at 24. Tensor maps: q, dout (boxes of BM rows), k, v
 // (BN rows); stats: fa3_bwd_stats's.
-template <class T, int D, int BN, int BM>
+template <class T, int D, int BN, int BM, bool ORDERED = true>
 __global__ void __launch_bounds__(2 * BN + 128, 1)
 fa3_bwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tdo,
         const __grid_constant__ fav::TmaDesc tk, const __grid_constant__ fav::TmaDesc tv, const fav::BwdParams p,
@@ -104,7 +105,7 @@ fa3_bwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         bwd_producer<C>(p, tq, tdo, tk, tv, stats, batch);
     } else {
         setmaxnreg_dec<24>();
-        dq_writer<D, BN, BM>(dq_acc, dq_counts);
+        dq_writer<D, BN, BM, ORDERED>(dq_acc, dq_counts);
     }
 }
 

@@ -138,12 +138,13 @@ __forceinline__ __device__ void end_dq_shares(const DqShares& shares) {
 }
 
 // The writer warpgroup: lane 0 of its warps 0 and 1 each take one half of every share the compute warpgroups leave
-// (buffer k % 2 of the CTA's k-th share, with its slot; rank -1 ends the walk): wait for the full barrier, then for
-// the Q block's count to reach the rank, store (rank 0) or add the 16 KB half by one bulk copy, hand the buffer
-// back once it is read, and release the count once the copy is complete. The compute warps go on meanwhile; they
-// wait only when both buffers are still unread. dq_acc: (batch, heads, n_q, half, 64 x 64) fp32; dq_counts
-// (batch, heads, n_q, 2): the shares added so far to each half of each Q block.
-template <int D, int BN, int BM>
+// (buffer k % 2 of the CTA's k-th share, with its slot; rank -1 ends the walk): wait for the full barrier, then
+// (ORDERED) for the Q block's count to reach the rank, store (rank 0) or add the 16 KB half by one bulk copy, hand
+// the buffer back once it is read, and release the count once the copy is complete. The compute warps go on
+// meanwhile; they wait only when both buffers are still unread. dq_acc: (batch, heads, n_q, half, 64 x 64) fp32;
+// dq_counts (batch, heads, n_q, 2): the shares added so far to each half of each Q block. Not ORDERED: every share
+// is added as it comes, into a zeroed dq_acc (no counts): the sum's rounding then depends on the arrival order.
+template <int D, int BN, int BM, bool ORDERED = true>
 __forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
     using L = DkdvSmem<D, BN, BM, 2, false>;
     extern __shared__ unsigned char smem[];
@@ -157,17 +158,21 @@ __forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
         const int block = ld_shared(slot), rank = ld_shared(slot + 4);
         if (rank < 0) break;
         const i64 at = 2 * (i64)block + half;  // (batch, head, Q block, half)
-        wait_count_at_least(dq_counts + at, rank);
-        fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
+        if constexpr (ORDERED) {
+            wait_count_at_least(dq_counts + at, rank);
+            fence_proxy_async_global();  // the earlier shares' copies, seen through the count, come first
+        }
         const u32 src = bufs.half(buf, half);
-        if (rank == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
+        if (ORDERED && rank == 0) bulk_store(dq_acc + at * 64 * 64, src, L::HALF);
         else bulk_reduce_add_f32(dq_acc + at * 64 * 64, src, L::HALF);
         bulk_commit();
         bulk_wait_read<0>();
         mbar_arrive_if(empty, true);
-        bulk_wait<0>();
-        fence_proxy_async_global();
-        release_own_count(dq_counts + at);
+        if constexpr (ORDERED) {
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            release_own_count(dq_counts + at);
+        }
     }
     bulk_wait<0>();
 }

@@ -31,9 +31,9 @@ assert {d: (t.block_k, t.block_q) for d, t in FA3_BWD_TILES.items()} == fa2_bwd_
 RING_BYTES = 48           # hopper/bwd_producer.cuh's BwdRing: after the fused dQ's buffers, bars and slots
 
 
-def instance(ctype: str, d: int) -> str:
+def instance(ctype: str, d: int, deterministic: bool = True) -> str:
     t = FA3_BWD_TILES[d]
-    return f"fa3_bwd<{ctype}, {d}, {t.block_k}, {t.block_q}>"
+    return f"fa3_bwd<{ctype}, {d}, {t.block_k}, {t.block_q}{'' if deterministic else ', false'}>"
 
 
 def stats_instance(ctype: str, d: int) -> str:
@@ -41,7 +41,7 @@ def stats_instance(ctype: str, d: int) -> str:
 
 
 def instances(ctype: str, d: int) -> tuple:
-    return instance(ctype, d), stats_instance(ctype, d)
+    return instance(ctype, d), instance(ctype, d, False), stats_instance(ctype, d)
 
 
 def specializations() -> tuple:
@@ -85,8 +85,10 @@ def tensor_map(a, rows: int, name: str) -> bytes:
     return tma.encode(a.data.ptr, a.shape, a.strides, a.dtype.itemsize, rows)
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
-    """(dq, dk, dv) of validated CuPy arrays on the current stream (fa2_bwd.backward's contract)."""
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, deterministic: bool = True):
+    """(dq, dk, dv) of validated CuPy arrays on the current stream (fa2_bwd.backward's contract). ``deterministic``:
+    dQ's shares added in a fixed order (the same bits on every run), else as they come (fa2's fallbacks are
+    deterministic either way)."""
     import cupy
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -102,8 +104,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     dv = cupy.empty(v.shape, v.dtype)
     stats = cupy.empty(stats_shape(b, h, nq, D), cupy.float32)
     acc_shape, counts_shape = fa2_bwd_sm90.fused_buffers(b, h, nq, D)
-    acc = cupy.empty(acc_shape, cupy.float32)
-    counts = cupy.zeros(counts_shape, cupy.int32)
+    acc = (cupy.empty if deterministic else cupy.zeros)(acc_shape, cupy.float32)
+    counts = cupy.zeros(counts_shape if deterministic else (1,), cupy.int32)
     template = fa2_bwd.bwd_params(dout, q, k, v, out, causal=causal, softmax_scale=softmax_scale)
     # (BwdParams' delta stays null: D travels in stats)
     ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse)) + (0,) + tuple(a.data.ptr for a in (dq, dk, dv))
@@ -123,7 +125,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
     argv = (ctypes.c_void_p * 9)(*(ctypes.addressof(x) for x in buffers + [params]),
                                  *(ctypes.addressof(x) for x in scalars))
     smem = smem_bytes(D)
-    launch_argv(function_of(jit.kernel(SOURCE, instance(ctype, D), exprs), smem), (grid, 1, 1), threads(D), smem,
+    launch_argv(function_of(jit.kernel(SOURCE, instance(ctype, D, deterministic), exprs), smem), (grid, 1, 1), threads(D), smem,
                 stream, argv)
 
     convert = fa2_bwd_sm90.convert_instance(ctype, D)
