@@ -22,8 +22,9 @@ NAMES = ("dout", "q", "k", "v", "out", "lse")
 
 def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal: bool = False,
                        softmax_scale: float | None = None, backend: str = "auto", check_lse: bool = True,
-                       window=(-1, -1), softcap: float = 0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                       deterministic: bool = False, window=(-1, -1), softcap: float = 0.0, sinks=None,
+                       alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None):
     """Gradients of ``attention(q, k, v, causal=, softmax_scale=)`` for the output gradient ``dout``.
 
     ``out`` and ``lse`` are that forward's results (``return_lse=True``), from any variant: dout and out have q's
@@ -36,6 +37,10 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     is what a forward run with other flags gives. It reads those rows' keys once and waits for the device;
     callers that carry the forward's flags themselves (the torch and JAX integrations) pass False.
 
+    ``deterministic``: the same bits on every run. fa3's backward adds each K/V block's share of dQ as it comes
+    unless asked for its fixed order (the default, False, takes the faster of the two); naive's, fa2's and the
+    NumPy models' are deterministic either way; fa1's adds dQ atomically and refuses True on the GPU.
+
     ``window``, ``softcap``, ``sinks``, ``alibi_slopes``: the forward's masks (then (dq, dk, dv, dsinks) with
     sinks); ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``: attention_varlen's packed
     layout (lse (heads, total_q)). As of 2026-12-05 the NumPy models run these (varlen.py).
@@ -44,14 +49,14 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k):
         return varlen.attention_backward_masked(
             dout, q, k, v, out, lse, variant=variant, causal=causal, softmax_scale=softmax_scale, backend=backend,
-            check_lse=check_lse, window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+            check_lse=check_lse, deterministic=deterministic, window=window, softcap=softcap, sinks=sinks,
+            alibi_slopes=alibi_slopes,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, plain=attention_backward)
     dispatch.check_variant(variant)
     dispatch.check_backend(backend)
     scale = arrays.check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
-    if not isinstance(check_lse, (bool, np.bool_)):
-        raise TypeError(f"check_lse must be a bool, got {type(check_lse).__name__}")
+    check_flags(check_lse=check_lse, deterministic=deterministic)
     inp, extra = _import(dout, q, k, v, out, lse)
     arrays.check_dims(inp.q, inp.k, inp.v)
     dtype, d = arrays.common_dtype(inp), inp.q.shape[3]
@@ -59,10 +64,13 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     _check_saved(inp, extra)
     entry, where = dispatch.resolve("backward", variant, dtype, d, inp.on_gpu, backend)
     scale, causal = arrays.default_scale(scale, d), bool(causal)
+    if where == "cuda" and deterministic and entry.launcher.backward_order == "varies":
+        raise ValueError(f"deterministic=True: {entry.name}'s GPU backward adds dQ atomically, in an order that "
+                         f"varies from run to run; variant 'auto', 'fa2' or 'fa3' give the same bits on every run")
     if check_lse:
         lse_check.check(inp.q, inp.k, extra["lse"], causal=causal, softmax_scale=scale)
     if where == "cuda":
-        return _on_gpu(entry, inp, extra, causal, scale)
+        return _on_gpu(entry, inp, extra, causal, scale, bool(deterministic))
     dout_h, q_h, k_h, v_h, out_h, lse_h = (arrays.to_numpy(a) for a in (extra["dout"], inp.q, inp.k, inp.v,
                                                                           extra["out"], extra["lse"]))
     res = entry.reference_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale)
@@ -71,6 +79,13 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     if inp.on_gpu:
         grads = [arrays.to_cupy(g) for g in grads]
     return tuple(inp.wrap(g) for g in grads)
+
+
+def check_flags(**flags) -> None:
+    """Each of ``flags`` a bool (NumPy's included), else a TypeError naming it."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _import(dout, q, k, v, out, lse):
@@ -123,7 +138,7 @@ def _readable(a):
     return cupy.ascontiguousarray(a)
 
 
-def _on_gpu(entry, inp, extra, causal: bool, scale: float):
+def _on_gpu(entry, inp, extra, causal: bool, scale: float, deterministic: bool):
     """The launcher's backward on CuPy copies of host arrays (or the GPU arrays themselves), results wrapped as
     q's type. A head dim that is not a multiple of 8 runs zero-padded to the next one: zero columns of q and k
     leave S unchanged, zero columns of v, out and dout add nothing to dP or D, and their gradients are cut off."""
@@ -137,7 +152,8 @@ def _on_gpu(entry, inp, extra, causal: bool, scale: float):
             width = (d + 7) // 8 * 8
             for n in NAMES[:5]:
                 dev[n] = cupy.pad(dev[n], ((0, 0), (0, 0), (0, 0), (0, width - d)))
-        grads = entry.launcher.backward(*(dev[n] for n in NAMES), causal=causal, softmax_scale=scale)
+        grads = entry.launcher.backward(*(dev[n] for n in NAMES), causal=causal, softmax_scale=scale,
+                                        deterministic=deterministic)
         if d % 8:
             grads = tuple(cupy.ascontiguousarray(g[..., :d]) for g in grads)
     if not inp.on_gpu:

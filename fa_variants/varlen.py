@@ -268,14 +268,15 @@ def _varlen_sides(inp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
 # ------------------------------------------------------------------------------------------------ backward
 def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softmax_scale, backend, check_lse,
-                              window, softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, plain):
+                              deterministic, window, softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, plain):
     """``attention_backward()`` with mask keywords or the varlen layout (``plain``: attention_backward itself, for
     a window that reduces to a plain call). Returns (dq, dk, dv), and dsinks (heads,) in sinks' dtype where sinks
-    are given."""
+    are given. The masked kernels (fa2's) and the models sum in a fixed order: ``deterministic`` holds either way."""
     backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, False, window, softcap)
-    if not isinstance(check_lse, (bool, np.bool_)):
-        raise TypeError(f"check_lse must be a bool, got {type(check_lse).__name__}")
+    for name, flag in (("check_lse", check_lse), ("deterministic", deterministic)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     packed = not (cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None)
     inp = arrays.import_arrays(q, k, v)
     saved = {n: _side_import(n, x, inp, (arrays.dtype_name(inp.q.dtype),) if n != "lse" else ("float32",),
@@ -301,7 +302,7 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
         reduced = _as_plain(inp.q, inp.k, causal, window, softcap, sinks, alibi_slopes)
         if reduced is not None:
             return plain(dout, q, k, v, out, lse, variant=variant, causal=reduced, softmax_scale=softmax_scale,
-                         backend=backend, check_lse=check_lse)
+                         backend=backend, check_lse=check_lse, deterministic=deterministic)
     if _runs_on_gpu(inp, backend):
         kernel_masks = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,
                                   cu=(cu_seqlens_q, cu_seqlens_k) if packed else (None, None), bounds=bounds)

@@ -30,8 +30,9 @@ BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.dire
 # of CTAs takes several heads (causal: both directions)
 SCHEMES = ["separate", "writer", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
-# fa3 on 8 SMs: each CTA of its persistent grid takes several heads (causal: both directions)
-IMPLS += ["fa3:few_sms"] if "fa3" in BACKWARD_VARIANTS else []
+# fa3 in its fixed order (deterministic=True; the default adds dQ's shares as they come), and on 8 SMs, where
+# each CTA of its persistent grid takes several heads (causal: both directions)
+IMPLS += ["fa3:ordered", "fa3:few_sms"] if "fa3" in BACKWARD_VARIANTS else []
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per test run: the inputs (and their float64 gradients) are shared by the implementations
 
@@ -70,6 +71,8 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
+        if kernel == "ordered":  # deterministic=True (_grads)
+            return name
         if kernel == "few_sms":  # fa3's grid cut to 8 SMs (its launcher sizes it as fa2's fused dQ does)
             import cupy
             from fa_variants.kernels import fa2_bwd_sm90
@@ -139,10 +142,14 @@ def _inputs(name: str, case: Case, dtype: str, host=None, dout_h=None):
     return cupy.asarray(dout_h), q, k, v, out, lse
 
 
-def _grads(name, case, args, poisoned):
+def _grads(name, case, args, poisoned, deterministic=False):
     """fav.attention_backward on a NaN-poisoned pool (every fresh allocation starts as NaN)."""
     with poisoned(case):
-        return fav.attention_backward(*args, variant=name, causal=case.causal)
+        return fav.attention_backward(*args, variant=name, causal=case.causal, deterministic=deterministic)
+
+
+def _ordered(impl: str) -> bool:
+    return impl.endswith(":ordered")
 
 
 def rel_err_floor(got, want) -> float:
@@ -171,7 +178,7 @@ def test_gradients_match_float64(request, monkeypatch, poisoned, case, dtype, im
     _seed(request)
     name = _variant(impl, monkeypatch)
     args = _inputs(name, case, dtype)
-    grads = _grads(name, case, args, poisoned)
+    grads = _grads(name, case, args, poisoned, _ordered(impl))
     for g, a in zip(grads, args[1:4]):
         assert type(g) is type(a) and g.dtype == a.dtype
     assert_grads(grads, _host(case, dtype)[2], dtype, f"{impl} {case.id}")
@@ -190,7 +197,7 @@ def test_flash_attn_criterion_against_torch(request, monkeypatch, poisoned, head
     name = _variant(impl, monkeypatch)
     case = Case(2, 257, 257, 4, 4, head_dim, True)
     host, dout_h, ref = _host(case, dtype)
-    grads = _grads(name, case, _inputs(name, case, dtype), poisoned)
+    grads = _grads(name, case, _inputs(name, case, dtype), poisoned, _ordered(impl))
     scale = 1.0 / math.sqrt(case.head_dim)
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     t = [torch.from_numpy(a.view(np.int16).copy()).view(tdt).cuda().transpose(1, 2).requires_grad_()
@@ -256,15 +263,23 @@ DET_CASES = [Case(1, 300, 100, 8, 2, 64, True), Case(1, 300, 100, 8, 2, 256, Tru
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", DET_CASES, ids=[c.id for c in DET_CASES])
 def test_deterministic_and_no_key_rows_are_zero(request, monkeypatch, poisoned, impl, case):
-    """fa2 (both kernels) and naive: bitwise the same gradients on every call. fa1: dK and dV too (each is one
-    CTA's registers), dQ not (atomic adds in an order that varies), only close. Query rows that see no key:
-    dQ exactly zero."""
+    """With deterministic=True, fa2 (both kernels), fa3 and naive: bitwise the same gradients on every call. fa1
+    (which refuses deterministic=True on the GPU: test_fa1_refuses_deterministic): dK and dV too (each is one
+    CTA's registers), dQ not (atomic adds in an order that varies), only close. fa3's default (dQ's shares added
+    as they come): dK and dV bitwise, dQ close. Query rows that see no key: dQ exactly zero."""
     import cupy
     _seed(request)
     name = _variant(impl, monkeypatch)
     args = _inputs(name, case, "bfloat16")
-    g1, g2 = (_grads(name, case, args, poisoned) for _ in range(2))
+    g1, g2 = (_grads(name, case, args, poisoned, name != "fa1") for _ in range(2))
     bitwise = ("dq", "dk", "dv") if name != "fa1" else ("dk", "dv")
+    if name == "fa3":
+        g3 = _grads(name, case, args, poisoned)   # the default, unordered
+        for gname, a, b_ in zip(("dq", "dk", "dv"), g1, g3):
+            if gname == "dq":
+                assert rel_err_floor(to_host(b_).astype(np.float64), to_host(a).astype(np.float64)) <= 1e-2
+            else:
+                assert bool(cupy.array_equal(a.view(cupy.uint16), b_.view(cupy.uint16))), f"{impl} {gname}"
     for gname, a, b_ in zip(("dq", "dk", "dv"), g1, g2):
         if gname in bitwise:
             assert bool(cupy.array_equal(a.view(cupy.uint16), b_.view(cupy.uint16))), f"{impl} {gname}: calls differ"
@@ -274,6 +289,20 @@ def test_deterministic_and_no_key_rows_are_zero(request, monkeypatch, poisoned, 
     assert np.isfinite(dq).all()
     assert (dq[:, :200] == 0).all(), f"{impl}: rows that see no key have nonzero dq"
     assert_grads(g1, _host(case, "bfloat16")[2], "bfloat16", f"{impl} {case.id}")
+
+
+def test_fa1_refuses_deterministic(request):
+    """fa1 adds dQ atomically: deterministic=True is refused by name, before anything is allocated."""
+    import cupy
+    if "fa1" not in BACKWARD_VARIANTS:
+        pytest.skip("fa1 has no GPU backward here")
+    _seed(request)
+    case = Case(1, 64, 64, 2, 2, 64, False)
+    args = _inputs("fa1", case, "float16")
+    used = cupy.get_default_memory_pool().used_bytes()
+    with pytest.raises(ValueError, match=r"deterministic=True: fa1's GPU backward adds dQ atomically"):
+        fav.attention_backward(*args, variant="fa1", deterministic=True)
+    assert cupy.get_default_memory_pool().used_bytes() == used
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -39,13 +39,21 @@ def _forward_fake(q, k, v, variant, causal, softmax_scale, backend):
     return q.new_empty((b, nq, h, d)), q.new_empty((b, h, nq), dtype=torch.float32)
 
 
+def _deterministic(variant: str) -> bool:
+    """torch's switch (torch.use_deterministic_algorithms) for the backward: the fixed-order dQ where a kernel
+    offers both, and never a refusal, since torch itself warns or raises for what has no deterministic version
+    (fa1's backward, which adds dQ atomically, keeps running: its dK and dV are deterministic, its dQ is not)."""
+    return torch.are_deterministic_algorithms_enabled() and variant != "fa1"
+
+
 @torch.library.custom_op("fa_variants::attention_bwd", mutates_args=())
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, variant: str,
               causal: bool, softmax_scale: Optional[float], backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     # Detached as in _forward: the saved q, k, v still say requires_grad, and DLPack refuses such tensors. The
     # flags are the forward's own (the autograd node carries them), so lse needs no spot check.
     return backward.attention_backward(*(t.detach() for t in (dout, q, k, v, out, lse)), variant=variant,
-                                       causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False)
+                                       causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False,
+                                       deterministic=_deterministic(variant))
 
 
 @_backward.register_fake
@@ -158,7 +166,8 @@ def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     """(dq, dk, dv, dsinks); dsinks is empty where no sinks are given (an op returns tensors only)."""
     grads = backward.attention_backward(*(t.detach() for t in (dout, q, k, v, out, lse)), variant=variant,
                                         causal=causal, softmax_scale=softmax_scale, backend=backend, check_lse=False,
-                                        window=(window_left, window_right), softcap=softcap,
+                                        deterministic=_deterministic(variant), window=(window_left, window_right),
+                                        softcap=softcap,
                                         sinks=None if sinks is None else sinks.detach(), alibi_slopes=alibi_slopes,
                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)

@@ -32,9 +32,11 @@ class Launcher(Protocol):
         """A launch plan (kernels/launch.py) for validated CuPy q, k, v that the kernel takes as they are
         (aligned, head dim a multiple of 8), or None when this launcher has none (several launches per call)."""
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> tuple:
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float,
+                 deterministic: bool = False) -> tuple:
         """(dq, dk, dv) for validated CuPy arrays, on the current stream; NotImplementedError when the variant
-        has no GPU backward (the registry entry's directions say which have one)."""
+        has no GPU backward (the registry entry's directions say which have one). ``deterministic``: the same
+        bits on every run, where the kernels offer a choice (``backward_order``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,9 @@ class KernelLauncher:
     source_archs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     plan_fn: Callable | None = None
     backward_fn: Callable | None = None
+    # The order of the backward's sums across CTAs: "fixed" (the same bits on every run), "varies" (atomic adds),
+    # "either" (backward_fn takes deterministic=: a fixed order, or a faster one that varies)
+    backward_order: str = "fixed"
 
     def forward(self, q, k, v, *, causal, softmax_scale, return_lse):
         return self.forward_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
@@ -67,7 +72,10 @@ class KernelLauncher:
             return None
         return self.plan_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=False):
         if self.backward_fn is None:
             raise NotImplementedError("this launcher has no GPU backward")
+        if self.backward_order == "either":
+            return self.backward_fn(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                    deterministic=deterministic)
         return self.backward_fn(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)

@@ -85,4 +85,5 @@ def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
 
 
 LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
-                          plan_fn=plan, backward_fn=backward)
+                          plan_fn=plan, backward_fn=backward,
+                          backward_order="varies")

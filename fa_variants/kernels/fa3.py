@@ -291,10 +291,11 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-def backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
+def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=False):
     """fa3_bwd (kernels/fa3_bwd.py), or fa2's Hopper backward where it does not apply."""
     from . import fa3_bwd
-    return fa3_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+    return fa3_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                            deterministic=deterministic)
 
 
 def _sources():
@@ -303,4 +304,5 @@ def _sources():
 
 
 LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
-                          source_archs={SOURCE: ARCHS, "fa3_bwd.cu": ARCHS}, plan_fn=plan, backward_fn=backward)
+                          source_archs={SOURCE: ARCHS, "fa3_bwd.cu": ARCHS}, plan_fn=plan, backward_fn=backward,
+                          backward_order="either")
