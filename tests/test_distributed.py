@@ -103,3 +103,31 @@ def test_shard_and_unshard_are_inverse_and_balanced():
         # causal work per rank: a query chunk a sees a + 1/2 chunks of keys; zigzag's pairs sum to 2 world
         work = [sum(a + 0.5 for a in chunks_of(r, world, True)) for r in range(world)]
         assert len(set(work)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_ring_of_one_gpu_is_attention(causal):
+    """A world of one process on one GPU over NCCL (the degenerate ring: no send, the local steps only): the
+    kernels' output and gradients equal fav.attention's on the same CUDA tensors, bf16, GQA 2:1."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs a CUDA GPU and NCCL")
+    import fa_variants as fav
+    from fa_variants import distributed as fad
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        g = torch.Generator(device="cuda").manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+        q, k, v, dout = (torch.randn(2, 1000, h, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+                         for h in (8, 4, 4, 8))
+        results = []
+        for fn in (lambda *x: fad.ring_attention(*x, causal=causal), lambda *x: fav.attention(*x, causal=causal)):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            out.backward(dout)
+            results.append([out.detach().float(), *(x.grad.float() for x in leaves)])
+        for what, a, b in zip(("out", "dq", "dk", "dv"), *results):
+            err = (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
+            assert err <= 1e-2, f"{what}: ring of one GPU off by {err:.2g} from fav.attention"
+    finally:
+        dist.destroy_process_group()
