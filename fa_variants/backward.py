@@ -22,7 +22,7 @@ NAMES = ("dout", "q", "k", "v", "out", "lse")
 
 def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal: bool = False,
                        softmax_scale: float | None = None, backend: str = "auto", check_lse: bool = True,
-                       deterministic: bool = False, window=(-1, -1), softcap: float = 0.0, sinks=None,
+                       deterministic: bool | None = None, window=(-1, -1), softcap: float = 0.0, sinks=None,
                        alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                        max_seqlen_k=None):
     """Gradients of ``attention(q, k, v, causal=, softmax_scale=)`` for the output gradient ``dout``.
@@ -37,9 +37,11 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     is what a forward run with other flags gives. It reads those rows' keys once and waits for the device;
     callers that carry the forward's flags themselves (the torch and JAX integrations) pass False.
 
-    ``deterministic``: the same bits on every run. fa3's backward adds each K/V block's share of dQ as it comes
-    unless asked for its fixed order (the default, False, takes the faster of the two); naive's, fa2's and the
-    NumPy models' are deterministic either way; fa1's adds dQ atomically and refuses True on the GPU.
+    ``deterministic``: True asks for the same bits on every run, False allows a sum whose order varies, None (the
+    default) takes the variant's default. fa3's backward adds each K/V block's share of dQ in a fixed order by
+    default (as fast as adding them as they come, measured on an H100: docs/kernels/fa3_bwd.md), or as they come
+    with False; naive's, fa2's and the NumPy models' are deterministic either way; fa1's adds dQ atomically and
+    refuses True on the GPU.
 
     ``window``, ``softcap``, ``sinks``, ``alibi_slopes``: the forward's masks (then (dq, dk, dv, dsinks) with
     sinks); ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``: attention_varlen's packed
@@ -56,7 +58,8 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     dispatch.check_variant(variant)
     dispatch.check_backend(backend)
     scale = arrays.check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
-    check_flags(check_lse=check_lse, deterministic=deterministic)
+    check_flags(check_lse=check_lse)
+    check_flags(deterministic=deterministic, none=True)
     inp, extra = _import(dout, q, k, v, out, lse)
     arrays.check_dims(inp.q, inp.k, inp.v)
     dtype, d = arrays.common_dtype(inp), inp.q.shape[3]
@@ -70,7 +73,7 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     if check_lse:
         lse_check.check(inp.q, inp.k, extra["lse"], causal=causal, softmax_scale=scale)
     if where == "cuda":
-        return _on_gpu(entry, inp, extra, causal, scale, bool(deterministic))
+        return _on_gpu(entry, inp, extra, causal, scale, deterministic is not False)
     dout_h, q_h, k_h, v_h, out_h, lse_h = (arrays.to_numpy(a) for a in (extra["dout"], inp.q, inp.k, inp.v,
                                                                           extra["out"], extra["lse"]))
     res = entry.reference_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale)
@@ -81,11 +84,11 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     return tuple(inp.wrap(g) for g in grads)
 
 
-def check_flags(**flags) -> None:
-    """Each of ``flags`` a bool (NumPy's included), else a TypeError naming it."""
+def check_flags(none: bool = False, **flags) -> None:
+    """Each of ``flags`` a bool (NumPy's included; ``none``: or None), else a TypeError naming it."""
     for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if not (isinstance(value, (bool, np.bool_)) or (none and value is None)):
+            raise TypeError(f"{name} must be a bool{' or None' if none else ''}, got {type(value).__name__}")
 
 
 def _import(dout, q, k, v, out, lse):
@@ -139,6 +142,7 @@ def _readable(a):
 
 
 def _on_gpu(entry, inp, extra, causal: bool, scale: float, deterministic: bool):
+    # (deterministic: the fixed order where the kernels offer both; only an explicit False gives it up)
     """The launcher's backward on CuPy copies of host arrays (or the GPU arrays themselves), results wrapped as
     q's type. A head dim that is not a multiple of 8 runs zero-padded to the next one: zero columns of q and k
     leave S unchanged, zero columns of v, out and dout add nothing to dP or D, and their gradients are cut off."""

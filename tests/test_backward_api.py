@@ -166,8 +166,8 @@ class TestMisuse:
         (dict(variant="FA2"), ValueError, r"variant must be 'auto' or one of"),
         (dict(backend="tpu"), ValueError, r"backend must be one of \['auto', 'cuda', 'numpy'\]"),
         (dict(check_lse="no"), TypeError, r"check_lse must be a bool, got str"),
-        (dict(deterministic=1), TypeError, r"deterministic must be a bool, got int"),
-        (dict(deterministic="yes", window=(4, 0)), TypeError, r"deterministic must be a bool, got str"),
+        (dict(deterministic=1), TypeError, r"deterministic must be a bool or None, got int"),
+        (dict(deterministic="yes", window=(4, 0)), TypeError, r"deterministic must be a bool or None, got str"),
     ])
     def test_scalars(self, kw, exc, pattern, rng):
         _raises(exc, pattern, _case(rng), **kw)

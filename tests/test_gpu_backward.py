@@ -30,9 +30,9 @@ BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.dire
 # of CTAs takes several heads (causal: both directions)
 SCHEMES = ["separate", "writer", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
-# fa3 in its fixed order (deterministic=True; the default adds dQ's shares as they come), and on 8 SMs, where
-# each CTA of its persistent grid takes several heads (causal: both directions)
-IMPLS += ["fa3:ordered", "fa3:few_sms"] if "fa3" in BACKWARD_VARIANTS else []
+# fa3 with dQ's shares added as they come (deterministic=False; the default is its fixed order), and on 8 SMs,
+# where each CTA of its persistent grid takes several heads (causal: both directions)
+IMPLS += ["fa3:unordered", "fa3:few_sms"] if "fa3" in BACKWARD_VARIANTS else []
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per test run: the inputs (and their float64 gradients) are shared by the implementations
 
@@ -71,7 +71,7 @@ def _variant(impl: str, monkeypatch) -> str:
         from fa_variants import gpu
         if gpu.compute_capability() != 90:
             pytest.skip(f"{name} runs {kernel} by default here")
-        if kernel == "ordered":  # deterministic=True (_grads)
+        if kernel == "unordered":  # deterministic=False (_grads)
             return name
         if kernel == "few_sms":  # fa3's grid cut to 8 SMs (its launcher sizes it as fa2's fused dQ does)
             import cupy
@@ -142,14 +142,14 @@ def _inputs(name: str, case: Case, dtype: str, host=None, dout_h=None):
     return cupy.asarray(dout_h), q, k, v, out, lse
 
 
-def _grads(name, case, args, poisoned, deterministic=False):
+def _grads(name, case, args, poisoned, deterministic=None):
     """fav.attention_backward on a NaN-poisoned pool (every fresh allocation starts as NaN)."""
     with poisoned(case):
         return fav.attention_backward(*args, variant=name, causal=case.causal, deterministic=deterministic)
 
 
-def _ordered(impl: str) -> bool:
-    return impl.endswith(":ordered")
+def _deterministic_of(impl: str) -> bool | None:
+    return False if impl.endswith(":unordered") else None
 
 
 def rel_err_floor(got, want) -> float:
@@ -178,7 +178,7 @@ def test_gradients_match_float64(request, monkeypatch, poisoned, case, dtype, im
     _seed(request)
     name = _variant(impl, monkeypatch)
     args = _inputs(name, case, dtype)
-    grads = _grads(name, case, args, poisoned, _ordered(impl))
+    grads = _grads(name, case, args, poisoned, _deterministic_of(impl))
     for g, a in zip(grads, args[1:4]):
         assert type(g) is type(a) and g.dtype == a.dtype
     assert_grads(grads, _host(case, dtype)[2], dtype, f"{impl} {case.id}")
@@ -197,7 +197,7 @@ def test_flash_attn_criterion_against_torch(request, monkeypatch, poisoned, head
     name = _variant(impl, monkeypatch)
     case = Case(2, 257, 257, 4, 4, head_dim, True)
     host, dout_h, ref = _host(case, dtype)
-    grads = _grads(name, case, _inputs(name, case, dtype), poisoned, _ordered(impl))
+    grads = _grads(name, case, _inputs(name, case, dtype), poisoned, _deterministic_of(impl))
     scale = 1.0 / math.sqrt(case.head_dim)
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     t = [torch.from_numpy(a.view(np.int16).copy()).view(tdt).cuda().transpose(1, 2).requires_grad_()
@@ -265,16 +265,16 @@ DET_CASES = [Case(1, 300, 100, 8, 2, 64, True), Case(1, 300, 100, 8, 2, 256, Tru
 def test_deterministic_and_no_key_rows_are_zero(request, monkeypatch, poisoned, impl, case):
     """With deterministic=True, fa2 (both kernels), fa3 and naive: bitwise the same gradients on every call. fa1
     (which refuses deterministic=True on the GPU: test_fa1_refuses_deterministic): dK and dV too (each is one
-    CTA's registers), dQ not (atomic adds in an order that varies), only close. fa3's default (dQ's shares added
-    as they come): dK and dV bitwise, dQ close. Query rows that see no key: dQ exactly zero."""
+    CTA's registers), dQ not (atomic adds in an order that varies), only close. fa3 with deterministic=False (dQ's
+    shares added as they come): dK and dV bitwise, dQ close. Query rows that see no key: dQ exactly zero."""
     import cupy
     _seed(request)
     name = _variant(impl, monkeypatch)
     args = _inputs(name, case, "bfloat16")
-    g1, g2 = (_grads(name, case, args, poisoned, name != "fa1") for _ in range(2))
+    g1, g2 = (_grads(name, case, args, poisoned, True if name != "fa1" else None) for _ in range(2))
     bitwise = ("dq", "dk", "dv") if name != "fa1" else ("dk", "dv")
     if name == "fa3":
-        g3 = _grads(name, case, args, poisoned)   # the default, unordered
+        g3 = _grads(name, case, args, poisoned, False)
         for gname, a, b_ in zip(("dq", "dk", "dv"), g1, g3):
             if gname == "dq":
                 assert rel_err_floor(to_host(b_).astype(np.float64), to_host(a).astype(np.float64)) <= 1e-2

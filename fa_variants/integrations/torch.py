@@ -39,11 +39,11 @@ def _forward_fake(q, k, v, variant, causal, softmax_scale, backend):
     return q.new_empty((b, nq, h, d)), q.new_empty((b, h, nq), dtype=torch.float32)
 
 
-def _deterministic(variant: str) -> bool:
-    """torch's switch (torch.use_deterministic_algorithms) for the backward: the fixed-order dQ where a kernel
-    offers both, and never a refusal, since torch itself warns or raises for what has no deterministic version
-    (fa1's backward, which adds dQ atomically, keeps running: its dK and dV are deterministic, its dQ is not)."""
-    return torch.are_deterministic_algorithms_enabled() and variant != "fa1"
+def _deterministic(variant: str) -> bool | None:
+    """torch's switch (torch.use_deterministic_algorithms) for the backward: True asks for the fixed order; else the
+    variant's default. fa1's backward, which adds dQ atomically, keeps running either way (its dK and dV are
+    deterministic, its dQ is not), rather than refusing a switch that torch itself treats as a warning or error."""
+    return True if torch.are_deterministic_algorithms_enabled() and variant != "fa1" else None
 
 
 @torch.library.custom_op("fa_variants::attention_bwd", mutates_args=())

@@ -33,7 +33,7 @@ class Launcher(Protocol):
         (aligned, head dim a multiple of 8), or None when this launcher has none (several launches per call)."""
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float,
-                 deterministic: bool = False) -> tuple:
+                 deterministic: bool = True) -> tuple:
         """(dq, dk, dv) for validated CuPy arrays, on the current stream; NotImplementedError when the variant
         has no GPU backward (the registry entry's directions say which have one). ``deterministic``: the same
         bits on every run, where the kernels offer a choice (``backward_order``)."""
@@ -72,7 +72,7 @@ class KernelLauncher:
             return None
         return self.plan_fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=False):
+    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=True):
         if self.backward_fn is None:
             raise NotImplementedError("this launcher has no GPU backward")
         if self.backward_order == "either":

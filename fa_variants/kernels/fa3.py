@@ -291,7 +291,7 @@ def forward(q, k, v, *, causal, softmax_scale, return_lse):
     return forward_via_plan(plan, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=False):
+def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=True):
     """fa3_bwd (kernels/fa3_bwd.py), or fa2's Hopper backward where it does not apply."""
     from . import fa3_bwd
     return fa3_bwd.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
