@@ -12,6 +12,8 @@ Rows, for each N (default bf16, d = 128, B = 1, H = 16, N = 2K, 4K, 8K, 16K, not
                    (on sm_90 at d 64 and 128 the fused dQ: 5 products; else the separate dQ pass: 7)
   fa2_bwd_kernel   fa2's mma.sync backward kernel, kernels.fa2_bwd.backward called directly (skipping the API's
                    checks), only with --unvalidated-kernel
+  fa3              ours, fav.attention_backward(variant="fa3", backend="cuda") on sm_90a: FA3's backward (a TMA
+                   producer warp, dQ summed across K/V blocks in a fixed order: 5 products); skipped elsewhere
   torch-math       torch SDPA's MATH backend: autograd keeps the forward's softmax P (torch's standard backward)
   torch-flash      torch SDPA's FLASH_ATTENTION backend: FA2's backward (CUTLASS), dQ accumulated atomically
 
@@ -79,6 +81,9 @@ IMPLS = (
          dq_mode="kernels", forward="fa2"),
     Impl("fa2_bwd_kernel", "kernel", "kernels.fa2_bwd.backward called directly (UNVALIDATED)", "fa2",
          forward="fa2"),
+    Impl("fa3", "ours", "fav.attention_backward(variant='fa3'): FA3's backward, a TMA producer warp, dQ summed "
+         "across K/V blocks in a fixed order (fa2's kernels where it does not apply)", "fa3", dq_mode="kernels",
+         forward="fa3"),
     Impl("torch-math", "torch", "torch SDPA MATH: autograd keeps P", "naive", stores_p=True,
          torch_backend="torch-math"),
     Impl("torch-flash", "torch", "torch SDPA FLASH_ATTENTION: FA2's backward, atomic dQ", "fa2", dq_mode="atomic",
@@ -113,7 +118,9 @@ def fa2_dq_mode(shape: Shape) -> str:
 def flops_of(impl: Impl, shape: Shape) -> int:
     """Matmul FLOPs of ``impl``'s backward on ``shape``: ``iomodel.backward_flops`` per head x B x H."""
     mode = fa2_dq_mode(shape) if impl.dq_mode == "kernels" else impl.dq_mode
-    per_head = iomodel.backward_flops(impl.flops_variant, shape.seqlen_q, shape.nk, shape.head_dim, *BLOCKS,
+    # fa3 runs fa2's three passes wherever fa2's fused dQ would not (the same grid: kernels/fa3_bwd.py)
+    variant = "fa2" if impl.flops_variant == "fa3" and mode == "separate" else impl.flops_variant
+    per_head = iomodel.backward_flops(variant, shape.seqlen_q, shape.nk, shape.head_dim, *BLOCKS,
                                       causal=shape.causal, dq_mode=mode)
     return per_head * shape.batch * shape.heads
 

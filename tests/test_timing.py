@@ -468,6 +468,8 @@ def test_recompute_flops_and_memory_model(h200_choice):
     assert recompute.flops_of(by["torch-flash"], s) == 2.5 * fwd  # FA2 with atomic dQ: 5 products
     long = Shape(1, 16, 32768, 128, "bfloat16", False)            # 256 K/V blocks: more than 132 SMs hold at once
     assert recompute.fa2_dq_mode(long) == "separate" and recompute.flops_of(by["fa2"], long) == 3.5 * 64 * fwd
+    assert recompute.flops_of(by["fa3"], s) == 2.5 * fwd          # FA3's backward: 5 products
+    assert recompute.flops_of(by["fa3"], long) == 3.5 * 64 * fwd  # ... fa2's three passes past 128 keys per SM
     assert recompute.fa2_dq_mode(Shape(1, 16, 4096, 256, "bfloat16", False)) == "separate"  # no fused dQ at d 256
     c = Shape(1, 16, 4096, 128, "bfloat16", True)
     assert recompute.flops_of(by["naive"], c) == 2 * fwd          # the standard backward does not skip masked scores
