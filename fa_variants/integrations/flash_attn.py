@@ -1,0 +1,63 @@
+"""flash-attn's calls on fa-variants: ``flash_attn_func`` and ``flash_attn_varlen_func`` with the signatures of
+flash-attn 2's ``flash_attn_interface``, so that code (and tests) written against flash-attn run here by changing
+one import::
+
+    from fa_variants.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func
+
+Any array ``fav.attention`` takes goes in (torch tensors on the GPU are what flash-attn takes; torch autograd
+records the call, with fa3's or fa2's backward through ``variant="auto"``). The keywords mean what flash-attn says:
+causal bottom-right, ``window_size`` (left, right) with -1 unbounded, ``softcap`` (0: none), ``alibi_slopes``
+(heads,) or (batch, heads) float32. What differs:
+
+- ``dropout_p`` must be 0: no kernel here has dropout (a ValueError names it, as for any argument refused).
+- ``deterministic`` is accepted and has nothing to choose: the backward ``auto`` runs gives the same bits on every
+  run either way.
+- ``return_attn_probs=True`` returns (out, softmax_lse, None): the log-sum-exp as flash-attn returns it, and no
+  probabilities (flash-attn returns them only for testing, with dropout).
+"""
+from __future__ import annotations
+
+from .. import api, varlen
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+
+
+def _check(dropout_p, window_size, return_attn_probs, deterministic) -> tuple:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 (fa-variants' kernels have no dropout), got {dropout_p!r}")
+    for name, flag in (("return_attn_probs", return_attn_probs), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    return left, right
+
+
+def _result(res, return_attn_probs: bool):
+    return (res[0], res[1], None) if return_attn_probs else res
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_kv,
+    head_dim); returns out of q's shape (with return_attn_probs: (out, softmax_lse (batch, heads, seqlen_q),
+    None))."""
+    window = _check(dropout_p, window_size, return_attn_probs, deterministic)
+    res = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
+    return _result(res, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v (total_k, heads_kv,
+    head_dim), int32 cumulative lengths (batch + 1,); returns out of q's shape (with return_attn_probs: (out,
+    softmax_lse (heads, total_q), None))."""
+    window = _check(dropout_p, window_size, return_attn_probs, deterministic)
+    res = varlen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                  window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  softmax_scale=softmax_scale, return_lse=return_attn_probs)
+    return _result(res, return_attn_probs)
