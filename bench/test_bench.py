@@ -20,7 +20,7 @@ k, v, out, lse and dout, the backward call is timed; out and lse come from the v
 outside the timed region) and "fwdbwd" (forward then backward in the timed call). Variants: torch SDPA's flash
 and cuDNN backwards (``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` of an SDPA forward run
 once beforehand with that backend forced and q, k, v requiring grad; "fwdbwd" runs both), then ours with a
-backward (naive, fa1, fa2), through ``fav.attention_backward(..., backend="cuda")``: a case that raises
+backward (naive, fa1, fa2, fa3), through ``fav.attention_backward(..., backend="cuda")``: a case that raises
 BackendUnavailable (no GPU backward for that variant here) or MemoryError is skipped with its message, and the
 summary lists those skips. TFLOP/s of a backward = 2.5 x the forward's FLOPs / time (3.5x for "fwdbwd"), halved for
 causal, as in anchors/h200-peers.md; ratios to torch are taken in the same direction, by both timers.

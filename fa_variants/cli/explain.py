@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
                    help="explain auto: a device's compute capability (80 for an A100, 90 for an H100) instead of this one's")
     add_block_args(e, "on-chip memory M in elements: the paper's terms, and the blocks of --paper-blocks")
     e.add_argument("--backward", action="store_true",
-                   help="the backward with recomputation instead (naive, fa1, fa2): its loops, its HBM traffic "
+                   help="the backward with recomputation instead (naive, fa1, fa2, fa3): its loops, its HBM traffic "
                    "formula vs the NumPy model's count, and the FLOPs it pays for the HBM it saves (the "
                    "paper's blocks unless --blocks: the launchers report their forward kernels' tiles only)")
     e.add_argument("--measured", metavar="FILE", help="the FA3 ablation measured by `bench/ablation.py --json FILE`: "
