@@ -141,21 +141,7 @@ __forceinline__ __device__ void dkdv_block(const BwdParams& p, int j, int h_kv, 
     cp_async_wait<0>();
     sync_cta<C>();  // every warpgroup is done with the tiles (and K_j's copies have landed with no step to run)
 
-    // dK_j = scale * dS^T Q and dV_j, each staged through shared memory (this warp's own 16 rows) for 16-byte
-    // stores into contiguous (batch, seqlen_k, heads_kv, head_dim) gradients. (Here, not in a function of
-    // bwd_dkdv.cuh: behind a call boundary the same lines compile to other instructions for the PIPE instances.)
-    const int heads_kv = p.heads / p.group, key0 = cta.key0, kr0 = cta.kr0, seqlen_k = cta.mask.seqlen_k;
-    const i64 ld = (i64)heads_kv * p.head_dim, at = ((i64)b * seqlen_k + key0 + kr0) * ld + (i64)h_kv * p.head_dim;
-    u16* stage_k = reinterpret_cast<u16*>(smem + (cta.smem.base - smem_u32(smem))) + kr0 * Tile<16, C::D>::STRIDE;
-    u16* stage_v = stage_k + C::BN * Tile<16, C::D>::STRIDE;
-    if constexpr (C::DK) {
-        const float scale[1][2] = {{p.scale, p.scale}};
-        store_acc_rows<typename C::T, C::D>(dk, scale, stage_k, p.dk + at, ld, seqlen_k - key0 - kr0, p.head_dim);
-    }
-    if constexpr (C::DV) {
-        const float one[1][2] = {{1.f, 1.f}};
-        store_acc_rows<typename C::T, C::D>(dv, one, stage_v, p.dv + at, ld, seqlen_k - key0 - kr0, p.head_dim);
-    }
+    store_dkdv(cta, dk, dv);  // dK_j = scale * dS^T Q and dV_j, staged over this warp's rows of the tiles
 }
 
 }  // namespace fav
