@@ -278,7 +278,9 @@ def test_masked_gradients_match_float64(mask, packed, rng):
     if "sinks" in args:
         got = args["sinks"].grad.double().numpy()
         assert args["sinks"].grad.dtype == torch.float32
-        np.testing.assert_allclose(got, want["dsinks"], rtol=GRAD_TOL[dtype], atol=1e-3 * np.abs(want["dsinks"]).max())
+        # as the other gradients, by the norm: one head's dsink is a sum over rows that may nearly cancel, so its
+        # own relative error is not bounded (a seed gave -0.02667 against -0.02806 beside heads near 1)
+        assert rel_err(got, want["dsinks"]) <= GRAD_TOL[dtype], "dsinks"
 
 
 def test_masked_ops_pass_opcheck_and_compile(rng):
