@@ -217,13 +217,17 @@ def check_shapes(inp: Inputs, variant) -> None:
     check_layout(dict(q=inp.q, k=inp.k, v=inp.v))
 
 
+def check_flags(none: bool = False, **flags) -> None:
+    """Each of ``flags`` a bool (NumPy's included; with ``none``, or None), else a TypeError naming it."""
+    for name, value in flags.items():
+        if not (isinstance(value, (bool, np.bool_)) or (none and value is None)):
+            raise TypeError(f"{name} must be a bool{' or None' if none else ''}, got {type(value).__name__}")
+
+
 def check_scalars(causal, softmax_scale, return_lse, head_dim: int | None = None) -> float | None:
     """Validate the scalar arguments; returns the softmax scale as a float, or for None: None, or 1/sqrt(head_dim)
     when ``head_dim`` is given."""
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flags(causal=causal, return_lse=return_lse)
     if softmax_scale is None:
         return None if head_dim is None else default_scale(None, head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):

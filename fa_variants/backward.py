@@ -58,8 +58,8 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     dispatch.check_variant(variant)
     dispatch.check_backend(backend)
     scale = arrays.check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
-    check_flags(check_lse=check_lse)
-    check_flags(deterministic=deterministic, none=True)
+    arrays.check_flags(check_lse=check_lse)
+    arrays.check_flags(deterministic=deterministic, none=True)
     inp, extra = _import(dout, q, k, v, out, lse)
     arrays.check_dims(inp.q, inp.k, inp.v)
     dtype, d = arrays.common_dtype(inp), inp.q.shape[3]
@@ -82,13 +82,6 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     if inp.on_gpu:
         grads = [arrays.to_cupy(g) for g in grads]
     return tuple(inp.wrap(g) for g in grads)
-
-
-def check_flags(none: bool = False, **flags) -> None:
-    """Each of ``flags`` a bool (NumPy's included; ``none``: or None), else a TypeError naming it."""
-    for name, value in flags.items():
-        if not (isinstance(value, (bool, np.bool_)) or (none and value is None)):
-            raise TypeError(f"{name} must be a bool{' or None' if none else ''}, got {type(value).__name__}")
 
 
 def _import(dout, q, k, v, out, lse):
@@ -142,9 +135,8 @@ def _readable(a):
 
 
 def _on_gpu(entry, inp, extra, causal: bool, scale: float, deterministic: bool):
-    # (deterministic: the fixed order where the kernels offer both; only an explicit False gives it up)
     """The launcher's backward on CuPy copies of host arrays (or the GPU arrays themselves), results wrapped as
-    q's type. A head dim that is not a multiple of 8 runs zero-padded to the next one: zero columns of q and k
+    q's type; ``deterministic``: the fixed order where the kernels offer both. A head dim that is not a multiple of 8 runs zero-padded to the next one: zero columns of q and k
     leave S unchanged, zero columns of v, out and dout add nothing to dP or D, and their gradients are cut off."""
     import cupy
     given = dict(dout=extra["dout"], q=inp.q, k=inp.k, v=inp.v, out=extra["out"], lse=extra["lse"])

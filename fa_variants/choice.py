@@ -4,8 +4,8 @@ The rule, in one place: walk ``FASTEST_FIRST`` and take the first variant whose 
 direction, runs on the device's compute capability (``min_cc`` .. ``max_cc``) and takes the dtype and head dim.
 Today that is fa3 on sm_90a (compute capability 9.0), forward and backward (its backward launcher runs fa2's
 Hopper kernels where its own does not apply: head dims above 128, keys beyond 128 per SM), and fa2 elsewhere
-(sm_80+). A backward needs only q, k, v, out and lse, so it may come from another variant than the forward. The fp8 variants are never chosen: e4m3 operands are a precision
-a caller asks for by name. Without a usable GPU (or with ``backend="numpy"``) the choice is ``NUMPY_MODEL``'s NumPy
+(sm_80+). A backward needs only q, k, v, out and lse, so it may come from another variant than the forward. The
+fp8 variants are never chosen: e4m3 operands are a precision a caller asks for by name. Without a usable GPU (or with ``backend="numpy"``) the choice is ``NUMPY_MODEL``'s NumPy
 model, which follows the kernel's blocks in O(N) memory.
 
 This module looks at no array: ``dispatch`` hands it the device, dtype and head dim of a call.

@@ -274,10 +274,8 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
     a window that reduces to a plain call). Returns (dq, dk, dv), and dsinks (heads,) in sinks' dtype where sinks
     are given. The masked kernels (fa2's) and the models sum in a fixed order: ``deterministic`` holds either way."""
     backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, False, window, softcap)
-    if not isinstance(check_lse, (bool, np.bool_)):
-        raise TypeError(f"check_lse must be a bool, got {type(check_lse).__name__}")
-    if not (deterministic is None or isinstance(deterministic, (bool, np.bool_))):
-        raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+    arrays.check_flags(check_lse=check_lse)
+    arrays.check_flags(deterministic=deterministic, none=True)
     packed = not (cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None)
     inp = arrays.import_arrays(q, k, v)
     saved = {n: _side_import(n, x, inp, (arrays.dtype_name(inp.q.dtype),) if n != "lse" else ("float32",),

@@ -17,7 +17,7 @@ causal bottom-right, ``window_size`` (left, right) with -1 unbounded, ``softcap`
 """
 from __future__ import annotations
 
-from .. import api, varlen
+from .. import api, arrays, varlen
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
@@ -25,9 +25,7 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 def _check(dropout_p, window_size, return_attn_probs, deterministic) -> tuple:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 (fa-variants' kernels have no dropout), got {dropout_p!r}")
-    for name, flag in (("return_attn_probs", return_attn_probs), ("deterministic", deterministic)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    arrays.check_flags(return_attn_probs=return_attn_probs, deterministic=deterministic)
     try:
         left, right = window_size
     except (TypeError, ValueError):

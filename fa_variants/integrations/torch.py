@@ -15,7 +15,8 @@ without the detour. The LSE is returned detached: it is not differentiable.
 The gradient of every variant's forward: the backward op runs the forward variant's own backward where it has
 one (naive, fa1, fa2, fa3), and ``variant="auto"``'s backward (the fastest here: fa3's on Hopper, fa2's elsewhere)
 for a forward without one (fa2_fp8, fa3_fp8, and ``auto`` itself), with the forward's causal and softmax_scale, on
-the forward's out and lse. ``torch.use_deterministic_algorithms(True)`` asks the backward for its fixed order. For the fp8 forwards that is the gradient of 16-bit attention at an fp8 forward's out and lse.
+the forward's out and lse. For the fp8 forwards that is the gradient of 16-bit attention at an fp8 forward's out
+and lse. ``torch.use_deterministic_algorithms(True)`` asks the backward for its fixed order.
 """
 # No `from __future__ import annotations`: torch.library infers the ops' schemas from real annotations.
 from typing import Optional, Tuple

@@ -5,9 +5,9 @@ in the layout the producer copies in one piece), ``fa3_bwd`` (the persistent dK/
 compute warpgroups, the fused dQ's writer), and fa2_bwd_sm90.cu's ``fa2_bwd_dq_convert`` (the writer's fp32 dQ sum
 into dq). dQ's shares are added in a fixed order: the result is the same bit for bit on every run.
 
-Where the kernel does not apply, fa2's Hopper backward (kernels/fa2_bwd_sm90.py) runs instead, and
-``applies`` says why: head dims above 128 (the fused dQ's tiles hold d 64 and 128; d 256 runs fa2's three
-passes), and sequences whose K/V blocks a head's CTAs cannot all hold at once (seqlen_k > 128 x SMs).
+Where the kernel does not apply, fa2's Hopper backward (kernels/fa2_bwd_sm90.py) runs instead: head dims above
+128 (the fused dQ's tiles hold d 64 and 128; d 256 runs fa2's three passes), and sequences whose K/V blocks a
+head's CTAs cannot all hold at once (seqlen_k > 128 x SMs: fa2_bwd_sm90.fused_grid gives no grid).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import ctypes
 import struct
 
 from .. import jit
-from ..tiles import FA3_BWD_TILES
+from ..tiles import FA3_BWD_TILES, template_dim
 from . import fa2_bwd, fa2_bwd_sm90
 from .common import CTYPE, cdiv
 from .launch import function_of, launch, launch_argv
@@ -58,21 +58,6 @@ def threads(d: int) -> int:
     return fa2_bwd_sm90.fused_threads(d)
 
 
-def template_dim(head_dim: int) -> int | None:
-    return next((t for t in DIMS if head_dim <= t), None)
-
-
-def applies(head_dim: int, seqlen_k: int, sms: int) -> str | None:
-    """None where fa3_bwd runs this call, else why fa2's Hopper backward runs it instead."""
-    if template_dim(head_dim) is None:
-        return f"head_dim {head_dim} > {DIMS[-1]}: fa2's three passes"
-    bn = FA3_BWD_TILES[template_dim(head_dim)].block_k
-    if cdiv(seqlen_k, bn) > sms:
-        return (f"seqlen_k {seqlen_k} > {bn} x {sms} SMs: a head's K/V blocks cannot all be resident "
-                f"(fa2's three passes)")
-    return None
-
-
 def stats_shape(batch: int, heads: int, seqlen_q: int, d: int) -> tuple:
     """(batch, heads, Q blocks, 2, BM) float32: per Q block its LSE (log2 units), then its D."""
     bm = FA3_BWD_TILES[d].block_q
@@ -92,9 +77,9 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
     import cupy
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    D = template_dim(d)
-    grid = 0 if D is None else fa2_bwd_sm90.fused_grid(q.device.id, cdiv(nk, FA3_BWD_TILES[D].block_k), b * hkv)
-    if not grid:  # (applies' two cases)
+    grid = 0 if d > DIMS[-1] else fa2_bwd_sm90.fused_grid(
+        q.device.id, cdiv(nk, FA3_BWD_TILES[template_dim(d, DIMS)].block_k), b * hkv)
+    if not grid:  # (the module docstring's two cases)
         return fa2_bwd_sm90.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
     D, (dout, q, k, v, out, lse) = fa2_bwd.prepare("fa3's backward", DIMS, dout, q, k, v, out, lse)
     ctype = CTYPE[q.dtype.name]
@@ -113,7 +98,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
     exprs = instances(ctype, D)
 
     launch(function_of(jit.kernel(SOURCE, stats_instance(ctype, D), exprs), 0),
-           (cdiv(stats_shape(b, h, nq, D)[2] * bm, STATS_WARPS), h, b), 32 * STATS_WARPS, 0, stream, template,
+           (cdiv(stats.shape[2] * bm, STATS_WARPS), h, b), 32 * STATS_WARPS, 0, stream, template,
            BWD.pointers_format, *ptrs, extra=(ctypes.c_uint64(stats.data.ptr),))
 
     buffers = [ctypes.create_string_buffer(tensor_map(a, rows, name), 128)
@@ -125,8 +110,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
     argv = (ctypes.c_void_p * 9)(*(ctypes.addressof(x) for x in buffers + [params]),
                                  *(ctypes.addressof(x) for x in scalars))
     smem = smem_bytes(D)
-    launch_argv(function_of(jit.kernel(SOURCE, instance(ctype, D, deterministic), exprs), smem), (grid, 1, 1), threads(D), smem,
-                stream, argv)
+    launch_argv(function_of(jit.kernel(SOURCE, instance(ctype, D, deterministic), exprs), smem), (grid, 1, 1),
+                threads(D), smem, stream, argv)
 
     convert = fa2_bwd_sm90.convert_instance(ctype, D)
     launch(function_of(jit.kernel(fa2_bwd_sm90.SOURCE, convert, fa2_bwd_sm90.instances(ctype, D)), 0),

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tiles import FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_BWD_TILES, FA3_FP8_TILES, FA3_TILES, fa3_tile
+from ..tiles import (FA3_ABLATION_DIM, FA3_ABLATION_TILE, FA3_BWD_TILES, FA3_FP8_TILES, FA3_TILES, fa3_tile,
+                     template_dim)
 from . import fa2 as _fa2
 from . import fp8 as _fp8
 from .common import (AccessCounter, ModelResult, block_slices, check_block, logsumexp_from, normalize, prepare,
@@ -551,10 +552,10 @@ convert: dQ = scale * the fp32 sum, in q's dtype"""
 def backward_blocks(head_dim: int, block_q=None, block_k=None) -> tuple[int, int] | None:
     """(B_r, B_c) of fa3's backward for ``head_dim`` (tiles.FA3_BWD_TILES at the next template dim), the ones
     given taking precedence; None above the table's head dims, where fa3's backward is fa2's."""
-    dims = [d for d in FA3_BWD_TILES if head_dim <= d]
-    if not dims:
+    dims = tuple(FA3_BWD_TILES)
+    if head_dim > dims[-1]:
         return None
-    tile = FA3_BWD_TILES[min(dims)]
+    tile = FA3_BWD_TILES[template_dim(head_dim, dims)]
     block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
     return (tile.block_q if block_q is None else block_q), (tile.block_k if block_k is None else block_k)
 
