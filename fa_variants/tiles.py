@@ -209,5 +209,5 @@ class Fa3BwdTile(NamedTuple):
 
 #: fa3's backward by template head dim: 128 keys a CTA, and queries per step so that a step's share of dQ is
 #: two 64 x 64 fp32 halves, one per compute warpgroup (by rows at d 64, by columns at d 128). Head dims above 128
-#: run fa2's Hopper backward (kernels/fa3_bwd.py ``applies``).
+#: run fa2's Hopper backward (kernels/fa3_bwd.py).
 FA3_BWD_TILES = MappingProxyType({64: Fa3BwdTile(128, 128), 128: Fa3BwdTile(64, 128)})
