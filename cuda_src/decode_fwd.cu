@@ -69,36 +69,44 @@ __forceinline__ __device__ void load_q(u32 tile, const DecodeParams& p, int b, i
     }
 }
 
-// Keys [key0, key0 + BN) of one KV head's K and V (byte pointers at the head, byte strides of the cache's first two
-// axes) into a stage, 16 bytes per cp.async; keys at or past key_end and bytes past the row's zero-filled.
+// A thread's share of a K/V block's copies: 16 bytes at byte c of rows r, r + ROWS_PER_PASS, ... of the block.
+// Paged, `locate` finds those rows (page-table loads) a block ahead of `load`, which issues the copies: the
+// lookups' latency then passes while the block before is computed, not in front of the copies.
 template <int D, class KV, bool PAGED>
-__forceinline__ __device__ void load_block(u32 dst_k, u32 dst_v, const unsigned char* k, const unsigned char* v,
-                                           const i64 (&k_stride)[2], const i64 (&v_stride)[2],
-                                           const CacheRows<PAGED>& rows, int key0, int key_end, int row_bytes,
-                                           bool& pages_ok) {
-    constexpr int CHUNKS = D * KV::BYTES / 16, ROWS_PER_PASS = THREADS / CHUNKS;
-    constexpr int STRIDE = Smem<D, 16, 2, KV>::RAW_STRIDE;
+struct BlockCopies {
+    static constexpr int CHUNKS = D * KV::BYTES / 16, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = BN / ROWS_PER_PASS;
+    static constexpr int STRIDE = Smem<D, 16, 2, KV>::RAW_STRIDE;
     static_assert(THREADS % CHUNKS == 0 && BN % ROWS_PER_PASS == 0, "a pass covers whole rows");
-    constexpr int PASSES = BN / ROWS_PER_PASS;
-    const int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 16;
-    const bool col_ok = c < row_bytes;
-    // Every row's place first, then the copies: paged, each place is a load from the page table, and a copy
-    // issued behind its own load would wait for it, one round trip per row.
-    int2 at[PASSES];
-#pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
-        const int t = key0 + r + i * ROWS_PER_PASS;
-        at[i] = col_ok && t < key_end ? rows.at(t, pages_ok) : make_int2(0, 0);
+    int2 at[PAGED ? PASSES : 1];   // paged: (page, row) of each row as looked up; (0, 0) for rows not copied
+    int key0;
+
+    __forceinline__ __device__ static int r() { return threadIdx.x / CHUNKS; }
+    __forceinline__ __device__ static int c() { return (threadIdx.x % CHUNKS) * 16; }
+
+    // Keys [key0, key0 + BN): those at or past key_end, and bytes past row_bytes, are not copied.
+    __forceinline__ __device__ void locate(const CacheRows<PAGED>& rows, int first_key, int key_end, int row_bytes) {
+        key0 = first_key;
+        if constexpr (PAGED) rows.template lookup_run<PASSES, ROWS_PER_PASS>(key0 + r(), key_end, c() < row_bytes, at);
     }
+    // The located block into a stage (the zero-fill of what is not copied), K and V of one KV head (byte pointers
+    // at the head, byte strides of the cache's first two axes).
+    __forceinline__ __device__ void load(u32 dst_k, u32 dst_v, const unsigned char* k, const unsigned char* v,
+                                         const i64 (&k_stride)[2], const i64 (&v_stride)[2],
+                                         const CacheRows<PAGED>& rows, int key_end, int row_bytes,
+                                         bool& pages_ok) const {
+        const bool col_ok = c() < row_bytes;
 #pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
-        const int row = r + i * ROWS_PER_PASS;
-        const bool in = col_ok && key0 + row < key_end;
-        const u32 off = row * STRIDE + c;
-        cp_async_16(dst_k + off, k + at[i].x * k_stride[0] + at[i].y * k_stride[1] + c, in);
-        cp_async_16(dst_v + off, v + at[i].x * v_stride[0] + at[i].y * v_stride[1] + c, in);
+        for (int i = 0; i < PASSES; ++i) {
+            const int row = r() + i * ROWS_PER_PASS;
+            const bool in = col_ok && key0 + row < key_end;
+            const u32 off = row * STRIDE + c();
+            const int2 src = PAGED ? rows.checked(at[PAGED ? i : 0], pages_ok)
+                                   : rows.at(in ? key0 + row : 0, pages_ok);
+            cp_async_16(dst_k + off, k + src.x * k_stride[0] + src.y * k_stride[1] + c(), in);
+            cp_async_16(dst_v + off, v + src.x * v_stride[0] + src.y * v_stride[1] + c(), in);
+        }
     }
-}
+};
 
 // Four e4m3 values (one register, the first in the lowest byte) -> four of T, two to a register.
 template <class T>
@@ -114,22 +122,31 @@ __forceinline__ __device__ void e4m3x4_to(u32 x, u32& lo, u32& hi) {
     }
 }
 
-// A landed e4m3 block (RAW_STRIDE-byte rows) into a 16-bit Tile<BN, D> of T: the MMAs then read it as any other.
+// A warp's KW rows of a landed e4m3 K and V block (RAW_STRIDE-byte rows) into the 16-bit Tile<BN, D>s of T that
+// its MMAs then read. Each warp reads back only the rows it wrote (its own keys), so the warps need no barrier
+// between dequantizing and computing: each goes on as soon as its own rows are done.
 template <class T, int D>
-__forceinline__ __device__ void dequantize_block(unsigned char* smem, u32 dst, u32 src, u32 base) {
+__forceinline__ __device__ void dequantize_rows(unsigned char* smem, u32 base, u32 dst_k, u32 dst_v, u32 src_k,
+                                                u32 src_v, int row0) {
     constexpr int CHUNKS = D / 16, RAW = Smem<D, 16, 2, E4M3>::RAW_STRIDE;
+    static_assert(KW * CHUNKS % 32 == 0, "whole passes of the warp");
 #pragma unroll
-    for (int i = 0; i < BN * CHUNKS / THREADS; ++i) {
-        const int c = i * THREADS + threadIdx.x, r = c / CHUNKS, k = (c % CHUNKS) * 16;
-        const uint4 x = *reinterpret_cast<const uint4*>(smem + (src - base) + r * RAW + k);
-        uint4 a, b;
-        e4m3x4_to<T>(x.x, a.x, a.y);
-        e4m3x4_to<T>(x.y, a.z, a.w);
-        e4m3x4_to<T>(x.z, b.x, b.y);
-        e4m3x4_to<T>(x.w, b.z, b.w);
-        uint4* out = reinterpret_cast<uint4*>(smem + (Tile<BN, D>::at(dst, r, k) - base));
-        out[0] = a, out[1] = b;
+    for (int i = 0; i < KW * CHUNKS / 32; ++i) {
+        const int c = i * 32 + threadIdx.x % 32, r = row0 + c / CHUNKS, k = (c % CHUNKS) * 16;
+        const u32 from = r * RAW + k, to = Tile<BN, D>::at(0, r, k);
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+            const uint4 x = *reinterpret_cast<const uint4*>(smem + ((kv ? src_v : src_k) - base) + from);
+            uint4 a, b;
+            e4m3x4_to<T>(x.x, a.x, a.y);
+            e4m3x4_to<T>(x.y, a.z, a.w);
+            e4m3x4_to<T>(x.z, b.x, b.y);
+            e4m3x4_to<T>(x.w, b.z, b.w);
+            uint4* out = reinterpret_cast<uint4*>(smem + ((kv ? dst_v : dst_k) - base) + to);
+            out[0] = a, out[1] = b;
+        }
     }
+    __syncwarp();
 }
 
 // The end of a CTA: the four warps' (O, m, l) merged in shared memory (each warp's O scaled by its weight
@@ -248,13 +265,20 @@ decode_split(const fav::DecodeParams p) {
     const unsigned char* kc = static_cast<const unsigned char*>(p.k) + g * p.k_h * KV::BYTES;
     const unsigned char* vc = static_cast<const unsigned char*>(p.v) + g * p.v_h * KV::BYTES;
     const i64 k_stride[2] = {p.k_b * KV::BYTES, p.k_n * KV::BYTES}, v_stride[2] = {p.v_b * KV::BYTES, p.v_n * KV::BYTES};
+    const int row_bytes = p.head_dim * KV::BYTES;
     bool pages_ok = true;
-    auto load = [&](int j) {  // block j into its stage, one cp.async group (empty past the last block)
-        if (j < n_blocks)
-            load_block<D, KV, PAGED>(L::k_raw(base, j % NSTAGE), L::v_raw(base, j % NSTAGE), kc, vc, k_stride,
-                                     v_stride, rows, keys.x + j * BN, keys.y, p.head_dim * KV::BYTES, pages_ok);
-        cp_async_commit();
+    BlockCopies<D, KV, PAGED> next;  // the next block to load, located
+    auto locate = [&](int j) {
+        if (j < n_blocks) next.locate(rows, keys.x + j * BN, keys.y, row_bytes);
     };
+    auto load = [&](int j) {  // block j into its stage, one cp.async group (empty past the last block); j + 1 located
+        if (j < n_blocks)
+            next.load(L::k_raw(base, j % NSTAGE), L::v_raw(base, j % NSTAGE), kc, vc, k_stride, v_stride, rows,
+                      keys.y, row_bytes, pages_ok);
+        cp_async_commit();
+        locate(j + 1);
+    };
+    locate(0);
     load_q<D, 16 * MT>(base, p, b, g, r0);  // in block 0's group
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) load(j);
@@ -272,9 +296,7 @@ decode_split(const fav::DecodeParams p) {
         load(j + NSTAGE - 1);
         u32 sK = L::k_raw(base, j % NSTAGE), sV = L::v_raw(base, j % NSTAGE);
         if constexpr (L::DEQUANTIZES) {
-            dequantize_block<T, D>(smem, base + L::DEQUANT, sK, base);
-            dequantize_block<T, D>(smem, base + L::DEQUANT + TKV::BYTES, sV, base);
-            __syncthreads();
+            dequantize_rows<T, D>(smem, base, base + L::DEQUANT, base + L::DEQUANT + TKV::BYTES, sK, sV, warp * KW);
             sK = base + L::DEQUANT, sV = base + L::DEQUANT + TKV::BYTES;
         }
         if (Q_IN_REGS && j == 0)

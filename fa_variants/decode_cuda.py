@@ -55,12 +55,19 @@ def _np_dtype(dtype: str):
 
 
 def _check_streamed(name: str, a: DevArray, vector: bool) -> None:
-    """Contiguous last dimension; the 16-byte row loads (``vector``) need a 16-byte aligned base and strides."""
+    """Contiguous last dimension; the 16-byte row loads (``vector``) need strides of whole 16 bytes."""
     if a.shape[-1] > 1 and a.strides[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got element strides {a.strides}")
     if any(s < 0 for s in a.strides):
         raise ValueError(f"{name} has negative strides {a.strides}; pass a copy")
-    if vector and (a.ptr % 16 or any(s * a.itemsize % 16 for s in a.strides[:-1])):
+    if vector and any(s * a.itemsize % 16 for s in a.strides[:-1]):
+        raise ValueError(f"{name} must start on a 16-byte boundary with strides of whole 16 bytes (the kernel "
+                         f"reads 16-byte rows), got element strides {a.strides}")
+
+
+def _check_aligned(name: str, a: DevArray, vector: bool) -> None:
+    """The 16-byte row loads (``vector``) need a 16-byte aligned base (a pointer: checked on every call)."""
+    if vector and a.ptr % 16:
         raise ValueError(f"{name} must start on a 16-byte boundary with strides of whole 16 bytes (the kernel "
                          f"reads 16-byte rows), got pointer {a.ptr:#x} and element strides {a.strides}")
 
@@ -82,62 +89,73 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
     on_device = {n: _device_array(n, x) for n, x in index.items() if x is not None and arrays._claims_gpu(x)}
     index = {n: x if n in on_device or x is None or isinstance(x, np.ndarray) or np.isscalar(x) else
              arrays._host_import(n, x) for n, x in index.items()}   # CPU torch tensors: NumPy views
-    shapes = tuple((n, d.shape, d.dtype) for n, (_, d) in {**big, **on_device}.items())
-    if all(x is None or n in on_device for n, x in index.items()):
-        call = _checked_shapes(shapes)   # no value read on the host: the checks depend on the shapes alone
-    else:
-        call = _check(shapes, {n: x for n, x in index.items() if n not in on_device})
-    _check_kernel_limits(call, dev)
-    for n, (_, d) in on_device.items():
-        if d.device != device:
-            raise ValueError(f"{n} is on GPU {d.device}, q on GPU {device}")
-        want = _contiguous_strides(d.shape)
-        if d.strides != want:
-            raise ValueError(f"{n} must be contiguous (strides {want}), got {d.strides}")
+    specs = tuple((n, d.spec) for n, d in (*dev.items(), *((n, d) for n, (_, d) in on_device.items())))
+    host = {n: x for n, x in index.items() if n not in on_device and x is not None}
+    # Device index arrays are not read: then everything checked depends on the signature alone, worked out once.
+    call = _check(specs, host) if host else _checked_specs(specs)
+    max_k = call.capacity if "cache_seqlens" in on_device else int(call.seqlens_k.max())
+    paged = call.page_table is not None
+    sizes = (paged, call.page_table.shape[1] if paged else 0, call.seqlen_new, call.capacity, max_k)
+    plan = _step_plan(specs, sizes, causal, softmax_scale, num_splits, return_lse)
+    for n, d in dev.items():
+        _check_aligned(n, d, vector=n not in ("k", "v"))
 
     # Everything is checked: host index arrays up to the device, the append, the attention.
     fw = Framework(big["q"][0])
     held = []   # the device copies of host index arrays, alive until their launches are queued
-    ptrs = {}
+    ptrs = {n: d.ptr for n, d in dev.items()}
     for n, x in index.items():
         if n in on_device:
-            ptrs[n] = on_device[n][1]
-        elif x is None:
-            ptrs[n] = None
-        else:
-            host = np.full(call.batch, x, np.int32) if n == "cache_seqlens" and np.isscalar(x) else x
-            arr = fw.from_host(np.ascontiguousarray(host), device)
-            held.append(arr)
-            ptrs[n] = DevArray.of(arr)
-    ptr = {n: 0 if d is None else d.ptr for n, d in ptrs.items()}
-    if k is not None:
-        kern.append(fw, dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], ptr["cache_seqlens"], ptr["page_table"],
-                    call.capacity, call.page_size or 0, call.page_table.shape[1] if call.page_table is not None else 0)
-    max_k = call.capacity if "cache_seqlens" in on_device else int(call.seqlens_k.max())
-    out, lse, _ = kern.split_step(fw, dev["q"], dev["k_cache"], dev["v_cache"], cache_seqlens=ptr["cache_seqlens"],
-                                  page_table=ptrs["page_table"], k_descale=ptr["k_descale"],
-                                  v_descale=ptr["v_descale"], seqlen_new=call.seqlen_new, capacity=call.capacity,
-                                  max_seqlen_k=max_k, causal=causal, softmax_scale=softmax_scale,
-                                  num_splits=num_splits, return_lse=return_lse, after_append=k is not None)
+            ptrs[n] = on_device[n][1].ptr
+        elif x is not None:
+            host_x = np.full(call.batch, x, np.int32) if n == "cache_seqlens" and np.isscalar(x) else x
+            held.append(fw.from_host(np.ascontiguousarray(host_x), device))
+            ptrs[n] = fw.ptr(held[-1])
+    out, lse = plan.run(fw, **ptrs)
     del held
     wrap = _wrap_like(q)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)
 
 
-def _check(shapes: tuple, host: dict) -> kvcache.CacheCall:
-    """kvcache.check_call with stand-ins for the GPU arrays (``shapes``: (name, shape, dtype)) and the host index
+def _check(specs: tuple, host: dict) -> kvcache.CacheCall:
+    """kvcache.check_call with stand-ins for the GPU arrays (``specs``: (name, DevArray)) and the host index
     arrays' values (``host``)."""
-    given = {**{n: kvcache.stand_in(shape, _np_dtype(dtype)) for n, shape, dtype in shapes}, **host}
-    on_device = tuple(n for n, _, _ in shapes if n in INDEX)
+    given = {**{n: kvcache.stand_in(d.shape, _np_dtype(d.dtype)) for n, d in specs}, **host}
+    on_device = tuple(n for n, _ in specs if n in INDEX)
     return kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),
                               **{n: given.get(n) for n in INDEX}, device_values=on_device)
 
 
 @functools.lru_cache(maxsize=1024)
-def _checked_shapes(shapes: tuple) -> kvcache.CacheCall:
-    """_check of a call whose index arrays are all on the device (or absent): a function of the shapes and dtypes,
-    worked out once per signature (a decoding loop repeats one). A refused call raises each time."""
-    return _check(shapes, {})
+def _checked_specs(specs: tuple) -> kvcache.CacheCall:
+    """_check of a call whose index arrays are all on the device (or absent): a function of the signature, worked
+    out once per signature (a decoding loop repeats one). A refused call raises each time."""
+    return _check(specs, {})
+
+
+@functools.lru_cache(maxsize=1024)
+def _step_plan(specs: tuple, sizes: tuple, causal: bool, softmax_scale: float, num_splits: int,
+               return_lse: bool) -> kern.StepPlan:
+    """What the kernels take beyond the model, checked, and the step's launches, for arrays of these specs
+    (name, DevArray without its pointer) and ``sizes``: (paged, max_pages, seqlen_new, capacity, max_seqlen_k)."""
+    dev = dict(specs)
+    paged, max_pages, seqlen_new, capacity, max_k = sizes
+    _check_kernel_limits(dev["q"].shape[3], dev)
+    for n, d in dev.items():
+        if n in INDEX:
+            if d.device != dev["q"].device:
+                raise ValueError(f"{n} is on GPU {d.device}, q on GPU {dev['q'].device}")
+            want = _contiguous_strides(d.shape)
+            if d.strides != want:
+                raise ValueError(f"{n} must be contiguous (strides {want}), got {d.strides}")
+    append = None
+    if "k" in dev:
+        append = kern.append_launch(dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], paged=paged,
+                                    capacity=capacity, page_size=dev["k_cache"].shape[1] if paged else 0,
+                                    max_pages=max_pages)
+    return kern.step_plan(dev["q"], dev["k_cache"], dev["v_cache"], paged=paged, max_pages=max_pages,
+                          seqlen_new=seqlen_new, capacity=capacity, max_seqlen_k=max_k, causal=causal,
+                          softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, append=append)
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -148,16 +166,18 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _check_kernel_limits(call: kvcache.CacheCall, dev: dict) -> None:
-    """What the GPU kernel takes beyond the model: head dims in whole 16-byte rows, at most 256; aligned rows."""
+def _check_kernel_limits(head_dim: int, dev: dict) -> None:
+    """What the GPU kernel takes beyond the model: head dims in whole 16-byte rows, at most 256; rows of whole
+    16 bytes (``dev``: name -> DevArray of q, the caches, k, v)."""
     fp8 = dev["k_cache"].itemsize == 1
     step = 16 if fp8 else 8
-    if call.head_dim % step or call.head_dim > 256:
+    if head_dim % step or head_dim > 256:
         raise ValueError(f"head_dim must be a multiple of {step} up to 256 for the GPU kernel with a "
-                         f"{'float8_e4m3fn' if fp8 else '16-bit'} cache (whole 16-byte rows), got {call.head_dim}; "
+                         f"{'float8_e4m3fn' if fp8 else '16-bit'} cache (whole 16-byte rows), got {head_dim}; "
                          f"the NumPy model takes any")
-    for n, d in dev.items():
-        _check_streamed(n, d, vector=n != "k" and n != "v")
+    for n in BIG:
+        if n in dev:
+            _check_streamed(n, dev[n], vector=n not in ("k", "v"))
     if fp8 and kern.arch_of(dev["q"].device) not in kern.FP8_ARCHS:
         raise ValueError(f"a float8_e4m3fn cache needs an sm_89+ GPU with the e4m3 conversion; this one is "
                          f"{kern.arch_of(dev['q'].device)}")
@@ -226,6 +246,7 @@ def merge_states(outs: list, lses: list | None, stacked: bool):
     od = DevArray.of(out)
     out_view = od if len(od.shape) == 4 else DevArray(od.ptr, (od.shape[0], 1, od.shape[1], od.shape[2]),
                                                       (od.strides[0], 0, od.strides[1], 1), od.dtype, od.device)
-    kern.merge(fw, parts, ls, out_view, fw.ptr(lse), lse_strides)
+    kern.merge_launch(parts, ls, out_view, lse_strides)(fw.stream, o_parts=parts.ptr, lse_parts=ls.ptr,
+                                                        out=out_view.ptr, lse=fw.ptr(lse))
     wrap = _wrap_like(outs_s)
     return wrap(out), wrap(lse)

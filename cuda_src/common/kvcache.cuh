@@ -34,13 +34,35 @@ struct CacheRows {
     // (first-axis index, second-axis index) of token t
     __forceinline__ __device__ int2 at(int t, bool& ok) const {
         if constexpr (PAGED) {
-            const int page = pages[t / page_size];
-            const bool in_range = (unsigned)page < (unsigned)num_pages;
-            ok = ok && in_range;
-            return in_range ? make_int2(page, t % page_size) : make_int2(0, 0);
+            const int index = t / page_size;
+            return checked(make_int2(pages[index], t - index * page_size), ok);
         } else {
             return make_int2(b, t);
         }
+    }
+    // Paged: the page-table entries of tokens t0, t0 + STEP, ..., t0 + (N - 1) STEP as (page, row) pairs, not yet
+    // checked (`checked` does that where they are used, so that the loads are all in flight together and nothing
+    // waits for them here); tokens at or past `end` (or all, when !valid) are (0, 0) and not looked up. One
+    // division for all N: the page advances by carries.
+    template <int N, int STEP>
+    __forceinline__ __device__ void lookup_run(int t0, int end, bool valid, int2 (&rows)[N]) const {
+        static_assert(PAGED, "a contiguous cache has nothing to look up");
+        int index[N], offset[N];
+        index[0] = t0 / page_size, offset[0] = t0 - index[0] * page_size;
+#pragma unroll
+        for (int i = 1; i < N; ++i) {
+            index[i] = index[i - 1], offset[i] = offset[i - 1] + STEP;
+            for (; offset[i] >= page_size; offset[i] -= page_size) ++index[i];  // once for pages >= STEP
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            rows[i] = valid && t0 + i * STEP < end ? make_int2(pages[index[i]], offset[i]) : make_int2(0, 0);
+    }
+    // A looked-up (page, row), or (0, 0), which exists, with `ok` cleared when the page is outside [0, num_pages).
+    __forceinline__ __device__ int2 checked(int2 row, bool& ok) const {
+        const bool in_range = (unsigned)row.x < (unsigned)num_pages;
+        ok = ok && in_range;
+        return in_range ? row : make_int2(0, 0);
     }
 };
 

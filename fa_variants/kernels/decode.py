@@ -26,8 +26,11 @@ MERGE_WARPS, APPEND_WARPS = 4, 4
 FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")   # e4m3 -> f16x2 conversion: sm_89+
 TEMPLATE_DIMS = (64, 128, 256)
 MAX_MT = {64: 2, 128: 2, 256: 1}    # m-tiles of 16 packed rows per CTA: O's registers allow MT * D <= 256
-SMEM_BUDGET = {"sm_90a": 220 * 1024, "sm_80": 160 * 1024}   # what the ring may take (1 CTA per SM either way)
+SMEM_BUDGET = {"sm_90a": 220 * 1024, "sm_80": 160 * 1024}   # what the rings of one SM may take
 OTHER_BUDGET = 92 * 1024            # sm_86 / sm_89: 99 KB per block
+# Split-kernel CTAs kept on one SM, by (arch, cache bytes per element); absent: 1. Their rings share the SM's
+# budget, and the split rule counts each SM as that many slots.
+CTAS_PER_SM: dict = {}
 MAX_STAGES = 8
 KV_KIND = {2: "fav::Bits16", 1: "fav::E4M3"}
 
@@ -37,12 +40,17 @@ def template_dim(head_dim: int) -> int:
     return next(d for d in TEMPLATE_DIMS if head_dim <= d)
 
 
+def ctas_per_sm(arch: str, kv_bytes: int) -> int:
+    return CTAS_PER_SM.get((arch, kv_bytes), 1)
+
+
 def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
-    """The deepest K/V ring that fits the arch's budget beside the Q tile (and an e4m3 cache's 16-bit pair)."""
+    """The deepest K/V ring that fits a CTA's share of the arch's budget beside the Q tile (and an e4m3 cache's
+    16-bit pair)."""
     q_tile = 16 * mt * (d + 8) * 2
     stage = 2 * BLOCK_N * (d * kv_bytes + 16)
     dequant = 2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
-    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET)
+    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET) // ctas_per_sm(arch, kv_bytes)
     return max(2, min(MAX_STAGES, (budget - q_tile - dequant) // stage))
 
 
@@ -103,6 +111,11 @@ class DevArray:
     strides: tuple
     dtype: str
     device: int
+
+    @property
+    def spec(self) -> "DevArray":
+        """The array without its pointer: what a launch plan depends on."""
+        return DevArray(0, self.shape, self.strides, self.dtype, self.device)
 
     @property
     def itemsize(self) -> int:
@@ -166,54 +179,59 @@ def _function(source: str, expr: str, smem: int = 0) -> int:
     return _function_on(source, expr, smem, cupy.cuda.runtime.getDevice())
 
 
-def _launch(func, grid, block, smem, stream, struct, after: bool = False, **ptrs) -> None:
-    """One launch; ``after``: behind the kernel ahead on the stream, with programmatic dependent launch (the
-    kernel waits for that one's writes with griddep_wait)."""
-    from .launch import launch
-    template = _template(struct, tuple(ptrs.pop("rest").items()))
-    launch(func, grid, block, smem, stream, template, struct.pointers_format,
-           *(ptrs[f] for f in struct.pointers), after=after)
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch worked out but for its pointers: the CUfunction, grid, block, dynamic shared memory and the
+    parameter struct packed with null pointers; a call writes the pointers it is given into a copy and launches.
+    ``after``: behind the kernel ahead on the stream, with programmatic dependent launch (the kernel waits for
+    that one's writes with griddep_wait)."""
+    func: int
+    grid: tuple
+    block: int
+    smem: int
+    template: bytes
+    fmt: str
+    pointers: tuple   # the struct's pointer fields, in order
+    after: bool = False
+
+    @staticmethod
+    def of(struct, func: int, grid: tuple, block: int, smem: int, after: bool = False, **fields) -> "Launch":
+        pointers = struct.pointers
+        return Launch(func, grid, block, smem, struct.pack(**{f: 0 for f in pointers}, **fields),
+                      struct.pointers_format, pointers, after)
+
+    def __call__(self, stream: int, **ptrs: int) -> None:
+        from .launch import launch
+        launch(self.func, self.grid, self.block, self.smem, stream, self.template, self.fmt,
+               *(ptrs.get(f, 0) for f in self.pointers), after=self.after)
 
 
-@functools.lru_cache(maxsize=1024)
-def _template(struct, rest: tuple) -> bytes:
-    """The struct packed with zero pointers and the fields ``rest`` ((name, value) pairs): once per signature, for
-    packing field by field costs tens of microseconds, and a decoding loop repeats one signature."""
-    return struct.pack(**{f: 0 for f in struct.pointers}, **dict(rest))
-
-
-def append(fw: Framework, k: DevArray, v: DevArray, k_cache: DevArray, v_cache: DevArray, cache_seqlens: int,
-           page_table: int, capacity: int, page_size: int, max_pages: int) -> None:
-    """kv_append.cu: k, v into the caches at cache_seqlens (device pointers), in place."""
+def append_launch(k: DevArray, v: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool, capacity: int,
+                  page_size: int, max_pages: int) -> Launch:
+    """kv_append.cu: k, v into the caches at cache_seqlens, in place (pointers: k, v, k_cache, v_cache,
+    cache_seqlens, page_table)."""
     batch, seqlen_new, heads_kv, d = k.shape
-    paged = page_table != 0
     rows = batch * seqlen_new * heads_kv
     func = _function(APPEND_SOURCE, append_instance(k_cache.itemsize, paged))
-    rest = dict(kn_b=k.strides[0], kn_n=k.strides[1], kn_h=k.strides[2], vn_b=v.strides[0], vn_n=v.strides[1],
-                vn_h=v.strides[2], k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
-                v_b=v_cache.strides[0], v_n=v_cache.strides[1], v_h=v_cache.strides[2], batch=batch,
-                seqlen_new=seqlen_new, heads_kv=heads_kv, head_dim=d, capacity=capacity, page_size=page_size,
-                max_pages=max_pages, num_pages=k_cache.shape[0])
-    _launch(func, (cdiv(rows, APPEND_WARPS), 1, 1), APPEND_WARPS * 32, 0, fw.stream, APPEND, rest=rest,
-            k=k.ptr, v=v.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, cache_seqlens=cache_seqlens,
-            page_table=page_table)
+    return Launch.of(APPEND, func, (cdiv(rows, APPEND_WARPS), 1, 1), APPEND_WARPS * 32, 0,
+                     kn_b=k.strides[0], kn_n=k.strides[1], kn_h=k.strides[2], vn_b=v.strides[0], vn_n=v.strides[1],
+                     vn_h=v.strides[2], k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
+                     v_b=v_cache.strides[0], v_n=v_cache.strides[1], v_h=v_cache.strides[2], batch=batch,
+                     seqlen_new=seqlen_new, heads_kv=heads_kv, head_dim=d, capacity=capacity, page_size=page_size,
+                     max_pages=max_pages, num_pages=k_cache.shape[0])
 
 
-def merge(fw: Framework, parts: DevArray, lses: DevArray, out: DevArray, lse_ptr: int, axes: tuple,
-          after: bool = False) -> None:
+def merge_launch(parts: DevArray, lses: DevArray, out: DevArray, axes: tuple, after: bool = False) -> Launch:
     """merge_states.cu over states stacked on parts' axis 0, parts (S, batch, seqlen, heads, d) and lses (S, batch,
-    heads, seqlen) in any strides (``axes``: lses' strides in that order), into out (batch, seqlen, heads, d) and
-    the contiguous lse (batch, heads, seqlen) at lse_ptr (0: not written). ``after``: launched behind the kernel
-    that writes the states (_launch)."""
+    heads, seqlen) in any strides (``axes``: lses' strides in that order), into out (batch, seqlen, heads, d) and a
+    contiguous lse (batch, heads, seqlen) (pointers: o_parts, lse_parts, out, lse; a null lse is not written)."""
     states, batch, seqlen, heads, d = parts.shape
     rows = batch * seqlen * heads
     func = _function(MERGE_SOURCE, merge_instance(parts.dtype, lses.dtype, out.dtype))
-    ls = axes
-    rest = dict(p_s=parts.strides[0], p_b=parts.strides[1], p_n=parts.strides[2], p_h=parts.strides[3],
-                l_s=ls[0], l_b=ls[1], l_h=ls[2], l_n=ls[3], o_b=out.strides[0], o_n=out.strides[1],
-                o_h=out.strides[2], states=states, batch=batch, seqlen=seqlen, heads=heads, head_dim=d)
-    _launch(func, (cdiv(rows, MERGE_WARPS), 1, 1), MERGE_WARPS * 32, 0, fw.stream, MERGE, after, rest=rest,
-            o_parts=parts.ptr, lse_parts=lses.ptr, out=out.ptr, lse=lse_ptr)
+    return Launch.of(MERGE, func, (cdiv(rows, MERGE_WARPS), 1, 1), MERGE_WARPS * 32, 0, after,
+                     p_s=parts.strides[0], p_b=parts.strides[1], p_n=parts.strides[2], p_h=parts.strides[3],
+                     l_s=axes[0], l_b=axes[1], l_h=axes[2], l_n=axes[3], o_b=out.strides[0], o_n=out.strides[1],
+                     o_h=out.strides[2], states=states, batch=batch, seqlen=seqlen, heads=heads, head_dim=d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,12 +246,55 @@ def arch_of(device: int) -> str:
     return jit.device_arch(cupy.cuda.Device(device))
 
 
-def split_step(fw: Framework, q: DevArray, k_cache: DevArray, v_cache: DevArray, *, cache_seqlens: int,
-               page_table: DevArray | None, k_descale: int, v_descale: int, seqlen_new: int, capacity: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float, num_splits: int, return_lse: bool,
-               after_append: bool = False):
-    """decode_fwd.cu (and merge_states.cu when split): (out, lse or None) in fw's arrays. ``after_append``: the
-    append kernel is ahead on the stream (_launch's ``after``)."""
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """A decoding step for one signature: the append (when k, v are given), the split kernel and the merge (when
+    split), and the shapes of what a call allocates. ``run`` is all a warm call does: allocate, fill in pointers,
+    launch."""
+    append: Launch | None
+    split: Launch
+    merge: Launch | None
+    num_splits: int
+    out_shape: tuple
+    dtype: str
+    lse_shape: tuple | None      # None: no LSE asked for
+    parts_shape: tuple           # the splits' fp32 partial O and LSE (when split)
+    lse_parts_shape: tuple
+
+    def run(self, fw: Framework, *, q: int, k_cache: int, v_cache: int, cache_seqlens: int, page_table: int = 0,
+            k_descale: int = 0, v_descale: int = 0, k: int = 0, v: int = 0):
+        """(out, lse or None) in fw's arrays, given the device pointers of the call's arrays (0: absent); k, v:
+        the new tokens, appended when the plan has an append."""
+        out = fw.empty(self.out_shape, self.dtype)
+        lse = None if self.lse_shape is None else fw.empty(self.lse_shape, "float32")
+        o, lse_ptr = fw.ptr(out), 0 if lse is None else fw.ptr(lse)
+        index = dict(cache_seqlens=cache_seqlens, page_table=page_table)
+        if self.append is not None:
+            self.append(fw.stream, k=k, v=v, k_cache=k_cache, v_cache=v_cache, **index)
+        step = dict(q=q, k=k_cache, v=v_cache, k_descale=k_descale, v_descale=v_descale, **index)
+        if self.merge is None:
+            self.split(fw.stream, **step, o=o, lse=lse_ptr)
+        else:
+            parts, lse_parts = fw.empty(self.parts_shape, "float32"), fw.empty(self.lse_parts_shape, "float32")
+            self.split(fw.stream, **step, o_part=fw.ptr(parts), lse_part=fw.ptr(lse_parts))
+            self.merge(fw.stream, o_parts=fw.ptr(parts), lse_parts=fw.ptr(lse_parts), out=o, lse=lse_ptr)
+        return out, lse
+
+
+def _contiguous(shape: tuple, dtype: str, device: int) -> DevArray:
+    """A stand-in for a contiguous array the plan's call will allocate (its pointer is the call's)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return DevArray(0, tuple(shape), tuple(reversed(strides)), dtype, device)
+
+
+def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool, max_pages: int, seqlen_new: int,
+              capacity: int, max_seqlen_k: int, causal: bool, softmax_scale: float, num_splits: int,
+              return_lse: bool, append: Launch | None = None) -> StepPlan:
+    """decode_fwd.cu's launch (and merge_states.cu's, when split) for arrays of these shapes, strides and dtypes
+    (their pointers are not read); ``append``: kv_append.cu's launch, ahead of them on the stream."""
     batch, seqlen_q, heads, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads // heads_kv
@@ -243,35 +304,31 @@ def split_step(fw: Framework, q: DevArray, k_cache: DevArray, v_cache: DevArray,
     arch = arch_of(q.device)
     kv_bytes = k_cache.itemsize
     if num_splits == 0:
-        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, num_sms(q.device), SPLIT_N)
+        slots = num_sms(q.device) * ctas_per_sm(arch, kv_bytes)
+        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, slots, SPLIT_N)
     n_stages = stages(d, mt, kv_bytes, arch)
     smem = smem_bytes(d, mt, n_stages, kv_bytes)
     if smem > smem_limit():
         raise ValueError(f"head_dim {head_dim} needs {smem} bytes of shared memory per block; this GPU allows "
                          f"{smem_limit()}")
-    func = _function(SOURCE, instance(q.dtype, d, mt, page_table is not None, kv_bytes, arch), smem)
-    out = fw.empty((batch, seqlen_q, heads, head_dim), q.dtype)
-    lse = fw.empty((batch, heads, seqlen_q), "float32") if return_lse else None
-    parts = lse_parts = None
+    func = _function(SOURCE, instance(q.dtype, d, mt, paged, kv_bytes, arch), smem)
+    out_shape = (batch, seqlen_q, heads, head_dim)
+    split = Launch.of(DECODE, func, (num_splits, heads_kv * row_tiles, batch), THREADS, smem, append is not None,
+                      q_b=q.strides[0], q_n=q.strides[1], q_h=q.strides[2],
+                      k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
+                      v_b=v_cache.strides[0], v_n=v_cache.strides[1], v_h=v_cache.strides[2],
+                      o_b=seqlen_q * heads * head_dim, o_n=heads * head_dim, o_h=head_dim,
+                      batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, group=group,
+                      head_dim=head_dim, seqlen_new=seqlen_new, capacity=capacity,
+                      page_size=k_cache.shape[1] if paged else 0, max_pages=max_pages if paged else 0,
+                      num_pages=k_cache.shape[0] if paged else 0, num_splits=num_splits, row_tiles=row_tiles,
+                      scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+    parts_shape = (num_splits, batch, seqlen_q, heads, head_dim)
+    lse_parts_shape = (num_splits, batch, heads, seqlen_q)
+    merge = None
     if num_splits > 1:
-        parts = fw.empty((num_splits, batch, seqlen_q, heads, head_dim), "float32")
-        lse_parts = fw.empty((num_splits, batch, heads, seqlen_q), "float32")
-    pt = page_table
-    rest = dict(q_b=q.strides[0], q_n=q.strides[1], q_h=q.strides[2],
-                k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
-                v_b=v_cache.strides[0], v_n=v_cache.strides[1], v_h=v_cache.strides[2],
-                o_b=seqlen_q * heads * head_dim, o_n=heads * head_dim, o_h=head_dim,
-                batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, group=group, head_dim=head_dim,
-                seqlen_new=seqlen_new, capacity=capacity, page_size=k_cache.shape[1] if pt else 0,
-                max_pages=pt.shape[1] if pt else 0, num_pages=k_cache.shape[0] if pt else 0,
-                num_splits=num_splits, row_tiles=row_tiles, scale_log2=scale_log2(softmax_scale),
-                causal=int(bool(causal)))
-    _launch(func, (num_splits, heads_kv * row_tiles, batch), THREADS, smem, fw.stream, DECODE, after_append, rest=rest,
-            q=q.ptr, k=k_cache.ptr, v=v_cache.ptr, cache_seqlens=cache_seqlens, page_table=pt.ptr if pt else 0,
-            k_descale=k_descale, v_descale=v_descale, o=fw.ptr(out), lse=0 if lse is None else fw.ptr(lse),
-            o_part=0 if parts is None else fw.ptr(parts), lse_part=0 if lse_parts is None else fw.ptr(lse_parts))
-    if num_splits > 1:
-        p = DevArray.of(parts)
-        lp = DevArray.of(lse_parts)
-        merge(fw, p, lp, DevArray.of(out), 0 if lse is None else fw.ptr(lse), lp.strides, after=True)
-    return out, lse, num_splits
+        lse_parts = _contiguous(lse_parts_shape, "float32", q.device)
+        merge = merge_launch(_contiguous(parts_shape, "float32", q.device), lse_parts,
+                             _contiguous(out_shape, q.dtype, q.device), lse_parts.strides, after=True)
+    return StepPlan(append, split, merge, num_splits, out_shape, q.dtype,
+                    (batch, heads, seqlen_q) if return_lse else None, parts_shape, lse_parts_shape)
