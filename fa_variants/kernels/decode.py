@@ -40,18 +40,24 @@ def template_dim(head_dim: int) -> int:
     return next(d for d in TEMPLATE_DIMS if head_dim <= d)
 
 
-def ctas_per_sm(arch: str, kv_bytes: int) -> int:
-    return CTAS_PER_SM.get((arch, kv_bytes), 1)
-
-
-def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
-    """The deepest K/V ring that fits a CTA's share of the arch's budget beside the Q tile (and an e4m3 cache's
-    16-bit pair)."""
+def _ring_stages(d: int, mt: int, kv_bytes: int, budget: int) -> int:
+    """K/V stages that fit ``budget`` beside the Q tile (and an e4m3 cache's 16-bit pair)."""
     q_tile = 16 * mt * (d + 8) * 2
     stage = 2 * BLOCK_N * (d * kv_bytes + 16)
     dequant = 2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
-    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET) // ctas_per_sm(arch, kv_bytes)
-    return max(2, min(MAX_STAGES, (budget - q_tile - dequant) // stage))
+    return (budget - q_tile - dequant) // stage
+
+
+def ctas_per_sm(d: int, mt: int, kv_bytes: int, arch: str) -> int:
+    """CTAS_PER_SM's count where that many rings of at least two stages share the SM's budget, else 1."""
+    n = CTAS_PER_SM.get((arch, kv_bytes), 1)
+    return n if _ring_stages(d, mt, kv_bytes, SMEM_BUDGET.get(arch, OTHER_BUDGET) // n) >= 2 else 1
+
+
+def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
+    """The deepest K/V ring that fits a CTA's share of the arch's budget."""
+    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET) // ctas_per_sm(d, mt, kv_bytes, arch)
+    return max(2, min(MAX_STAGES, _ring_stages(d, mt, kv_bytes, budget)))
 
 
 def smem_bytes(d: int, mt: int, n_stages: int, kv_bytes: int) -> int:
@@ -304,7 +310,7 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
     arch = arch_of(q.device)
     kv_bytes = k_cache.itemsize
     if num_splits == 0:
-        slots = num_sms(q.device) * ctas_per_sm(arch, kv_bytes)
+        slots = num_sms(q.device) * ctas_per_sm(d, mt, kv_bytes, arch)
         num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, slots, SPLIT_N)
     n_stages = stages(d, mt, kv_bytes, arch)
     smem = smem_bytes(d, mt, n_stages, kv_bytes)
