@@ -77,7 +77,7 @@ struct BlockCopies {
     static constexpr int CHUNKS = D * KV::BYTES / 16, ROWS_PER_PASS = THREADS / CHUNKS, PASSES = BN / ROWS_PER_PASS;
     static constexpr int STRIDE = Smem<D, 16, 2, KV>::RAW_STRIDE;
     static_assert(THREADS % CHUNKS == 0 && BN % ROWS_PER_PASS == 0, "a pass covers whole rows");
-    int2 at[PAGED ? PASSES : 1];   // paged: (page, row) of each row as looked up; (0, 0) for rows not copied
+    int2 at[PASSES];   // paged: (page, row) of each row as looked up; (0, 0) for rows not copied
     int key0;
 
     __forceinline__ __device__ static int r() { return threadIdx.x / CHUNKS; }
@@ -95,15 +95,29 @@ struct BlockCopies {
                                          const CacheRows<PAGED>& rows, int key_end, int row_bytes,
                                          bool& pages_ok) const {
         const bool col_ok = c() < row_bytes;
+        // Contiguous: the thread's rows are ROWS_PER_PASS apart in one sequence, a pointer stepped from the first;
+        // paged: each row on its own page.
+        const unsigned char *row_k = k + c(), *row_v = v + c();
+        if constexpr (!PAGED) {
+            row_k += rows.b * k_stride[0] + (i64)(key0 + r()) * k_stride[1];
+            row_v += rows.b * v_stride[0] + (i64)(key0 + r()) * v_stride[1];
+        }
+        const i64 step_k = ROWS_PER_PASS * k_stride[1], step_v = ROWS_PER_PASS * v_stride[1];
 #pragma unroll
         for (int i = 0; i < PASSES; ++i) {
             const int row = r() + i * ROWS_PER_PASS;
             const bool in = col_ok && key0 + row < key_end;
             const u32 off = row * STRIDE + c();
-            const int2 src = PAGED ? rows.checked(at[PAGED ? i : 0], pages_ok)
-                                   : rows.at(in ? key0 + row : 0, pages_ok);
-            cp_async_16(dst_k + off, k + src.x * k_stride[0] + src.y * k_stride[1] + c(), in);
-            cp_async_16(dst_v + off, v + src.x * v_stride[0] + src.y * v_stride[1] + c(), in);
+            const unsigned char *src_k = row_k, *src_v = row_v;
+            if constexpr (PAGED) {
+                const int2 at_i = rows.checked(at[i], pages_ok);
+                src_k += at_i.x * k_stride[0] + at_i.y * k_stride[1];
+                src_v += at_i.x * v_stride[0] + at_i.y * v_stride[1];
+            } else {
+                row_k += step_k, row_v += step_v;
+            }
+            cp_async_16(dst_k + off, in ? src_k : k, in);
+            cp_async_16(dst_v + off, in ? src_v : v, in);
         }
     }
 };
