@@ -5,7 +5,8 @@
 // the online softmax's rescale applied to whole partial results. A state with LSE = -inf (it saw no key) adds
 // nothing, whatever its O holds; every state empty: O = 0 and LSE = -inf; a NaN LSE makes its row NaN.
 //
-// One warp per row (b, n, h): its lanes walk the states' LSEs, then the row's columns, 32 apart (coalesced).
+// One warp per row (b, n, h): its lanes walk the states' LSEs, then the row's columns, 32 apart (coalesced), each
+// column's states read together.
 #include "common/params.cuh"
 #include "common/ptx.cuh"
 
@@ -72,13 +73,30 @@ merge_states(const fav::MergeParams p) {
     const Acc inv = total > 0 ? Acc(1) / total : Acc(0);
 
     typename TR::E* out = static_cast<typename TR::E*>(p.out) + b * p.o_b + n * p.o_n + h * p.o_h;
-    for (int c = lane; c < p.head_dim; c += 32) {
+    // Each chunk of 32 states' weights is worked out once, a state per lane, into shared memory (-1 for a state
+    // without keys), where every lane reads them: then a column's reads of the states do not wait for one another
+    // (unrolled, they are in flight together).
+    __shared__ Acc weights[merge::WARPS][32];
+    Acc* w = weights[threadIdx.x / 32];
+    for (int c0 = 0; c0 < p.head_dim; c0 += 32) {
+        const int c = c0 + lane;
         Acc acc = 0;
-        for (int s = 0; s < p.states; ++s) {
-            const Acc x = TL::get(lse[s * p.l_s]);
-            if (x != NEG_INF) acc += exp(x - ref) * inv * TO::get(parts[s * p.p_s + c]);
+        for (int s0 = 0; s0 < p.states; s0 += 32) {
+            const Acc x = s0 + lane < p.states ? TL::get(lse[(s0 + lane) * p.l_s]) : NEG_INF;
+            __syncwarp();  // the last chunk's weights are read
+            w[lane] = x != NEG_INF ? exp(x - ref) * inv : Acc(-1);
+            __syncwarp();
+            const int chunk = min(32, p.states - s0);
+            for (int i0 = 0; i0 < chunk; i0 += 8) {
+#pragma unroll
+                for (int i = i0; i < i0 + 8; ++i) {
+                    const bool use = i < chunk && w[i] != Acc(-1);   // a weight is >= 0 or NaN
+                    const Acc o = use && c < p.head_dim ? TO::get(parts[(s0 + i) * p.p_s + c]) : Acc(0);
+                    acc += use ? w[i] * o : Acc(0);
+                }
+            }
         }
-        out[c] = TR::put(nan ? NOT_A_NUMBER : acc);
+        if (c < p.head_dim) out[c] = TR::put(nan ? NOT_A_NUMBER : acc);
     }
     if (p.lse != nullptr && lane == 0) {
         const Acc x = nan ? NOT_A_NUMBER : total > 0 ? ref + log(total) : NEG_INF;
