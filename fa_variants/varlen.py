@@ -144,7 +144,7 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
                      backend=backend)
     if _runs_on_gpu(inp, backend):
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse,
-                       _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes))
+                       _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes))
     entry = _model("forward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     res = entry.reference(qh, kh, vh, causal=bool(causal), softmax_scale=arrays.default_scale(scale, d),
@@ -191,7 +191,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                               alibi_slopes)
     d = inp.q.shape[2]
     if _runs_on_gpu(inp, backend):
-        on_gpu = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,
+        on_gpu = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes,
                             cu=(cu_seqlens_q, cu_seqlens_k), bounds=bounds)
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse, on_gpu)
     entry = _model("forward", variant, dtype, d)
@@ -204,9 +204,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
-def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes, cu=(None, None), bounds=None):
+def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, cu=(None, None), bounds=None):
     """The masked kernel's arguments (kernels/fa2_masked.Masks) for a checked call on the GPU: a variant whose
-    kernel takes them (GPU_MASKED_VARIANTS), fa2's dtypes and head dims, the side arrays on q's device."""
+    kernel takes them (GPU_MASKED_VARIANTS), fa2's dtypes and head dims, the side arrays on q's device. The sinks
+    come as their checked host copy (``sinks_h``) and go up as float32, the kernels' type: a bfloat16 GPU array
+    (gpt-oss's sinks are the model's dtype) is then converted where ml_dtypes reads it, not by the GPU library's
+    cast."""
     if variant not in GPU_MASKED_VARIANTS:
         raise NotImplementedError(f"variant {variant!r}: its GPU kernel takes no window, softcap, sinks, ALiBi or "
                                   f"varlen yet; variant='auto' or 'fa2' runs fa2's masked kernel")
@@ -216,8 +219,14 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes, cu=
     arrays.check_supported(entry, dtype, d)
     dispatch.resolve_backend("cuda", entry, True)
     side = {n: None if x is None else _side_import(n, x, inp, dt)
-            for n, x, dt in (("sinks", sinks, SINK_DTYPES), ("alibi_slopes", alibi_slopes, ALIBI_DTYPES),
+            for n, x, dt in (("alibi_slopes", alibi_slopes, ALIBI_DTYPES),
                              ("cu_seqlens_q", cu[0], CU_SEQLENS_DTYPES), ("cu_seqlens_k", cu[1], CU_SEQLENS_DTYPES))}
+    if sinks_h is not None:
+        import cupy
+        with cupy.cuda.Device(inp.q.device.id):
+            side["sinks"] = cupy.asarray(np.asarray(sinks_h, dtype=np.float32))
+    else:
+        side["sinks"] = None
     lengths = {} if bounds is None else dict(
         max_seqlen_q=int(bounds.seqlens_q.max(initial=0)), max_seqlen_k=int(bounds.seqlens_k.max(initial=0)),
         total_q=int(bounds.cu_q[-1]), total_k=int(bounds.cu_k[-1]))
@@ -303,7 +312,7 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
             return plain(dout, q, k, v, out, lse, variant=variant, causal=reduced, softmax_scale=softmax_scale,
                          backend=backend, check_lse=check_lse, deterministic=deterministic)
     if _runs_on_gpu(inp, backend):
-        kernel_masks = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks, alibi_slopes,
+        kernel_masks = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes,
                                   cu=(cu_seqlens_q, cu_seqlens_k) if packed else (None, None), bounds=bounds)
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), False, kernel_masks, saved=saved,
                        sinks_dtype=None if sinks_h is None else sinks_h.dtype)
