@@ -145,7 +145,7 @@ def _step_plan(specs: tuple, sizes: tuple, causal: bool, softmax_scale: float, n
         if n in INDEX:
             if d.device != dev["q"].device:
                 raise ValueError(f"{n} is on GPU {d.device}, q on GPU {dev['q'].device}")
-            want = _contiguous_strides(d.shape)
+            want = kern.contiguous_strides(d.shape)
             if d.strides != want:
                 raise ValueError(f"{n} must be contiguous (strides {want}), got {d.strides}")
     append = None
@@ -156,14 +156,6 @@ def _step_plan(specs: tuple, sizes: tuple, causal: bool, softmax_scale: float, n
     return kern.step_plan(dev["q"], dev["k_cache"], dev["v_cache"], paged=paged, max_pages=max_pages,
                           seqlen_new=seqlen_new, capacity=capacity, max_seqlen_k=max_k, causal=causal,
                           softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, append=append)
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 def _check_kernel_limits(head_dim: int, dev: dict) -> None:

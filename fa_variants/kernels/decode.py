@@ -287,13 +287,18 @@ class StepPlan:
         return out, lse
 
 
-def _contiguous(shape: tuple, dtype: str, device: int) -> DevArray:
-    """A stand-in for a contiguous array the plan's call will allocate (its pointer is the call's)."""
+def contiguous_strides(shape: tuple) -> tuple:
+    """Element strides of a C-contiguous array of ``shape``."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
         step *= n
-    return DevArray(0, tuple(shape), tuple(reversed(strides)), dtype, device)
+    return tuple(reversed(strides))
+
+
+def _contiguous(shape: tuple, dtype: str, device: int) -> DevArray:
+    """A stand-in for a contiguous array the plan's call will allocate (its pointer is the call's)."""
+    return DevArray(0, tuple(shape), contiguous_strides(shape), dtype, device)
 
 
 def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool, max_pages: int, seqlen_new: int,
