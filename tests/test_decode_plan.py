@@ -114,10 +114,7 @@ def test_no_lse_asked_none_written(launches):
     assert lse is None and launches[-1][3]["lse"] == 0 and launches[-1][3]["out"] == fw.ptr(out)
 
 
-def test_auto_split_count_counts_every_ctas_slot(launches, monkeypatch):
-    """num_splits=0 takes the model's rule over the SMs times the CTAs each keeps."""
+def test_auto_split_count_is_the_models_rule(launches):
+    """num_splits=0 takes the model's rule over the device's SMs."""
     from fa_variants.reference import decode as model
-    one = plan(num_splits=0).num_splits
-    assert one == model.choose_num_splits(2, 8, 4096, 132, k.SPLIT_N)
-    monkeypatch.setitem(k.CTAS_PER_SM, ("sm_90a", 2), 2)
-    assert plan(num_splits=0).num_splits == model.choose_num_splits(2, 8, 4096, 264, k.SPLIT_N)
+    assert plan(num_splits=0).num_splits == model.choose_num_splits(2, 8, 4096, 132, k.SPLIT_N)

@@ -9,7 +9,6 @@ import pytest
 from fa_variants.kernels import decode as k
 
 OPT_IN = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}   # shared memory a block may opt into
-PER_SM = {"sm_80": 164 * 1024, "sm_90a": 228 * 1024}   # an SM's, of which the driver keeps 1 KB per resident CTA
 INSTANCE = re.compile(r"decode_split<fav::\w+, (\d+), (\d+), (\d+), (true|false), fav::(\w+)>")
 
 
@@ -22,10 +21,7 @@ def test_every_instance_fits_its_arch(arch):
         d, mt, stages = int(d), int(mt), int(stages)
         kv_bytes = 1 if kv == "E4M3" else 2
         assert stages >= 2, expr
-        smem = k.smem_bytes(d, mt, stages, kv_bytes)
-        assert smem <= OPT_IN[arch], expr
-        ctas = k.ctas_per_sm(d, mt, kv_bytes, arch)
-        assert ctas * (smem + 1024) <= PER_SM[arch], f"{expr}: {ctas} CTAs of {smem} bytes do not fit one SM"
+        assert k.smem_bytes(d, mt, stages, kv_bytes) <= OPT_IN[arch], expr
         assert mt * d <= 256, f"{expr}: O's registers (MT x D / 2 floats per thread) would spill"
 
 
@@ -50,12 +46,3 @@ def test_merge_instances_cover_decodings_partials():
         assert k.merge_instance("float32", "float32", dtype) in merges
     for dtype in k.MERGE_TYPES:
         assert k.merge_instance(dtype, "float32") in merges
-
-
-def test_ctas_per_sm_only_where_their_rings_fit(monkeypatch):
-    """A count in CTAS_PER_SM holds where that many rings of two stages or more share the budget; else one CTA."""
-    monkeypatch.setitem(k.CTAS_PER_SM, ("sm_90a", 2), 2)
-    assert k.ctas_per_sm(128, 1, 2, "sm_90a") == 2 and k.stages(128, 1, 2, "sm_90a") >= 2
-    assert k.ctas_per_sm(256, 1, 2, "sm_90a") == 1    # two d 256 rings of two stages exceed the budget
-    assert k.ctas_per_sm(128, 1, 1, "sm_90a") == 1    # the e4m3 cache's count is its own
-    test_every_instance_fits_its_arch("sm_90a")

@@ -26,11 +26,8 @@ MERGE_WARPS, APPEND_WARPS = 4, 4
 FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")   # e4m3 -> f16x2 conversion: sm_89+
 TEMPLATE_DIMS = (64, 128, 256)
 MAX_MT = {64: 2, 128: 2, 256: 1}    # m-tiles of 16 packed rows per CTA: O's registers allow MT * D <= 256
-SMEM_BUDGET = {"sm_90a": 220 * 1024, "sm_80": 160 * 1024}   # what the rings of one SM may take
+SMEM_BUDGET = {"sm_90a": 220 * 1024, "sm_80": 160 * 1024}   # what the ring may take (1 CTA per SM either way)
 OTHER_BUDGET = 92 * 1024            # sm_86 / sm_89: 99 KB per block
-# Split-kernel CTAs kept on one SM, by (arch, cache bytes per element); absent: 1. Their rings share the SM's
-# budget, and the split rule counts each SM as that many slots.
-CTAS_PER_SM: dict = {}
 MAX_STAGES = 8
 KV_KIND = {2: "fav::Bits16", 1: "fav::E4M3"}
 
@@ -40,24 +37,13 @@ def template_dim(head_dim: int) -> int:
     return next(d for d in TEMPLATE_DIMS if head_dim <= d)
 
 
-def _ring_stages(d: int, mt: int, kv_bytes: int, budget: int) -> int:
-    """K/V stages that fit ``budget`` beside the Q tile (and an e4m3 cache's 16-bit pair)."""
+def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
+    """The deepest K/V ring that fits the arch's budget beside the Q tile (and an e4m3 cache's 16-bit pair)."""
     q_tile = 16 * mt * (d + 8) * 2
     stage = 2 * BLOCK_N * (d * kv_bytes + 16)
     dequant = 2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
-    return (budget - q_tile - dequant) // stage
-
-
-def ctas_per_sm(d: int, mt: int, kv_bytes: int, arch: str) -> int:
-    """CTAS_PER_SM's count where that many rings of at least two stages share the SM's budget, else 1."""
-    n = CTAS_PER_SM.get((arch, kv_bytes), 1)
-    return n if _ring_stages(d, mt, kv_bytes, SMEM_BUDGET.get(arch, OTHER_BUDGET) // n) >= 2 else 1
-
-
-def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
-    """The deepest K/V ring that fits a CTA's share of the arch's budget."""
-    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET) // ctas_per_sm(d, mt, kv_bytes, arch)
-    return max(2, min(MAX_STAGES, _ring_stages(d, mt, kv_bytes, budget)))
+    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET)
+    return max(2, min(MAX_STAGES, (budget - q_tile - dequant) // stage))
 
 
 def smem_bytes(d: int, mt: int, n_stages: int, kv_bytes: int) -> int:
@@ -315,8 +301,7 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
     arch = arch_of(q.device)
     kv_bytes = k_cache.itemsize
     if num_splits == 0:
-        slots = num_sms(q.device) * ctas_per_sm(d, mt, kv_bytes, arch)
-        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, slots, SPLIT_N)
+        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, num_sms(q.device), SPLIT_N)
     n_stages = stages(d, mt, kv_bytes, arch)
     smem = smem_bytes(d, mt, n_stages, kv_bytes)
     if smem > smem_limit():
@@ -331,7 +316,7 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
                       o_b=seqlen_q * heads * head_dim, o_n=heads * head_dim, o_h=head_dim,
                       batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, group=group,
                       head_dim=head_dim, seqlen_new=seqlen_new, capacity=capacity,
-                      page_size=k_cache.shape[1] if paged else 0, max_pages=max_pages if paged else 0,
+                      page_size=k_cache.shape[1] if paged else 0, max_pages=max_pages,
                       num_pages=k_cache.shape[0] if paged else 0, num_splits=num_splits, row_tiles=row_tiles,
                       scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
     parts_shape = (num_splits, batch, seqlen_q, heads, head_dim)
