@@ -8,6 +8,9 @@
 //                                   there is nothing to split along Q. Each warp runs its own online softmax; the
 //                                   CTA merges the four at the end (merge_states' algebra, in shared memory)
 //   pipeline: an NSTAGE-deep cp.async ring of K/V blocks: a loop bound by its reads lives on the bytes in flight
+//   e4m3 cache: K's bytes go from the ring straight into B fragments (its head dims and Q's permuted alike, so a
+//                                   thread's four bytes are one register's load); V is converted to fp16 in shared
+//                                   memory, as ldmatrix.trans has no 8-bit form, and P V runs in fp16
 //   end: one split: O / l and the LSE; more: the split's normalized O and its LSE in fp32 (merge_states.cu)
 //   launches: kv_append -> decode_split -> merge_states, each behind the one before with programmatic dependent
 //                                   launch (sm_90): a kernel's launch overlaps the tail of the one it waits for
@@ -35,8 +38,8 @@ __forceinline__ __device__ int2 split_keys(int seqlen_k, int s, int splits) {
 }
 
 // Shared memory: the Q tile, then NSTAGE stages of (K block, V block) as they land (KV's bytes per element, rows
-// padded by 16 bytes), then for an e4m3 cache one 16-bit (K, V) pair they are dequantized into. At the end the
-// warps' partial results take the place of the stages.
+// padded by 16 bytes), then for an e4m3 cache the fp16 V block it is converted into. At the end the warps' partial
+// results take the place of the stages.
 template <int D, int ROWS, int NSTAGE, class KV>
 struct Smem {
     using TQ = Tile<ROWS, D>;
@@ -46,7 +49,7 @@ struct Smem {
     static constexpr int RAW_BYTES = BN * RAW_STRIDE;
     static constexpr int STAGES = TQ::BYTES;
     static constexpr int DEQUANT = STAGES + NSTAGE * 2 * RAW_BYTES;
-    static constexpr int LOOP_BYTES = DEQUANT + (DEQUANTIZES ? 2 * TKV::BYTES : 0);
+    static constexpr int LOOP_BYTES = DEQUANT + (DEQUANTIZES ? TKV::BYTES : 0);
     static constexpr int O_STRIDE = D + 4;                // floats per row of a warp's partial O
     static constexpr int MERGE_BYTES = STAGES + NWARPS * ROWS * (2 + O_STRIDE) * 4;
     static constexpr int BYTES = LOOP_BYTES > MERGE_BYTES ? LOOP_BYTES : MERGE_BYTES;
@@ -136,29 +139,136 @@ __forceinline__ __device__ void e4m3x4_to(u32 x, u32& lo, u32& hi) {
     }
 }
 
-// A warp's KW rows of a landed e4m3 K and V block (RAW_STRIDE-byte rows) into the 16-bit Tile<BN, D>s of T that
-// its MMAs then read. Each warp reads back only the rows it wrote (its own keys), so the warps need no barrier
-// between dequantizing and computing: each goes on as soon as its own rows are done.
-template <class T, int D>
-__forceinline__ __device__ void dequantize_rows(unsigned char* smem, u32 base, u32 dst_k, u32 dst_v, u32 src_k,
-                                                u32 src_v, int row0) {
+// S = Q K_w^T over a warp's KW keys (two n-tiles), one struct per cache format, each keeping Q's A fragments in
+// registers where they fit beside O (fa2_fwd.cu's rule) and reading them again each block where they do not.
+
+// A 16-bit K block: ldmatrix from the ring.
+template <class T, class TQ, int D, int MT>
+struct ScoresBits16 {
+    using TKV = Tile<BN, D>;
+    static constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
+    u32 q[Q_IN_REGS ? MT : 1][Q_IN_REGS ? D / 16 : 1][4];
+
+    __forceinline__ __device__ void keep_q(u32 tile) {
+        if constexpr (Q_IN_REGS)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) load_a<TQ>(q[mt][kk], tile, mt * 16, kk * 16);
+    }
+    __forceinline__ __device__ void operator()(float (&sc)[MT][KW / 8][4], u32 tile, u32 k, int key0) const {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 b[4];
+            load_b_rows<TKV>(b, k, key0, kk * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 a[4];
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[r] = q[mt][kk][r];
+                } else {
+                    load_a<TQ>(a, tile, mt * 16, kk * 16);
+                }
+                mma_16816<T>(sc[mt][0], a, b[0], b[1]);
+                mma_16816<T>(sc[mt][1], a, b[2], b[3]);
+            }
+        }
+    }
+};
+
+// An e4m3 K block, converted in registers. S sums over head dims, so K's and Q's may be permuted alike: chunk
+// 4i + c (16 dims) of the m16n8k16 operands takes dims 64i + 16t + 4c + (0, 1, 2, 3) at positions (2t, 2t + 1,
+// 2t + 8, 2t + 9), t = lane % 4. A thread's B fragments of four chunks are then 16 consecutive bytes of its key's
+// row, one 16-byte load and eight conversions, where the 16-bit path reads two ldmatrix per chunk pair; Q's of
+// four chunks are 16 consecutive dims of rows g and g + 8 (four 16-byte loads).
+template <class T, class TQ, int D, int MT>
+struct ScoresE4M3 {
+    static constexpr int RAW = Smem<D, 16, 2, E4M3>::RAW_STRIDE, GROUPS = D / 64;
+    static constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
+    static_assert(D % 64 == 0, "whole groups of 64 head dims");
+    u32 q[Q_IN_REGS ? MT : 1][Q_IN_REGS ? GROUPS : 1][4][4];
+
+    __forceinline__ __device__ static void q_group(u32 (&a)[4][4], u32 tile, int row0, int i) {
+        const int row = row0 + lane_id() / 4, col = 64 * i + 16 * (lane_id() % 4);
+        const uint4 g0 = lds_128(TQ::at(tile, row, col)), g1 = lds_128(TQ::at(tile, row, col + 8));
+        const uint4 h0 = lds_128(TQ::at(tile, row + 8, col)), h1 = lds_128(TQ::at(tile, row + 8, col + 8));
+        const u32 lo[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            a[c][0] = lo[2 * c], a[c][1] = hi[2 * c];
+            a[c][2] = lo[2 * c + 1], a[c][3] = hi[2 * c + 1];
+        }
+    }
+    __forceinline__ __device__ static void k_group(u32 (&b)[4][2], u32 k, int key, int i) {
+        const uint4 x = lds_128(k + key * RAW + 64 * i + 16 * (lane_id() % 4));
+        e4m3x4_to<T>(x.x, b[0][0], b[0][1]);
+        e4m3x4_to<T>(x.y, b[1][0], b[1][1]);
+        e4m3x4_to<T>(x.z, b[2][0], b[2][1]);
+        e4m3x4_to<T>(x.w, b[3][0], b[3][1]);
+    }
+    __forceinline__ __device__ void keep_q(u32 tile) {
+        if constexpr (Q_IN_REGS)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < GROUPS; ++i) q_group(q[mt][i], tile, mt * 16, i);
+    }
+    __forceinline__ __device__ void operator()(float (&sc)[MT][KW / 8][4], u32 tile, u32 k, int key0) const {
+#pragma unroll
+        for (int i = 0; i < GROUPS; ++i) {
+            u32 b[KW / 8][4][2];
+#pragma unroll
+            for (int nt = 0; nt < KW / 8; ++nt) k_group(b[nt], k, key0 + nt * 8 + lane_id() / 4, i);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_IN_REGS) {
+                    mma_group(sc[mt], q[mt][i], b);
+                } else {
+                    u32 a[4][4];
+                    q_group(a, tile, mt * 16, i);
+                    mma_group(sc[mt], a, b);
+                }
+            }
+        }
+    }
+    __forceinline__ __device__ static void mma_group(float (&sc)[KW / 8][4], const u32 (&a)[4][4],
+                                                     const u32 (&b)[KW / 8][4][2]) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+#pragma unroll
+            for (int nt = 0; nt < KW / 8; ++nt) mma_16816<T>(sc[nt], a[c], b[nt][c][0], b[nt][c][1]);
+    }
+};
+
+template <class T, class TQ, int D, int MT, class KV>
+struct ScoresOf {
+    using type = ScoresBits16<T, TQ, D, MT>;
+};
+template <class T, class TQ, int D, int MT>
+struct ScoresOf<T, TQ, D, MT, E4M3> {
+    using type = ScoresE4M3<T, TQ, D, MT>;
+};
+
+// A warp's KW rows of a landed e4m3 V block (RAW_STRIDE-byte rows) into the fp16 Tile<BN, D> its P V products then
+// read. Each warp reads back only the rows it wrote (its own keys), so the warps need no barrier between converting
+// and computing: each goes on as soon as its own rows are done.
+template <int D>
+__forceinline__ __device__ void dequantize_v_rows(unsigned char* smem, u32 base, u32 dst, u32 src, int row0) {
     constexpr int CHUNKS = D / 16, RAW = Smem<D, 16, 2, E4M3>::RAW_STRIDE;
     static_assert(KW * CHUNKS % 32 == 0, "whole passes of the warp");
 #pragma unroll
     for (int i = 0; i < KW * CHUNKS / 32; ++i) {
-        const int c = i * 32 + threadIdx.x % 32, r = row0 + c / CHUNKS, k = (c % CHUNKS) * 16;
-        const u32 from = r * RAW + k, to = Tile<BN, D>::at(0, r, k);
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-            const uint4 x = *reinterpret_cast<const uint4*>(smem + ((kv ? src_v : src_k) - base) + from);
-            uint4 a, b;
-            e4m3x4_to<T>(x.x, a.x, a.y);
-            e4m3x4_to<T>(x.y, a.z, a.w);
-            e4m3x4_to<T>(x.z, b.x, b.y);
-            e4m3x4_to<T>(x.w, b.z, b.w);
-            uint4* out = reinterpret_cast<uint4*>(smem + ((kv ? dst_v : dst_k) - base) + to);
-            out[0] = a, out[1] = b;
-        }
+        const int c = i * 32 + lane_id(), r = row0 + c / CHUNKS, k = (c % CHUNKS) * 16;
+        const uint4 x = *reinterpret_cast<const uint4*>(smem + (src - base) + r * RAW + k);
+        uint4 a, b;
+        e4m3x4_to<Half>(x.x, a.x, a.y);
+        e4m3x4_to<Half>(x.y, a.z, a.w);
+        e4m3x4_to<Half>(x.z, b.x, b.y);
+        e4m3x4_to<Half>(x.w, b.z, b.w);
+        uint4* out = reinterpret_cast<uint4*>(smem + (dst - base) + Tile<BN, D>::at(0, r, k));
+        out[0] = a, out[1] = b;
     }
     __syncwarp();
 }
@@ -257,9 +367,8 @@ decode_split(const fav::DecodeParams p) {
     using L = Smem<D, 16 * MT, NSTAGE, KV>;
     using TQ = typename L::TQ;
     using TKV = typename L::TKV;
+    using PV = typename KV::template PV<T>;  // P V's format
     constexpr int DT = D / 8, NT = KW / 8;
-    // Q's fragments stay in registers where they fit beside O (fa2_fwd.cu's rule); else ldmatrix each block.
-    constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
     static_assert(NSTAGE >= 2 && D % 16 == 0, "a ring of at least two stages; head dims in multiples of 16");
 
     griddep_wait();  // launched behind kv_append: the cache with this step's tokens (a plain launch: no wait)
@@ -301,43 +410,22 @@ decode_split(const fav::DecodeParams p) {
     float m[MT][2], l[MT][2] = {};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = neg_inf();
-    u32 q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? D / 16 : 1][4];
+    typename ScoresOf<T, TQ, D, MT, KV>::type scores;
 
     for (int j = 0; j < n_blocks; ++j) {
         cp_async_wait<NSTAGE - 2>();  // block j has landed
         // Publishes block j to every warp, and proves every warp done with block j - 1, whose stage is refilled now.
         __syncthreads();
         load(j + NSTAGE - 1);
-        u32 sK = L::k_raw(base, j % NSTAGE), sV = L::v_raw(base, j % NSTAGE);
+        u32 sV = L::v_raw(base, j % NSTAGE);
         if constexpr (L::DEQUANTIZES) {
-            dequantize_rows<T, D>(smem, base, base + L::DEQUANT, base + L::DEQUANT + TKV::BYTES, sK, sV, warp * KW);
-            sK = base + L::DEQUANT, sV = base + L::DEQUANT + TKV::BYTES;
+            dequantize_v_rows<D>(smem, base, base + L::DEQUANT, sV, warp * KW);
+            sV = base + L::DEQUANT;
         }
-        if (Q_IN_REGS && j == 0)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) load_a<TQ>(q_frag[mt][kk], base, mt * 16, kk * 16);
+        if (j == 0) scores.keep_q(base);
 
-        // S = Q K_w^T over this warp's KW keys
         float sc[MT][NT][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 bk[4];
-            load_b_rows<TKV>(bk, sK, warp * KW, kk * 16);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                u32 a[4];
-                if constexpr (Q_IN_REGS) {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) a[r] = q_frag[mt][kk][r];
-                } else {
-                    load_a<TQ>(a, base, mt * 16, kk * 16);
-                }
-                mma_16816<T>(sc[mt][0], a, bk[0], bk[1]);
-                mma_16816<T>(sc[mt][1], a, bk[2], bk[3]);
-            }
-        }
+        scores(sc, base, L::k_raw(base, j % NSTAGE), warp * KW);
         const int key0 = keys.x + j * BN + warp * KW;
         if (mask.needs_mask<KW>(r0, key0)) mask.apply(sc, r0, key0);
         online_softmax_step(sc, m, l, o, scale_log2);
@@ -345,15 +433,15 @@ decode_split(const fav::DecodeParams p) {
         // O += P~ V_w, P~ straight from the S registers
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) repack_a<T>(a[mt], sc[mt][0], sc[mt][1]);
+        for (int mt = 0; mt < MT; ++mt) repack_a<PV>(a[mt], sc[mt][0], sc[mt][1]);
 #pragma unroll
         for (int dt = 0; dt < DT; dt += 2) {
             u32 bv[4];
             load_b_cols<TKV>(bv, sV, warp * KW, dt * 8);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mma_16816<T>(o[mt][dt], a[mt], bv[0], bv[1]);
-                mma_16816<T>(o[mt][dt + 1], a[mt], bv[2], bv[3]);
+                mma_16816<PV>(o[mt][dt], a[mt], bv[0], bv[1]);
+                mma_16816<PV>(o[mt][dt + 1], a[mt], bv[2], bv[3]);
             }
         }
     }

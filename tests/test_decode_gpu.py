@@ -151,27 +151,60 @@ def test_strided_q_and_cache_views(rng):
     _check(c, cupy.asnumpy(out), cupy.asnumpy(lse), ref, "strided", "bfloat16")
 
 
-@pytest.mark.parametrize("paged", [None, 16])
-def test_fp8_cache_matches_float64_of_its_values(rng, paged):
+FP8_CASES = [   # d 128 with one m-tile and Q's fragments kept; d 64 with two m-tiles; d 80 on the d 128 template (the
+               # permuted head dims' last group partly zero); d 256, Q's fragments read each block; fp16 and bf16 q
+    DecodeCase(2, 2, 16, 4, 128, (37, 4097), 4200, None, True, seqlen_new=1),
+    DecodeCase(2, 2, 16, 4, 128, (37, 4097), 4200, 16, True, seqlen_new=1),
+    DecodeCase(2, 3, 16, 2, 64, (1000, 1), 1100, None, True, seqlen_new=1, dtype="float16"),
+    DecodeCase(1, 5, 8, 2, 80, (4097,), 4200, 7, True, seqlen_new=2),
+    DecodeCase(3, 1, 8, 2, 256, (129, 37, 2000), 2100, None, False, seqlen_new=1, dtype="float16"),
+]
+
+
+def _torch_fp8_call(c: DecodeCase, q, cache, new, kd, vd):
+    import torch
+    t = {n: torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+         for n, x in dict(k_cache=cache.k_cache, v_cache=cache.v_cache, k=new[0], v=new[1]).items()}
+    qt = torch.from_numpy(q.view(np.int16)).cuda().view(torch.float16 if c.dtype == "float16" else torch.bfloat16)
+    out, lse = fav.attention_with_kvcache(qt, t["k_cache"], t["v_cache"], k=t["k"], v=t["v"],
+                                          cache_seqlens=torch.tensor(c.lens, dtype=torch.int32, device="cuda"),
+                                          page_table=None if c.page_size is None else torch.from_numpy(cache.page_table).cuda(),
+                                          k_descale=torch.from_numpy(kd).cuda(), v_descale=torch.from_numpy(vd).cuda(),
+                                          causal=c.causal, return_lse=True)
+    return out, lse, t
+
+
+@pytest.mark.parametrize("c", FP8_CASES, ids=lambda c: c.id)
+def test_fp8_cache_matches_float64_of_its_values(rng, c):
     """An e4m3 cache with per-(batch, KV head) descale factors: the kernel's error is q's format's, measured
     against float64 attention over the dequantized cache values."""
     import torch
-    c = DecodeCase(2, 2, 16, 4, 128, (37, 4097), 4200, paged, True, seqlen_new=1)
     q, cache, new, kd, vd = _host_call(rng, c, fp8=True)
     ref, logical = _expected(c, q, cache, new, kd, vd)
-    t = {n: torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).cuda().view(torch.float8_e4m3fn)
-         for n, x in dict(k_cache=cache.k_cache, v_cache=cache.v_cache, k=new[0], v=new[1]).items()}
-    qt = torch.from_numpy(q.view(np.int16)).cuda().view(torch.bfloat16)
-    out, lse = fav.attention_with_kvcache(qt, t["k_cache"], t["v_cache"], k=t["k"], v=t["v"],
-                                          cache_seqlens=torch.tensor(c.lens, dtype=torch.int32, device="cuda"),
-                                          page_table=None if paged is None else torch.from_numpy(cache.page_table).cuda(),
-                                          k_descale=torch.from_numpy(kd).cuda(), v_descale=torch.from_numpy(vd).cuda(),
-                                          causal=True, return_lse=True)
-    _check(c, out.float().cpu().numpy(), lse.cpu().numpy(), ref, "fp8", "bfloat16")
+    out, lse, t = _torch_fp8_call(c, q, cache, new, kd, vd)
+    _check(c, out.float().cpu().numpy(), lse.cpu().numpy(), ref, "fp8", c.dtype)
     after = cache._replace(k_cache=t["k_cache"].view(torch.uint8).cpu().numpy().view(FP8),
                            v_cache=t["v_cache"].view(torch.uint8).cpu().numpy().view(FP8))
     k_after, _ = logical_from(after, c.batch, c.capacity)
     assert np.array_equal(k_after.view(np.uint8), logical[0].view(np.uint8))
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_in_an_fp8_cache_reaches_its_sequence_only(rng, which):
+    """e4m3's NaN (0x7f) at one element of sequence 0's cache, KV head 1: in K, every row of that KV head's query
+    heads comes out NaN; in V, their column of it. Sequence 1 and the other heads stay finite."""
+    import torch
+    c = DecodeCase(2, 1, 8, 2, 128, (300, 300), 320, None, False, seqlen_new=1)
+    q, cache, new, kd, vd = _host_call(rng, c, fp8=True)
+    poisoned = getattr(cache, f"{which}_cache").copy()
+    poisoned.view(np.uint8)[0, 123, 1, 5] = 0x7F
+    cache = cache._replace(**{f"{which}_cache": poisoned})
+    out, lse, _ = _torch_fp8_call(c, q, cache, new, kd, vd)
+    o = out.float().cpu().numpy()
+    hit = o[0, :, 4:] if which == "k" else o[0, :, 4:, 5]
+    assert np.isnan(hit).all() and np.isfinite(o[0, :, :4]).all() and np.isfinite(o[1]).all()
+    if which == "v":
+        assert np.isfinite(np.delete(o[0, :, 4:], 5, axis=-1)).all()
 
 
 def test_torch_in_place_append_device_lengths_and_cuda_graph(rng):

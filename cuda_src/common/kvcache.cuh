@@ -1,6 +1,7 @@
 // The KV cache as decoding reads and appends to it: where token t of a sequence lives (contiguous or through the
 // page table), how long each sequence is, and the element formats a cache may hold.
 #pragma once
+#include "math.cuh"
 #include "params.cuh"
 
 namespace fav {
@@ -66,14 +67,20 @@ struct CacheRows {
     }
 };
 
-// The element formats of a cache: 16-bit (q's) or e4m3 (one byte, dequantized to q's format in shared memory).
+// The element formats of a cache: 16-bit (q's) or e4m3 (one byte: K converted in registers to q's format, V in
+// shared memory to fp16; decode_fwd.cu says why).
+// PV<T>: the format P and V meet in for O += P V, with q in format T.
 struct Bits16 {
     using Elem = u16;
     static constexpr int BYTES = 2;
+    template <class T>
+    using PV = T;
 };
 struct E4M3 {
     using Elem = unsigned char;
     static constexpr int BYTES = 1;
+    template <class T>
+    using PV = Half;  // e4m3 is exact in fp16 (one conversion instruction), and P in [0, 1] is finer there than in bf16
 };
 
 }  // namespace fav

@@ -88,6 +88,14 @@ __forceinline__ __device__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>  // wait until at most N committed groups are still in flight
 __forceinline__ __device__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// ---- 16 bytes from shared memory (a u32 shared address) --------------------------------------------------------
+// volatile: the loop's ordering against the cp.async ring is the barriers', as for ldmatrix.
+__forceinline__ __device__ uint4 lds_128(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+
 // ---- ldmatrix: four 8x8 b16 matrices from shared memory into registers --------------------------------------
 // Lane l gives the address of row (l % 8) of matrix (l / 8). Without .trans, lane l then holds, of each
 // matrix r[i], the pair (row l/4, cols 2(l%4), 2(l%4)+1); with .trans the same pair of the transpose.

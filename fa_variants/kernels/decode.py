@@ -38,10 +38,10 @@ def template_dim(head_dim: int) -> int:
 
 
 def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
-    """The deepest K/V ring that fits the arch's budget beside the Q tile (and an e4m3 cache's 16-bit pair)."""
+    """The deepest K/V ring that fits the arch's budget beside the Q tile (and an e4m3 cache's fp16 V block)."""
     q_tile = 16 * mt * (d + 8) * 2
     stage = 2 * BLOCK_N * (d * kv_bytes + 16)
-    dequant = 2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
+    dequant = BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
     budget = SMEM_BUDGET.get(arch, OTHER_BUDGET)
     return max(2, min(MAX_STAGES, (budget - q_tile - dequant) // stage))
 
@@ -49,7 +49,7 @@ def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
 def smem_bytes(d: int, mt: int, n_stages: int, kv_bytes: int) -> int:
     """decode_fwd.cu's Smem<...>::BYTES."""
     q_tile = 16 * mt * (d + 8) * 2
-    loop = q_tile + n_stages * 2 * BLOCK_N * (d * kv_bytes + 16) + (2 * BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0)
+    loop = q_tile + n_stages * 2 * BLOCK_N * (d * kv_bytes + 16) + (BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0)
     merge = q_tile + 4 * 16 * mt * (2 + d + 4) * 4
     return max(loop, merge)
 
