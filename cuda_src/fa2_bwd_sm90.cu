@@ -180,13 +180,10 @@ namespace fav {
 template <class T, int D, int BN, int BM>
 __forceinline__ __device__ void fused_items(const BwdParams& p, int batch) {
     using C = DkdvConfig<T, D, BN, BM, true, true, false, false, true>;
-    const int n_kv = (p.seqlen_k + BN - 1) / BN, heads_kv = p.heads / p.group;
-    const int block = blockIdx.x;  // (signed: the divisions by n_kv are)
-    const int c = block % n_kv, groups = gridDim.x / n_kv;
     DqShares shares{0};
-    for (int item = block / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
-        const FusedItemRole role = fused_item_role<BN, BM>(p, c, n_kv, m);
-        dkdv_block<C>(p, role.j, item % heads_kv, item / heads_kv, role.order, &shares);
+    for (ItemWalk<BN, BM> w(p, batch); w.more(); w.next()) {
+        const FusedItemRole role = w.role(p);
+        dkdv_block<C>(p, role.j, w.h_kv(), w.b(), role.order, &shares);
         // the epilogue staged dK, dV over K_j, V_j: done before the next item loads them
         named_sync(3, 2 * BN);
     }

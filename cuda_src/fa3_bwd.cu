@@ -62,15 +62,13 @@ __forceinline__ __device__ void fa3_dkdv_block(const BwdParams& p, int j, int h_
     mbar_arrive_if(ring.kv_empty(), leader);
 }
 
-// The compute warpgroups' walk over the CTA's work items (fa2_bwd_sm90.cu's fused_items, the same roles and order).
+// The compute warpgroups' walk over the CTA's work items (ItemWalk, as fa2_bwd_sm90.cu's fused_items).
 template <class C>
 __forceinline__ __device__ void fa3_bwd_items(const BwdParams& p, int batch) {
-    const int n_kv = (p.seqlen_k + C::BN - 1) / C::BN, heads_kv = p.heads / p.group;
-    const int block = blockIdx.x, c = block % n_kv, groups = gridDim.x / n_kv;
     DqShares shares{0};
-    for (int item = block / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
-        const FusedItemRole role = fused_item_role<C::BN, C::BM>(p, c, n_kv, m);
-        fa3_dkdv_block<C>(p, role.j, item % heads_kv, item / heads_kv, role.order, shares, m);
+    for (ItemWalk<C::BN, C::BM> w(p, batch); w.more(); w.next()) {
+        const FusedItemRole role = w.role(p);
+        fa3_dkdv_block<C>(p, role.j, w.h_kv(), w.b(), role.order, shares, w.m);
     }
     end_dq_shares<C::D, C::BN, C::BM>(shares);
 }

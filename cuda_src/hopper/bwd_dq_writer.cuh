@@ -30,6 +30,27 @@ __forceinline__ __device__ FusedItemRole fused_item_role(const BwdParams& p, int
                        j * n_q / n_kv}};
 }
 
+// A persistent fused-dQ CTA's walk over its work items: CTA (group, c), c = blockIdx.x % n_kv, takes K/V block
+// column c of every groups-th (batch, KV head) from `group` on, its m-th item in fused_item_role's role. The
+// compute warpgroups and the producer walk it alike, so both sides agree on every item and step.
+//   for (ItemWalk w(p, batch); w.more(); w.next()) ... w.role(p), w.h_kv(), w.b()
+template <int BN, int BM>
+struct ItemWalk {
+    int n_kv, heads_kv, c, groups, items, item, m;
+    __forceinline__ __device__ ItemWalk(const BwdParams& p, int batch) {
+        const int block = blockIdx.x;  // (signed: the divisions by n_kv are)
+        n_kv = (p.seqlen_k + BN - 1) / BN, heads_kv = p.heads / p.group;
+        c = block % n_kv, groups = gridDim.x / n_kv, items = batch * heads_kv, item = block / n_kv, m = 0;
+    }
+    __forceinline__ __device__ bool more() const { return item < items; }
+    __forceinline__ __device__ void next() { item += groups, ++m; }
+    __forceinline__ __device__ FusedItemRole role(const BwdParams& p) const {
+        return fused_item_role<BN, BM>(p, c, n_kv, m);
+    }
+    __forceinline__ __device__ int h_kv() const { return item % heads_kv; }
+    __forceinline__ __device__ int b() const { return item / heads_kv; }
+};
+
 // The two share buffers (DkdvSmem's DQ on): each holds both warpgroups' 64 x 64 fp32 halves of a share.
 template <int D, int BN, int BM>
 struct DqBuffers {

@@ -52,14 +52,13 @@ __forceinline__ __device__ void bwd_producer(const BwdParams& p, const TmaDesc& 
     extern __shared__ unsigned char smem[];
     const DkdvTiles<C> tiles(smem);
     const BwdRing<C> ring(tiles.base);
-    const int n_kv = (p.seqlen_k + C::BN - 1) / C::BN, n_q = (p.seqlen_q + C::BM - 1) / C::BM;
-    const int heads_kv = p.heads / p.group, block = blockIdx.x, c = block % n_kv, groups = gridDim.x / n_kv;
+    const int n_q = (p.seqlen_q + C::BM - 1) / C::BM;
     const bool leader = threadIdx.x % 32 == 0;  // issues the copies; the warp walks the steps with it
     int g = 0;  // steps loaded so far
-    for (int item = block / n_kv, m = 0; item < batch * heads_kv; item += groups, ++m) {
-        const FusedItemRole role = fused_item_role<C::BN, C::BM>(p, c, n_kv, m);
-        const int h_kv = item % heads_kv, b = item / heads_kv, key0 = role.j * C::BN;
-        mbar_wait(ring.kv_empty(), (m & 1) ^ 1);
+    for (ItemWalk<C::BN, C::BM> w(p, batch); w.more(); w.next()) {
+        const FusedItemRole role = w.role(p);
+        const int h_kv = w.h_kv(), b = w.b(), key0 = role.j * C::BN;
+        mbar_wait(ring.kv_empty(), (w.m & 1) ^ 1);
         if (leader) {
             mbar_expect_tx(ring.kv_full(), 2 * TKV::BYTES);
             for (int s = 0; s < TKV::SLABS; ++s) {
