@@ -3,7 +3,7 @@
 whole GPU suite then fits in one process on an 80 GB card, as each of its files does alone. GPU only."""
 from __future__ import annotations
 
-import contextlib
+import gc
 
 import pytest
 
@@ -28,23 +28,40 @@ def _seqlen(free: int) -> int:
     return n
 
 
-def _forward_backward(rng, seqlen: int, pool) -> None:
-    """A forward of every variant that runs here, and its backward where it has one, on fresh inputs, with every
-    allocation from ``pool`` (None: CuPy's default pool); keeps nothing."""
+def _calls(rng, seqlen: int) -> None:
+    """A forward of every variant that runs here, and its backward where it has one, on fresh inputs; keeps
+    nothing."""
     import cupy
-    with cupy.cuda.using_allocator(pool.malloc) if pool is not None else contextlib.nullcontext():
-        host = random_qkv_host(rng, BATCH, seqlen, seqlen, HEADS, HEADS, HEAD_DIM, "float16")
-        q, k, v = to_device(host)
-        dout = place(random_qkv_host(rng, BATCH, seqlen, seqlen, HEADS, HEADS, HEAD_DIM, "float16")[0])
-        for entry in registry.variants():
-            if not entry.available()[0]:
-                continue
-            out, lse = fav.attention(q, k, v, variant=entry.name, causal=True, return_lse=True)
-            assert bool(cupy.isfinite(out).all()), f"{entry.name}: non-finite output"
-            if "backward" in entry.directions:
-                grads = fav.attention_backward(dout, q, k, v, out, lse, variant=entry.name, causal=True)
-                assert all(bool(cupy.isfinite(g).all()) for g in grads), f"{entry.name}: non-finite gradient"
-        cupy.cuda.Device().synchronize()
+    host = random_qkv_host(rng, BATCH, seqlen, seqlen, HEADS, HEADS, HEAD_DIM, "float16")
+    q, k, v = to_device(host)
+    dout = place(random_qkv_host(rng, BATCH, seqlen, seqlen, HEADS, HEADS, HEAD_DIM, "float16")[0])
+    for entry in registry.variants():
+        if not entry.available()[0]:
+            continue
+        out, lse = fav.attention(q, k, v, variant=entry.name, causal=True, return_lse=True)
+        assert bool(cupy.isfinite(out).all()), f"{entry.name}: non-finite output"
+        if "backward" in entry.directions:
+            grads = fav.attention_backward(dout, q, k, v, out, lse, variant=entry.name, causal=True)
+            assert all(bool(cupy.isfinite(g).all()) for g in grads), f"{entry.name}: non-finite gradient"
+    cupy.cuda.Device().synchronize()
+
+
+def _forward_backward(rng, seqlen: int, pool) -> None:
+    """_calls with every allocation from ``pool`` (None: CuPy's default pool). A pool of the caller's own is then
+    emptied, as its owner would before dropping it: CuPy returns a dropped pool's cached blocks to the device only
+    through free_all_blocks (its free blocks and their arena keep each other alive), and only the blocks no array
+    holds. So its total after free_all_blocks is what the library keeps from it."""
+    import cupy
+    if pool is None:
+        _calls(rng, seqlen)
+        return
+    with cupy.cuda.using_allocator(pool.malloc):
+        _calls(rng, seqlen)
+    fav.clear_plans()
+    gc.collect()
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 0, (f"the library keeps {pool.total_bytes() / 2**20:.1f} MiB allocated from the "
+                                     f"caller's pool after the calls return")
 
 
 @pytest.mark.parametrize("own_pool", [False, True], ids=["default-pool", "own-pool"])
