@@ -77,9 +77,10 @@ def _check_rotation(rotate, seed):
 
 @functools.lru_cache(maxsize=16)
 def _rotation_on_device(d: int, seed: int, device_id: int):
-    """The fp32 rotation matrix on one device, built once: a KV cache rotates every new q with it."""
+    """The fp32 rotation matrix on one device, built once: a KV cache rotates every new q with it. Allocated by
+    cudaMalloc, not from the caller's current pool, which this cache would otherwise keep a block of."""
     import cupy
-    with cupy.cuda.Device(device_id):
+    with cupy.cuda.Device(device_id), cupy.cuda.using_allocator(None):
         return cupy.asarray(hadamard_rotation(d, seed), dtype=cupy.float32)
 
 
