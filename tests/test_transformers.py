@@ -29,6 +29,7 @@ if not hasattr(transformers, "AttentionInterface") or not hasattr(transformers, 
     pytest.skip("transformers without AttentionInterface/AttentionMaskInterface", allow_module_level=True)
 
 import fa_variants as fav  # noqa: E402
+from conftest import TOL  # noqa: E402
 from fa_variants.integrations import transformers as fat  # noqa: E402
 
 CPU_IMPL = fat.register("fa_variants_numpy", variant="fa2", backend="numpy")
@@ -556,3 +557,57 @@ def test_gpu_windowed_softcapped_and_sink_models_match(name):
     with torch.no_grad():
         assert rel(ours(ids).logits, ref(ids).logits) < LOGITS_TOL
     assert_step_matches(ref, ours, ids)
+
+
+def _compared_calls(monkeypatch):
+    """Every masked attention call the models make (fa_variants.varlen.attention_varlen, which the torch ops run)
+    and every masked backward, each run again by the NumPy model on host copies of the same inputs: a list of
+    (what, relative error) per result."""
+    from fa_variants import backward, varlen
+    seen = []
+    real_fwd, real_bwd = varlen.attention_varlen, backward.attention_backward
+    host = lambda x: x.detach().cpu() if torch.is_tensor(x) else x   # noqa: E731
+
+    def compare(what, got, args, kw, real):
+        want = real(*map(host, args), **{**{k: host(x) for k, x in kw.items()}, "backend": "numpy"})
+        seen.extend((f"{what}[{i}]", rel(g.cpu(), w)) for i, (g, w) in enumerate(zip(got, want)))
+
+    def fwd(*args, **kw):
+        got = real_fwd(*args, **kw)
+        if kw.get("return_lse"):   # the op's own call (the outer public call returns out alone)
+            compare("forward", got, args, kw, real_fwd)
+        return got
+
+    def bwd(*args, **kw):
+        got = real_bwd(*args, **kw)
+        if kw.get("cu_seqlens_q") is not None:
+            compare("backward", got, args, kw, real_bwd)
+        return got
+
+    monkeypatch.setattr(varlen, "attention_varlen", fwd)
+    monkeypatch.setattr(backward, "attention_backward", bwd)
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", sorted(WINDOWED) + ["padded"])
+def test_gpu_masked_models_every_call_matches_the_numpy_model(monkeypatch, name):
+    """The models' own attention calls on CUDA (packed batches, windows, softcaps, sinks; a training step's
+    backward), each against the NumPy model on the same inputs: the kernels' part of the model-level checks above,
+    which also see what the reference implementations do with rows that see no key and top-k routing."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    if name != "padded" and not hasattr(transformers, WINDOWED[name][0] + "Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    seen = _compared_calls(monkeypatch)
+    if name == "padded":
+        model = with_impl(make_model(device="cuda", max_position_embeddings=128), AUTO_IMPL)
+        ids, mask = (x.cuda() for x in left_padded(pads=(0, 5, 11, 17)))
+        _train_step_grads(model, ids, attention_mask=mask, labels=padded_labels(ids, mask))
+    else:
+        model = with_impl(_windowed_model(name, device="cuda"), AUTO_IMPL)
+        _train_step_grads(model, token_ids(device="cuda"))
+    assert any(w.startswith("forward") for w, _ in seen) and any(w.startswith("backward") for w, _ in seen)
+    worst = max(seen, key=lambda s: s[1])
+    assert worst[1] < TOL["bfloat16"], f"{worst[0]}: {worst[1]:.3g} against the NumPy model"
