@@ -166,11 +166,11 @@ def _torch_fp8_call(c: DecodeCase, q, cache, new, kd, vd):
     t = {n: torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).cuda().view(torch.float8_e4m3fn)
          for n, x in dict(k_cache=cache.k_cache, v_cache=cache.v_cache, k=new[0], v=new[1]).items()}
     qt = torch.from_numpy(q.view(np.int16)).cuda().view(torch.float16 if c.dtype == "float16" else torch.bfloat16)
+    table = None if c.page_size is None else torch.from_numpy(cache.page_table).cuda()
     out, lse = fav.attention_with_kvcache(qt, t["k_cache"], t["v_cache"], k=t["k"], v=t["v"],
                                           cache_seqlens=torch.tensor(c.lens, dtype=torch.int32, device="cuda"),
-                                          page_table=None if c.page_size is None else torch.from_numpy(cache.page_table).cuda(),
-                                          k_descale=torch.from_numpy(kd).cuda(), v_descale=torch.from_numpy(vd).cuda(),
-                                          causal=c.causal, return_lse=True)
+                                          page_table=table, k_descale=torch.from_numpy(kd).cuda(),
+                                          v_descale=torch.from_numpy(vd).cuda(), causal=c.causal, return_lse=True)
     return out, lse, t
 
 

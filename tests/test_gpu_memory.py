@@ -49,8 +49,8 @@ def _calls(rng, seqlen: int) -> None:
 def _forward_backward(rng, seqlen: int, pool) -> None:
     """_calls with every allocation from ``pool`` (None: CuPy's default pool). A pool of the caller's own is then
     emptied, as its owner would before dropping it: CuPy returns a dropped pool's cached blocks to the device only
-    through free_all_blocks (its free blocks and their arena keep each other alive), and only the blocks no array
-    holds. So its total after free_all_blocks is what the library keeps from it."""
+    through free_all_blocks (in its memory.pyx, free blocks and their arena hold each other), and only the blocks no
+    array holds. So its total after free_all_blocks is what the library keeps from it."""
     import cupy
     if pool is None:
         _calls(rng, seqlen)
