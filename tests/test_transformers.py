@@ -608,6 +608,7 @@ def test_gpu_masked_models_every_call_matches_the_numpy_model(monkeypatch, name)
     else:
         model = with_impl(_windowed_model(name, device="cuda"), AUTO_IMPL)
         _train_step_grads(model, token_ids(device="cuda"))
-    assert any(w.startswith("forward") for w, _ in seen) and any(w.startswith("backward") for w, _ in seen)
+    kinds = {w.split("[")[0] for w, _ in seen}
+    assert kinds == {"forward", "backward"}, f"{name}: the masked kernels ran {sorted(kinds) or 'no'} calls"
     worst = max(seen, key=lambda s: s[1])
     assert worst[1] < TOL["bfloat16"], f"{worst[0]}: {worst[1]:.3g} against the NumPy model"
