@@ -1,7 +1,7 @@
 """Decoding over a KV cache: fa-variants' attention_with_kvcache against torch SDPA's flash and cuDNN backends and
 FlashAttention-4 (where installed), on the same torch tensors, in one run.
 
-    python bench/decode.py [--quick] [--json FILE]
+    python bench/decode.py [--quick] [--fp16] [--json FILE]
 
 GB/s counts K and V read once (the bytes a decoding step cannot avoid). Kernel time: CUDA events around one call,
 the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden behind a sleep kernel, median of
@@ -99,10 +99,10 @@ def paged_copy(x, page_size: int, order):
     return pages
 
 
-def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False):
+def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False, dtype="bfloat16"):
     torch.manual_seed(0)
-    q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=getattr(torch, dtype))
+    k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=getattr(torch, dtype))
     v = torch.randn_like(k)
     seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     kc, vc, table, kd, vd = k, v, None, None, None
@@ -120,7 +120,7 @@ def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=
                                           v_descale=vd, causal=True)
     rows = {}
     fns = {"fa-variants": ours}
-    if with_peers and seqlen_q == 1 and not paged and not fp8:
+    if with_peers and seqlen_q == 1 and not paged and not fp8 and dtype == "bfloat16":
         fns.update(peers(q, k, v))
     from triton.testing import do_bench
     for name, fn in fns.items():
@@ -136,6 +136,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--fp16", action="store_true", help="also fp16 q over a 16-bit and an fp8 cache (the fp8 cache's "
+                    "conversion differs with q's format)")
     args = ap.parse_args()
     flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     flush = lambda: flush_l2(flush_buf)  # noqa: E731
@@ -144,6 +146,8 @@ def main():
     shapes = SHAPES[:3] if args.quick else SHAPES
     variants = [dict(seqlen_q=1), dict(seqlen_q=4), dict(seqlen_q=1, paged=16), dict(seqlen_q=1, paged=256),
                 dict(seqlen_q=1, fp8=True)]
+    if args.fp16:
+        variants += [dict(seqlen_q=1, dtype="float16"), dict(seqlen_q=1, fp8=True, dtype="float16")]
     for batch, n in shapes:
         for var in variants:
             rows = run_shape(batch, n, reps=args.reps, flush=flush, **var)
@@ -151,7 +155,9 @@ def main():
             best_user = min((r["do_bench_ms"] for name, r in rows.items() if name != "fa-variants"),
                             default=float("nan"))
             ours = rows["fa-variants"]
-            table.append([batch, n, var.get("seqlen_q"), var.get("paged") or "-", "fp8" if var.get("fp8") else "bf16",
+            q_fmt = {"bfloat16": "bf16", "float16": "fp16"}[var.get("dtype", "bfloat16")]
+            table.append([batch, n, var.get("seqlen_q"), var.get("paged") or "-",
+                          f"fp8 ({q_fmt} q)" if var.get("fp8") else q_fmt,
                           f"{ours['gbps']:.0f}", f"{ours['ms'] * 1e3:.1f}", f"{ours['do_bench_ms'] * 1e3:.1f}",
                           f"{ours['graph_ms'] * 1e3:.1f}",
                           *(f"{rows[p]['gbps']:.0f}" if p in rows else "-" for p in ("torch-flash", "cudnn", "fa4")),
@@ -159,7 +165,7 @@ def main():
                           f"{best_user * 1e3:.1f}" if best_user == best_user else "-"])
             record.append(dict(batch=batch, n=n, **var, rows=rows))
             print(table[-1], flush=True)
-    print(f"\n{card}, torch {torch.__version__}; bf16 q, {HEADS}:{HEADS_KV} heads, d {D}; GB/s of K and V read once")
+    print(f"\n{card}, torch {torch.__version__}; {HEADS}:{HEADS_KV} heads, d {D}; q in the cache column's format (an fp8 cache: as noted); GB/s of K and V read once")
     print(tabulate(table, headers=["batch", "KV tokens", "q", "page", "cache", "GB/s", "us kernel", "us do_bench",
                                    "us graph", "torch flash", "cuDNN", "FA4", "x best", "best peer us do_bench"]))
     if args.json:
