@@ -165,7 +165,8 @@ def main():
                           f"{best_user * 1e3:.1f}" if best_user == best_user else "-"])
             record.append(dict(batch=batch, n=n, **var, rows=rows))
             print(table[-1], flush=True)
-    print(f"\n{card}, torch {torch.__version__}; {HEADS}:{HEADS_KV} heads, d {D}; q in the cache column's format (an fp8 cache: as noted); GB/s of K and V read once")
+    print(f"\n{card}, torch {torch.__version__}; {HEADS}:{HEADS_KV} heads, d {D}; q in the cache column's format "
+          f"(an fp8 cache: as noted); GB/s of K and V read once")
     print(tabulate(table, headers=["batch", "KV tokens", "q", "page", "cache", "GB/s", "us kernel", "us do_bench",
                                    "us graph", "torch flash", "cuDNN", "FA4", "x best", "best peer us do_bench"]))
     if args.json:
