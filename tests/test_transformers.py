@@ -299,8 +299,8 @@ def left_padded(pads, n=SEQ, seed=5):
 def padded_labels(ids, mask):
     """Labels of a left-padded batch for a training step: -100 on the pads, and on each row's first real token too,
     which the loss would otherwise predict from the last pad's logits. A pad's query sees no key, and what attention
-    gives such a row is a convention, not a value: ours is zero (flash-attn's), torch's sdpa's depends on its
-    backend (docs/masks.md)."""
+    gives such a row is a convention, not a value (ours is zero, as flash-attn's), and the reference's sdpa keeps
+    its own (docs/masks.md)."""
     first_real = mask.cumsum(dim=1) == 1
     return ids.masked_fill((mask == 0) | first_real, -100)
 
