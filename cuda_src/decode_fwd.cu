@@ -140,13 +140,18 @@ __forceinline__ __device__ void e4m3x4_to(u32 x, u32& lo, u32& hi) {
 }
 
 // S = Q K_w^T over a warp's KW keys (two n-tiles), one struct per cache format, each keeping Q's A fragments in
-// registers where they fit beside O (fa2_fwd.cu's rule) and reading them again each block where they do not.
+// registers where they fit beside O (fa2_fwd.cu's rule, q_in_regs) and reading them again each block where they do
+// not.
+template <int D, int MT>
+constexpr bool q_in_regs() {
+    return MT * (D / 16) * 4 <= 32;
+}
 
 // A 16-bit K block: ldmatrix from the ring.
 template <class T, class TQ, int D, int MT>
 struct ScoresBits16 {
     using TKV = Tile<BN, D>;
-    static constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
+    static constexpr bool Q_IN_REGS = q_in_regs<D, MT>();
     u32 q[Q_IN_REGS ? MT : 1][Q_IN_REGS ? D / 16 : 1][4];
 
     __forceinline__ __device__ void keep_q(u32 tile) {
@@ -185,7 +190,7 @@ struct ScoresBits16 {
 template <class T, class TQ, int D, int MT>
 struct ScoresE4M3 {
     static constexpr int RAW = Smem<D, 16, 2, E4M3>::RAW_STRIDE, GROUPS = D / 64;
-    static constexpr bool Q_IN_REGS = MT * (D / 16) * 4 <= 32;
+    static constexpr bool Q_IN_REGS = q_in_regs<D, MT>();
     static_assert(D % 64 == 0, "whole groups of 64 head dims");
     u32 q[Q_IN_REGS ? MT : 1][Q_IN_REGS ? GROUPS : 1][4][4];
 

@@ -37,19 +37,30 @@ def template_dim(head_dim: int) -> int:
     return next(d for d in TEMPLATE_DIMS if head_dim <= d)
 
 
+def _q_tile_bytes(d: int, mt: int) -> int:
+    return 16 * mt * (d + 8) * 2
+
+
+def _stage_bytes(d: int, kv_bytes: int) -> int:
+    """One ring stage: a K and a V block as they land, rows padded by 16 bytes."""
+    return 2 * BLOCK_N * (d * kv_bytes + 16)
+
+
+def _v_tile_bytes(d: int, kv_bytes: int) -> int:
+    """The fp16 V block an e4m3 cache's V is converted into (none for a 16-bit cache)."""
+    return BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
+
+
 def stages(d: int, mt: int, kv_bytes: int, arch: str) -> int:
     """The deepest K/V ring that fits the arch's budget beside the Q tile (and an e4m3 cache's fp16 V block)."""
-    q_tile = 16 * mt * (d + 8) * 2
-    stage = 2 * BLOCK_N * (d * kv_bytes + 16)
-    dequant = BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0
-    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET)
-    return max(2, min(MAX_STAGES, (budget - q_tile - dequant) // stage))
+    budget = SMEM_BUDGET.get(arch, OTHER_BUDGET) - _q_tile_bytes(d, mt) - _v_tile_bytes(d, kv_bytes)
+    return max(2, min(MAX_STAGES, budget // _stage_bytes(d, kv_bytes)))
 
 
 def smem_bytes(d: int, mt: int, n_stages: int, kv_bytes: int) -> int:
     """decode_fwd.cu's Smem<...>::BYTES."""
-    q_tile = 16 * mt * (d + 8) * 2
-    loop = q_tile + n_stages * 2 * BLOCK_N * (d * kv_bytes + 16) + (BLOCK_N * (d + 8) * 2 if kv_bytes == 1 else 0)
+    q_tile = _q_tile_bytes(d, mt)
+    loop = q_tile + n_stages * _stage_bytes(d, kv_bytes) + _v_tile_bytes(d, kv_bytes)
     merge = q_tile + 4 * 16 * mt * (2 + d + 4) * 4
     return max(loop, merge)
 
