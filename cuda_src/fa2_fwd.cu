@@ -150,16 +150,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
 fa2_fwd_masked(const fav::MaskedFwdParams p) {
     using namespace fav;
     const int i_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    MaskedFwdParams s = p;
-    if (p.cu_seqlens_q != nullptr) {
-        const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-        s.seqlen_q = p.cu_seqlens_q[b + 1] - q0;
-        s.seqlen_k = p.cu_seqlens_k[b + 1] - k0;
-        s.q += q0 * p.q_n, s.o += q0 * p.o_n, s.k += k0 * p.k_n, s.v += k0 * p.v_n;
-        if (s.lse != nullptr) s.lse += q0;
-    } else if (s.lse != nullptr) {
-        s.lse += (i64)b * p.heads * p.seqlen_q;
-    }
+    const MaskedFwdParams s = sequence_view(p, b);
     if (i_block * BM >= s.seqlen_q) return;
     fa2_block<T, D, BM, BN, NWARPS, EARLY_PREFETCH, NormalizedOut<T, D>>(
         s, AttnMask::of(p, s.seqlen_q, s.seqlen_k, b, h), i_block, h, b);

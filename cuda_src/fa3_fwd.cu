@@ -20,28 +20,25 @@
 //   lazy rescale         O's rescale only where a row's reference point moved by more than tau (FA4's rule).
 //   masks                the K/V blocks are visited from the last to the first, as FA3 does: those that need a mask
 //                        (common/mask.cuh: the causal diagonal, the seqlen_k tail) come first, then a mask-free loop.
+//                        fa3_fwd_masked: the same CTA under AttnMask (a window, softcap, ALiBi, sinks) over a dense or
+//                        a packed (varlen) batch, one CTA per tile.
 #include "hopper/epilogue.cuh"
 #include "hopper/producer.cuh"
 
-template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false,
-          bool FP8 = false>
-__global__ void __launch_bounds__(128 * (NC + 1), 1)
-fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
-        const __grid_constant__ fav::TmaDesc tv,
-        const __grid_constant__ fav::TmaDesc to,  // O (TMA_OUT instances), boxes of 64 rows
-        // fp8: Fp8FwdParams, on the persistent grid with its split tail (Fa3Fp8FwdParams)
-        const typename fav::Pick<FP8, typename fav::Pick<PERSISTENT, fav::Fa3Fp8FwdParams, fav::Fp8FwdParams>::type,
-                                 fav::Fa3FwdParams>::type p,
-        int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
+// One CTA of fa3_fwd (K: hopper::Config): the producer warpgroup and the consumers, on mask policy `mask` (the
+// launch's, or the CTA's sequence and head's). `out`: the parameters the epilogue stores through (the launch's,
+// or its sequence's view).
+template <class K>
+__device__ __forceinline__ void fa3_cta(const fav::TmaDesc& tq, const fav::TmaDesc& tk, const fav::TmaDesc& tv,
+                                        const fav::TmaDesc& to, const typename K::Params& p,
+                                        const typename K::Params& out, const typename K::Mask& mask, int* tiles_next) {
     using namespace fav;
-    using K = hopper::Config<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT, FP8>;
     K::Prec::before_reads();
 
     extern __shared__ unsigned char smem[];
     const hopper::SharedLayout<K> L(smem);
     L.check_size();
     const hopper::TileScheduler<K> sched{p, tiles_next};
-    const CausalMask mask = CausalMask::of(p);
     const int wg = threadIdx.x / 128;
     L.init_barriers();
     __syncthreads();
@@ -59,13 +56,14 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         float m[1][2], l[1][2];
         u32 pa[K::BN / K::KK][4];  // P~ as the A fragments of the next P V
         hopper::Mainloop<K> main(p, L, sched, mask, c, row0, leader, it, q_uses, o, m, l, pa);
-        hopper::Epilogue<K> epi{p, to, L, sched, c, row0};
+        hopper::Epilogue<K> epi{out, to, L, sched, c, row0};
         using hopper::TileWork;
-        if constexpr (!PERSISTENT) {  // the CTA's tile
+        if constexpr (!K::PERSISTENT) {  // the CTA's tile
             const TileWork x = main.tile_of(blockIdx.x);
             main.begin(x, 0);
             main.blocks_after_first(x, epi);
             main.last_pv(x);
+            main.end_rows();
             epi.store(x, o, m, l);
         } else {
             // The scheduler's work items as the producer hands them over. A tile's last P V and its epilogue wait
@@ -105,4 +103,35 @@ fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
         epi.finish();
         main.finish();
     }
+}
+
+template <class T, int D, int BN, int STAGES, bool PINGPONG, bool OVERLAP, int NC = 2, bool PERSISTENT = false,
+          bool FP8 = false>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+fa3_fwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
+        const __grid_constant__ fav::TmaDesc tv,
+        const __grid_constant__ fav::TmaDesc to,  // O (TMA_OUT instances), boxes of 64 rows
+        // fp8: Fp8FwdParams, on the persistent grid with its split tail (Fa3Fp8FwdParams)
+        const typename fav::Pick<FP8, typename fav::Pick<PERSISTENT, fav::Fa3Fp8FwdParams, fav::Fp8FwdParams>::type,
+                                 fav::Fa3FwdParams>::type p,
+        int* tiles_next) {  // PERSISTENT: the tile counter pair of this stream, zero between launches
+    using K = fav::hopper::Config<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT, FP8>;
+    fa3_cta<K>(tq, tk, tv, to, p, p, fav::CausalMask::of(p), tiles_next);
+}
+
+// Under a sliding window, a softcap, ALiBi and sinks (AttnMask), over a dense batch or a packed one, one CTA per
+// (Q block, head, sequence) tile, the grid sized by the longest sequence: a CTA whose Q block lies past its
+// sequence's end leaves at once. Its policy is its sequence's and head's; its O and LSE go out through the
+// sequence's view of the parameters (common/sequence.cuh), its loads through the tensor maps at the sequence's rows.
+template <class T, int D, int BN, int STAGES, bool PINGPONG, int NC>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+fa3_fwd_masked(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tk,
+               const __grid_constant__ fav::TmaDesc tv, const __grid_constant__ fav::TmaDesc to,
+               const fav::MaskedFwdParams p, int* tiles_next) {
+    using namespace fav;
+    using K = hopper::Config<T, D, BN, STAGES, PINGPONG, true, NC, false, false, AttnMask>;
+    const hopper::Work w = hopper::TileScheduler<K>{p, tiles_next}.tile_at(blockIdx.x);
+    const MaskedFwdParams s = sequence_view(p, w.b);
+    if (w.m0 >= s.seqlen_q) return;
+    fa3_cta<K>(tq, tk, tv, to, p, s, AttnMask::of(p, s.seqlen_q, s.seqlen_k, w.b, w.h), tiles_next);
 }

@@ -171,6 +171,13 @@ FA3_FP8_TILES = MappingProxyType({64: Fa3Tile(192, 160, 2, True, _PERSISTENT),
                                   128: Fa3Tile(128, 192, 2, True, _PERSISTENT),
                                   256: Fa3Tile(128, 128, 2, True, _PER_TILE)})
 
+#: fa3_fwd.cu's fa3_fwd_masked (windows, softcap, ALiBi, sinks, packed batches): one CTA per tile (a grid sized by
+#: the longest sequence, whose CTAs past their sequence's end leave at once), fa3's blocks of 128 keys at d 64 and
+#: 128 (a window's two edges are masked: narrower blocks waste less of them) and 80 at d 256.
+FA3_MASKED_TILES = MappingProxyType({64: Fa3Tile(192, 128, 2, True, _PER_TILE),
+                                     128: Fa3Tile(128, 128, 2, True, _PER_TILE),
+                                     256: Fa3Tile(128, 80, 2, True, _PER_TILE)})
+
 #: The FA3 paper's ablation (Table 2) runs at d = 128 on FA3's own tile, one CTA per tile at every length, with
 #: ping-pong and the intra-warpgroup overlap each on or off (kernels/fa3.py ``plan(pingpong=, overlap=)``).
 FA3_ABLATION_DIM = 128

@@ -10,10 +10,10 @@ The keywords (reference/masks.py has the conventions, docs/masks.md their source
 
 Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
 Then the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU arrays), and on the GPU
-fa2's masked kernels run them, forward and backward (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU; variant
-"auto" or "fa2": the other variants' kernels take no masks and are refused by name). A window that hides nothing a
-plain call would not (a side at least the sequence long, or (-1, 0), which is causal) runs as that plain call, on
-the GPU too.
+the masked kernels: the forward fa2's (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU; variant "auto" or
+"fa2") or fa3's (kernels/fa3_masked.py, sm_90a; variant "fa3"), the backward fa2's (it needs only q, k, v, out and
+lse); the other variants' kernels take no masks and are refused by name. A window that hides nothing a plain call
+would not (a side at least the sequence long, or (-1, 0), which is causal) runs as that plain call, on the GPU too.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .tolerances import LSE_ATOL, LSE_RTOL
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 ALIBI_DTYPES = ("float32",)                       # flash-attn's: the slopes are fp32
 CU_SEQLENS_DTYPES = ("int32",)
-GPU_MASKED_VARIANTS = ("auto", "fa2")             # whose GPU forward takes masks and packed batches
+GPU_MASKED_VARIANTS = ("auto", "fa2", "fa3")      # whose GPU forward takes masks and packed batches
 
 
 # ------------------------------------------------------------------------------------------------ shared checks
@@ -144,7 +144,7 @@ def attention_masked(q, k, v, *, variant, causal, softmax_scale, return_lse, bac
                      backend=backend)
     if _runs_on_gpu(inp, backend):
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse,
-                       _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes))
+                       _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes), variant=variant)
     entry = _model("forward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     res = entry.reference(qh, kh, vh, causal=bool(causal), softmax_scale=arrays.default_scale(scale, d),
@@ -168,7 +168,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (with sinks, a row of a sequence without keys has lse = its sink).
 
     The NumPy models run it on host arrays (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
-    run fa2's masked kernel (variant "auto" or "fa2"); backend="numpy" runs the model on host copies. ``backend``
+    run a masked kernel (variant "auto" or "fa2": fa2's; "fa3": fa3's forward on sm_90a; the backward fa2's); backend="numpy" runs the model on host copies. ``backend``
     None means "auto". The lengths are checked on the host: a GPU call copies cu_seqlens there first (a sync).
     Torch tensors that require grad (q, k, v, sinks) are recorded for autograd, and under torch.compile the call
     is one opaque op (integrations/torch.py).
@@ -193,7 +193,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if _runs_on_gpu(inp, backend):
         on_gpu = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes,
                             cu=(cu_seqlens_q, cu_seqlens_k), bounds=bounds)
-        return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse, on_gpu)
+        return _on_gpu(inp, causal, arrays.default_scale(scale, d), return_lse, on_gpu, variant=variant)
     entry = _model("forward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     res = model_varlen.forward(entry.reference, qh, kh, vh, bounds.cu_q.astype(np.int32),
@@ -212,10 +212,10 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, c
     cast."""
     if variant not in GPU_MASKED_VARIANTS:
         raise NotImplementedError(f"variant {variant!r}: its GPU kernel takes no window, softcap, sinks, ALiBi or "
-                                  f"varlen yet; variant='auto' or 'fa2' runs fa2's masked kernel")
+                                  f"varlen yet; variant='auto', 'fa2' or 'fa3' runs a masked kernel")
     from . import registry
     from .kernels.fa2_masked import Masks
-    entry = registry.get("fa2")
+    entry = registry.get("fa3" if variant == "fa3" else "fa2")
     arrays.check_supported(entry, dtype, d)
     dispatch.resolve_backend("cuda", entry, True)
     side = {n: None if x is None else _side_import(n, x, inp, dt)
@@ -233,10 +233,21 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, c
     return Masks(window=window, softcap=softcap, **lengths, **side)
 
 
-def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=None, sinks_dtype=None):
-    """fa2's masked kernels on the checked arrays (host arrays with backend="cuda": on device copies, the results
-    copied back), as q's array type: the forward's (out, lse), or with ``saved`` (the backward's dout, out, lse)
-    the gradients (dq, dk, dv, and dsinks in ``sinks_dtype`` where sinks are given)."""
+def masked_forward_kernel(variant: str):
+    """The module of the masked forward a GPU call of ``variant`` runs (its checks passed): fa3's by name, else
+    fa2's."""
+    from .kernels import fa2_masked, fa3_masked
+    if variant == "fa3":
+        return fa3_masked
+    return fa2_masked
+
+
+def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=None, sinks_dtype=None,
+            variant="auto"):
+    """The masked kernels on the checked arrays (host arrays with backend="cuda": on device copies, the results
+    copied back), as q's array type: the forward's (out, lse) by ``variant``'s kernel (masked_forward_kernel), or
+    with ``saved`` (the backward's dout, out, lse) fa2's gradients (dq, dk, dv, and dsinks in ``sinks_dtype`` where
+    sinks are given)."""
     import dataclasses
 
     import cupy
@@ -248,8 +259,8 @@ def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=Non
                 f: arrays.to_cupy(getattr(kernel_masks, f)) for f in fa2_masked.SIDE_ARRAYS
                 if getattr(kernel_masks, f) is not None})
         if saved is None:
-            results = fa2_masked.forward(q, k, v, causal=bool(causal), softmax_scale=scale, return_lse=return_lse,
-                                         masks=kernel_masks)
+            results = masked_forward_kernel(variant).forward(q, k, v, causal=bool(causal), softmax_scale=scale,
+                                                             return_lse=return_lse, masks=kernel_masks)
             results = results if return_lse else results[:1]
         else:
             dout, out, lse = (arrays.to_cupy(saved[n]) for n in ("dout", "out", "lse"))

@@ -2,8 +2,8 @@
 models behind them, against the float64 reference of tests/test_masks_model.py (written from the definitions,
 its gradients checked by finite differences) and against per-sequence calls; a window that hides nothing more than
 causal takes the plain path; every bad argument is refused, naming it, before any work; what no GPU kernel takes
-yet (the masked backward, variants other than fa2) is refused with NotImplementedError (tests/test_varlen_gpu.py
-runs the masked forward kernel). Inputs are fresh each run (``rng``: the seed is in a failed test's
+(variants other than fa2 and fa3) is refused with NotImplementedError (tests/test_varlen_gpu.py runs the masked
+kernels). Inputs are fresh each run (``rng``: the seed is in a failed test's
 report)."""
 import numpy as np
 import pytest
@@ -276,21 +276,23 @@ def test_backward_refusals(rng):
 
 
 def test_backend_cuda_checks_first_and_refuses_what_no_kernel_takes(rng):
-    """backend="cuda": the checks come first (a bad argument is a ValueError wherever it would run); then fa2's
-    masked kernels run the call (BackendUnavailable where no GPU is usable), and other variants' kernels are
-    refused by name, forward and backward."""
+    """backend="cuda": the checks come first (a bad argument is a ValueError wherever it would run); then the masked
+    kernels run the call (BackendUnavailable where no GPU is usable, or for fa3 where no sm_90a one is), and other
+    variants' kernels are refused by name, forward and backward."""
     q, k, v, cu_q, cu_k = packed(rng, lens_q=[3, 2], lens_k=[2, 4])
     with pytest.raises(ValueError, match="window"):
         fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda", window=(-2, 0))
-    with pytest.raises(NotImplementedError, match="variant 'fa1'.*'auto' or 'fa2'"):
+    with pytest.raises(NotImplementedError, match="variant 'fa1'.*'auto', 'fa2' or 'fa3'"):
         fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda", variant="fa1")
     out, lse = fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, return_lse=True)
     packed_kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=4, backend="cuda")
-    with pytest.raises(NotImplementedError, match="variant 'fa3'.*'auto' or 'fa2'"):
-        fav.attention_backward(out, q, k, v, out, lse, variant="fa3", **packed_kw)
+    with pytest.raises(NotImplementedError, match="variant 'naive'.*'auto', 'fa2' or 'fa3'"):
+        fav.attention_backward(out, q, k, v, out, lse, variant="naive", **packed_kw)
     if not has_gpu():
         with pytest.raises(fav.BackendUnavailable, match="'fa2' cannot run on the GPU here"):
             fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda")
+        with pytest.raises(fav.BackendUnavailable, match="'fa3' cannot run on the GPU here"):
+            fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, backend="cuda", variant="fa3")
         with pytest.raises(fav.BackendUnavailable, match="'fa2' cannot run on the GPU here"):
             fav.attention_backward(out, q, k, v, out, lse, **packed_kw)
         qd, kd = q[None, :4], k[None, :5]

@@ -1,5 +1,6 @@
-"""fa2's masked kernels (kernels/fa2_masked.py) on the GPU, forward and backward: packed (varlen) batches and the
-mask keywords of ``attention()`` and ``attention_backward()``, against the float64 reference of
+"""The masked kernels on the GPU: fa2's (kernels/fa2_masked.py) forward and backward and fa3's forward
+(kernels/fa3_masked.py, sm_90a), on packed (varlen) batches and the mask keywords of ``attention()`` and
+``attention_backward()``, against the float64 reference of
 tests/test_masks_model.py on fresh random inputs, every output poisoned (NaN) before the call: zero-length and
 length-1 sequences, seqlen_q != seqlen_k, GQA, windows larger than the sequence, head dims that pad, strided inputs;
 rows past cu_seqlens_q[-1]; a NaN reaches only its row; torch tensors in and out."""
@@ -21,12 +22,24 @@ MASKS = {
     "causal": dict(causal=True),
     "window": dict(window=(64, 16)),
     "causal window": dict(causal=True, window=(100, -1)),
+    "wide window": dict(causal=True, window=(600, 0)),    # blocks masked at both ends, mask-free ones between
     "window past the sequence": dict(window=(5000, 3000)),
     "softcap": dict(softcap=2.5),
     "alibi": dict(causal=True, alibi="per sequence"),
     "sinks": dict(sinks=True),
     "everything": dict(causal=True, window=(200, 0), softcap=3.0, alibi="per head", sinks=True),
 }
+
+
+# The forward kernels: fa2's everywhere, fa3's where it runs (sm_90a; "auto" takes it there)
+KERNELS = ["fa2", "fa3"]
+
+
+def _kernel(variant: str) -> str:
+    ok, why = fav.get(variant).available()
+    if not ok:
+        pytest.skip(f"{variant}: {why}")
+    return variant
 
 
 def _masks(rng, name, batch, heads=H):
@@ -82,15 +95,17 @@ def _check_sequence(out, lse, q, k, v, rows, keys, kw, b, dtype):
 @pytest.mark.parametrize("d", [64, 128, 72, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("mask", MASKS)
-def test_packed_batch_matches_float64(rng, poisoned, mask, dtype, d):
+@pytest.mark.parametrize("variant", KERNELS)
+def test_packed_batch_matches_float64(rng, poisoned, variant, mask, dtype, d):
     import cupy
+    variant = _kernel(variant)
     q, k, v, cu_q, cu_k = _packed(rng, dtype, d, LENS_Q, LENS_K)
     kw = _masks(rng, mask, len(LENS_Q))
     dev = lambda a: cupy.asarray(a)  # noqa: E731
     dkw = {n: dev(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     with poisoned(Case(1, q.shape[0], k.shape[0], H, HKV, d, False)):
         out, lse = fav.attention_varlen(dev(q), dev(k), dev(v), dev(cu_q), dev(cu_k), max(LENS_Q), max(LENS_K),
-                                        return_lse=True, **dkw)
+                                        return_lse=True, variant=variant, **dkw)
     assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (H, q.shape[0]) and lse.dtype == np.float32
     out, lse = to_host(out), to_host(lse)
@@ -102,11 +117,13 @@ DENSE = [Case(2, 37, 1000, 8, 2, 128, True), Case(1, 1000, 37, 4, 4, 64, False),
          Case(1, 513, 513, 2, 2, 256, True), Case(1, 300, 500, 4, 2, 80, False, True)]
 
 
-@pytest.mark.parametrize("mask", ["window", "causal window", "softcap", "alibi", "sinks", "everything"])
+@pytest.mark.parametrize("mask", ["window", "causal window", "wide window", "softcap", "alibi", "sinks", "everything"])
 @pytest.mark.parametrize("case", DENSE, ids=[c.id for c in DENSE])
-def test_masked_attention_matches_float64(rng, poisoned, case, mask):
+@pytest.mark.parametrize("variant", KERNELS)
+def test_masked_attention_matches_float64(rng, poisoned, variant, case, mask):
     """attention() with mask keywords on GPU arrays (seqlen_q != seqlen_k, GQA, padded head dims, strided views)."""
     import cupy
+    variant = _kernel(variant)
     b, nq, nk, h, hkv, d = case[:6]
     dt = DTYPES["bfloat16"]
     shape_q, shape_k = (b, nq, h, d), (b, nk, hkv, d)
@@ -123,7 +140,7 @@ def test_masked_attention_matches_float64(rng, poisoned, case, mask):
     kw.setdefault("causal", case.causal)
     dkw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     with poisoned(case):
-        out, lse = fav.attention(qd, kd, vd, return_lse=True, **dkw)
+        out, lse = fav.attention(qd, kd, vd, return_lse=True, variant=variant, **dkw)
     out, lse = to_host(out), to_host(lse)
     f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
     ref_kw = {n: x for n, x in kw.items() if n not in ("alibi_slopes", "sinks")}
@@ -247,8 +264,8 @@ def test_masked_attention_backward_matches_float64(rng, poisoned, case, mask):
 def test_variants_without_a_masked_kernel_are_refused_by_name(rng):
     import cupy
     q, k, v, cu_q, cu_k = (cupy.asarray(a) for a in _packed(rng, "float16", 64, [3], [4]))
-    with pytest.raises(NotImplementedError, match="variant 'fa3'.*'auto' or 'fa2'"):
-        fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, variant="fa3")
-    with pytest.raises(NotImplementedError, match="variant 'fa3'.*'auto' or 'fa2'"):
+    with pytest.raises(NotImplementedError, match="variant 'fa1'.*'auto', 'fa2' or 'fa3'"):
+        fav.attention_varlen(q, k, v, cu_q, cu_k, 3, 4, variant="fa1")
+    with pytest.raises(NotImplementedError, match="variant 'naive'.*'auto', 'fa2' or 'fa3'"):
         fav.attention_backward(q[None], q[None], k[None], v[None], q[None], cupy.zeros((1, H, 3), cupy.float32),
-                               softcap=2.0, variant="fa3")
+                               softcap=2.0, variant="naive")

@@ -37,6 +37,7 @@
 #include "block_range.cuh"
 #include "math.cuh"
 #include "params.cuh"
+#include "sequence.cuh"
 #include "softmax.cuh"
 
 namespace fav {
@@ -95,7 +96,7 @@ struct CausalMask {
         return q1 < q0 ? -1 : causal ? q1 + diag : seqlen_k - 1;
     }
     template <int BM, int BN, class Params>
-    __forceinline__ __device__ static BlockRange blocks(const Params& p, int m0) {
+    __forceinline__ __device__ static BlockRange blocks(const Params& p, int m0, int /*h*/ = 0, int /*b*/ = 0) {
         const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
         const bool causal = p.causal;
         const BlockRange split = kv_split(p);
@@ -131,7 +132,11 @@ struct CausalMask {
     template <int MT, int DT>
     __forceinline__ __device__ void end_rows(float (&)[MT][DT][4], float (&)[MT][2], float (&)[MT][2], float) const {}
 
-    // ---- the backward's: no transform of the scores (so no chain rule), one policy for every query head
+    // ---- what a kernel must do for it: one policy for the whole launch (BY_SEQUENCE: one per sequence and head,
+    // built where the tile is known), no blocks below a row's first key that need the element test (LOW_EDGE: a
+    // window's left side), nothing at a row's end (end_rows), no transform of the scores (so no chain rule in the
+    // backward), one policy for every query head
+    static constexpr bool BY_SEQUENCE = false, LOW_EDGE = false;
     static constexpr bool TRANSFORMS = false;
     template <class Params>
     __forceinline__ __device__ const CausalMask& for_head(const Params&, int) const { return *this; }
@@ -177,6 +182,7 @@ struct AttnMask {
         if (slopes) m.slope = slopes[h] * p.inv_scale;
         return m;
     }
+    static constexpr bool BY_SEQUENCE = true, LOW_EDGE = true;
     static constexpr bool TRANSFORMS = true;
 
     // softcap, then ALiBi, of a raw score (query row, key): cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)),
@@ -196,6 +202,29 @@ struct AttnMask {
         const int first = first_key(m0), last = last_key(min(m0 + BM, seqlen_q) - 1);
         if (last < first) return {0, 0};
         return {max(within.begin, first / BN), min(within.end, last / BN + 1)};
+    }
+    // The blocks of tile m0 of query head h of sequence b, from the parameters alone (fa3's producer builds no
+    // policy of its own: sequence.cuh's lengths, then kv_blocks)
+    template <int BM, int BN, class Params>
+    __forceinline__ __device__ static BlockRange blocks(const Params& p, int m0, int h, int b) {
+        const Sequence s = sequence_of(p, b);
+        return of(p, s.seqlen_q, s.seqlen_k, b, h).template kv_blocks<BM, BN>(m0, kv_split(p));
+    }
+    // From which K/V block on some key is hidden from some query >= q0 (past the first row's last key), and below
+    // which block some key is hidden from some query <= q1 (before the last row's first key): the blocks fa3 runs
+    // without the element test lie between.
+    template <int BN>
+    __forceinline__ __device__ int first_masked_block(int q0) const {
+        return max(0, min(seqlen_k, q0 + diag + right + 1)) / BN;
+    }
+    template <int BN>
+    __forceinline__ __device__ int masked_below(int q1) const {
+        return (max(0, q1 + diag - left) + BN - 1) / BN;
+    }
+    // The last key any query of [q0, q1] sees, -1 where none does (the rows' intervals chain into one)
+    __forceinline__ __device__ int last_key(int q0, int q1) const {
+        const bool none = q1 < q0 || seqlen_k == 0 || q1 + diag + right < 0 || q0 + diag - left > seqlen_k - 1;
+        return none ? -1 : min(seqlen_k - 1, q1 + diag + right);
     }
 
     // the Q blocks of BM queries that see some key of the block [key0, key0 + BN): query i sees key j iff

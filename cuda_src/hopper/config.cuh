@@ -1,18 +1,24 @@
 // fa3_fwd's compile-time configuration: the template parameters and every constant derived from them, in one
 // place, so that the producer, the main loop, the epilogue and the tile scheduler agree on them.
 #pragma once
+#include "../common/mask.cuh"
 #include "precision.cuh"
 
 namespace fav {
 namespace hopper {
 
-template <class T_, int D_, int BN_, int STAGES_, bool PINGPONG_, bool OVERLAP_, int NC_, bool PERSISTENT_, bool FP8_>
+template <class T_, int D_, int BN_, int STAGES_, bool PINGPONG_, bool OVERLAP_, int NC_, bool PERSISTENT_, bool FP8_,
+          class Mask_ = CausalMask>
 struct Config {
     using T = T_;  // the output's element type (fp16 / bf16); also Q, K, V's, but for fp8
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, NC = NC_;
     static constexpr bool PINGPONG = PINGPONG_, OVERLAP = OVERLAP_, PERSISTENT = PERSISTENT_, FP8 = FP8_;
     using Prec = typename Pick<FP8, PrecisionFp8<T, D, BN, PERSISTENT>, Precision16<T, D, BN, PERSISTENT>>::type;
-    using Params = typename Prec::Params;
+    // The mask policy (common/mask.cuh): CausalMask, one for the launch; or AttnMask (window, softcap, ALiBi,
+    // sinks), one per sequence of a dense or packed batch, with its parameters (MaskedFwdParams), one CTA per tile.
+    using Mask = Mask_;
+    using Params = typename Pick<Mask::BY_SEQUENCE, MaskedFwdParams, typename Prec::Params>::type;
+    static_assert(!Mask::BY_SEQUENCE || (!PERSISTENT && !FP8), "a mask per sequence: 16-bit, one CTA per tile");
 
     // A CTA: the producer warpgroup and NC consumer warpgroups, each on 64 of the tile's BM query rows.
     static constexpr int BM = 64 * NC, DT = D / 8, CONSUMERS = 128 * NC;

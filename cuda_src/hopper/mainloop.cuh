@@ -14,8 +14,10 @@
 //                    reference_moves), so P~ <= 2^tau and most blocks skip it.
 //   block order      The K/V blocks are visited from the last to the first, as FA3 does: the blocks that need a
 //                    mask (the causal diagonal, the seqlen_k tail) come first, and the loop after them is
-//                    mask-free. Causal, a consumer skips the first blocks that none of its own 64 rows sees
-//                    (TileWork::z), passing its ping-pong turns without a wgmma.
+//                    mask-free (under a window, the blocks past its left edge need the mask again: a third loop).
+//                    Causal, a consumer skips the first blocks that none of its own 64 rows sees (TileWork::z),
+//                    passing its ping-pong turns without a wgmma. The mask policy (C::Mask) also transforms the
+//                    scores of every block (softcap, ALiBi), masked or not.
 // While a wgmma is in flight nothing may branch (ptxas completes every wgmma at a control-flow join), so masking
 // is a compile-time case of the step, and the barrier arrivals in flight are predicated, not branched.
 #pragma once
@@ -61,6 +63,7 @@ struct TileWork {
     Work w;
     int h_kv;        // its K/V head
     int n, j_mask;   // its blocks, and the first that needs a mask for this consumer's rows
+    int j_low;       // and below which blocks need it again (a window's left edge; 0 for the others)
     int z;           // its leading blocks that none of this consumer's rows sees (skipped), < n
     int it;          // ring index of its block u = 0
     int q, q_phase;  // its Q buffer, and that buffer's phase
@@ -78,6 +81,7 @@ struct Mainloop {
     using TK = typename C::TK;
     using TV = typename C::TV;
     using Turn = typename Pick<C::EXP_TURNS, ExpTurn, NoTurn>::type;
+    using Mask = typename C::Mask;
     static constexpr int D = C::D, BN = C::BN, BM = C::BM, DT = C::DT, KK = C::KK, DN = C::DN;
     static constexpr int STAGES = C::STAGES, TAIL_BN = C::TAIL_BN;
     static constexpr bool OVERLAP = C::OVERLAP;
@@ -85,7 +89,7 @@ struct Mainloop {
     const Params& p;
     const SharedLayout<C>& L;
     const TileScheduler<C>& sched;
-    const CausalMask mask;
+    const Mask mask;       // the launch's, or (BY_SEQUENCE) the CTA's sequence and head's
     const int c;           // rows [64 c, 64 c + 64) of each tile
     const int row0;        // this warp's first row within a tile
     const bool leader;     // arrives on the empty barriers for its warp
@@ -109,7 +113,7 @@ struct Mainloop {
     // counters it, q_uses. The last consumer passes the first turns (ping-pong's and the SFU's), so that consumer
     // 0 starts.
     __forceinline__ __device__ Mainloop(const Params& p_, const SharedLayout<C>& L_, const TileScheduler<C>& sched_,
-                                        const CausalMask& mask_, int c_, int row0_, bool leader_, int& it_,
+                                        const Mask& mask_, int c_, int row0_, bool leader_, int& it_,
                                         int& q_uses_, float (&o_)[1][DT][4], float (&m_)[1][2], float (&l_)[1][2],
                                         u32 (&pa_)[BN / KK][4])
         : p(p_), L(L_), sched(sched_), mask(mask_), c(c_), row0(row0_), leader(leader_), pingpong{c_}, it(it_),
@@ -132,6 +136,16 @@ struct Mainloop {
         exp_turn.pass(none);
     }
 
+    // The tile's sequence: its query rows and K/V blocks (the launch's, or under a mask per sequence the mask's).
+    __device__ int seqlen_q() const {
+        if constexpr (Mask::BY_SEQUENCE) return mask.seqlen_q;
+        else return p.seqlen_q;
+    }
+    __device__ int kv_blocks() const {
+        if constexpr (Mask::BY_SEQUENCE) return (mask.seqlen_k + BN - 1) / BN;
+        else return sched.kv_blocks();
+    }
+
     // Work item t as this consumer sees it; counts its blocks and Q buffer in the ring.
     __device__ TileWork tile_of(int t) {
         TileWork x;
@@ -140,9 +154,11 @@ struct Mainloop {
         // The shuffle tells ptxas the block count is warp-uniform: without it, the loop over the blocks held its
         // bound in a vector register and ptxas put a WARPSYNC before every wgmma of the loop.
         x.n = __shfl_sync(0xffffffffu, x.w.blocks.count(), 0);
-        const int r0 = x.w.m0 + 64 * c, r1 = min(r0 + 63, p.seqlen_q - 1);  // its first and last real row
+        const int r0 = x.w.m0 + 64 * c, r1 = min(r0 + 63, seqlen_q() - 1);  // its first and last real row
         // (Both depend on the consumer, so on threadIdx.x: the shuffles keep them warp-uniform for ptxas.)
-        x.j_mask = __shfl_sync(0xffffffffu, mask.first_masked_block<BN>(r0), 0);
+        x.j_mask = __shfl_sync(0xffffffffu, mask.template first_masked_block<BN>(r0), 0);
+        x.j_low = 0;
+        if constexpr (Mask::LOW_EDGE) x.j_low = __shfl_sync(0xffffffffu, mask.template masked_below<BN>(r1), 0);
         // The blocks visited first (j from end - 1 down) that hold no key for any of its rows: causal, right of its
         // last row's diagonal, or every block if it has no real row (the short last Q block). It skips them (their
         // K and V go back to the producer unread, and its ping-pong turn passes without a wgmma), but never the
@@ -157,8 +173,9 @@ struct Mainloop {
         // Block u = 1 (whose step issues the narrow P V) must be one without a mask: the narrow P V is compiled
         // into the mask-free step only.
         const int end = x.w.blocks.end;
-        x.narrow = TAIL_BN > 0 && x.z == 0 && x.n >= 2 && end == sched.kv_blocks() &&
-                   mask.seqlen_k - (end - 1) * BN <= TAIL_BN && end - 2 < x.j_mask;
+        x.narrow = TAIL_BN > 0 && x.z == 0 && x.n >= 2 && end == kv_blocks() &&
+                   mask.seqlen_k - (end - 1) * BN <= TAIL_BN && end - 2 < x.j_mask &&
+                   (!Mask::LOW_EDGE || end - 2 >= x.j_low);
         x.q_scale = Prec::q_scale(p, sched, x.w);
         if (x.n > 0) {
             it += x.n;
@@ -258,7 +275,7 @@ struct Mainloop {
         hold_registers(s[0]);
         mbar_arrive_if(L.k_empty(stage_of(x, u)), leader);
         mbar_arrive_if(L.q_empty(x.q), leader && u == x.n - 1);
-        mask.apply<MASKED>(s, x.w.m0 + row0, j * BN);
+        mask.template apply<MASKED>(s, x.w.m0 + row0, j * BN);
         float alpha[1][2];
         const bool moved = softmax<MASKED>(x, s, j, mx, lx, alpha);
         // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous tile's,
@@ -287,7 +304,8 @@ struct Mainloop {
                 step<true, PREV, TAIL_BN, BN>(x, u, mx, lx);
                 return;
             }
-        if (x.w.blocks.end - 1 - u >= x.j_mask) step<true, PREV, BN, BN>(x, u, mx, lx);
+        const int j = x.w.blocks.end - 1 - u;
+        if (j >= x.j_mask || (Mask::LOW_EDGE && j < x.j_low)) step<true, PREV, BN, BN>(x, u, mx, lx);
         else step<false, PREV, BN, BN>(x, u, mx, lx);
     }
     // A skipped block u of tile x: its stages go back to the producer once they have landed (an arrival before
@@ -320,6 +338,7 @@ struct Mainloop {
     // The blocks after the first: those that need a mask come first (j from end - 1 down), a loop of their own,
     // so that the mask-free loop has no branch (written as one loop, ptxas kept both steps in it). Between the
     // two loops nothing is in flight (a branch is free there): the epilogue releases the previous tile's O buffer.
+    // Under a window the blocks below j_low need the mask again: a third loop.
     template <class Epilogue>
     __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
         int u = x.z + 1;
@@ -327,8 +346,15 @@ struct Mainloop {
             if (x.narrow) step<false, OVERLAP, BN, TAIL_BN>(x, u++, m, l);
         for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_mask; ++u) step<true, OVERLAP, BN, BN>(x, u, m, l);
         epi.release_o();
-        for (; u < x.n; ++u) step<false, OVERLAP, BN, BN>(x, u, m, l);
+        if constexpr (Mask::LOW_EDGE) {
+            for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_low; ++u) step<false, OVERLAP, BN, BN>(x, u, m, l);
+            for (; u < x.n; ++u) step<true, OVERLAP, BN, BN>(x, u, m, l);
+        } else {
+            for (; u < x.n; ++u) step<false, OVERLAP, BN, BN>(x, u, m, l);
+        }
     }
+    // A tile's rows once its last block is in: what the mask adds at a row's end (the sinks; nothing for most).
+    __device__ void end_rows() { mask.end_rows(o, m, l, softmax_log2); }
 };
 
 }  // namespace hopper

@@ -49,9 +49,10 @@ struct Precision16 {
 
     __forceinline__ __device__ static void before_reads() {}
 
-    // V_j's TMA box c (64 columns of d) into a ring stage.
-    __forceinline__ __device__ static void load_v(u32 dst, const TmaDesc& tv, u32 bar, int j, int c, int h_kv, int b) {
-        tma_load_4d(dst, tv, bar, c * TV::W / EB, j * BN, h_kv, b);
+    // V_j's TMA box c (64 columns of d) into a ring stage; k0: the sequence's first key row in the map (packed).
+    __forceinline__ __device__ static void load_v(u32 dst, const TmaDesc& tv, u32 bar, int j, int c, int h_kv, int b,
+                                                  int k0) {
+        tma_load_4d(dst, tv, bar, c * TV::W / EB, k0 + j * BN, h_kv, b);
     }
     template <int N>
     __forceinline__ __device__ static void mma_qk(float (&s)[N][4], u64 a, u64 b, int accumulate) {
@@ -72,13 +73,14 @@ struct Precision16 {
         for (int kk = 0; kk < NS * 8 / KK; ++kk) repack_a<T>(pa[kk], s[0][2 * kk], s[0][2 * kk + 1]);
     }
 
-    // fp8's Q scale of a tile: none here.
-    template <class Sched, class Work>
-    __forceinline__ __device__ static float q_scale(const Params&, const Sched&, const Work&) { return 1.f; }
+    // fp8's Q scale of a tile: none here. (The functions taking parameters take the kernel's: Params, or
+    // MaskedFwdParams under a mask per sequence.)
+    template <class P, class Sched, class Work>
+    __forceinline__ __device__ static float q_scale(const P&, const Sched&, const Work&) { return 1.f; }
     // The online softmax of block j of tile x (softmax.cuh's, with the lazy rescale), m in score units;
     // scale_log2 = softmax_scale * log2(e) takes the scores to log2 units.
-    template <bool MASKED, int EXP_FMA, class Tile, int NS, class Turn>
-    __forceinline__ __device__ static bool softmax(const Params&, const Tile&, int, float (&s)[1][NS][4],
+    template <bool MASKED, int EXP_FMA, class P, class Tile, int NS, class Turn>
+    __forceinline__ __device__ static bool softmax(const P&, const Tile&, int, float (&s)[1][NS][4],
                                                    float (&m)[1][2], float (&l)[1][2], float (&alpha)[1][2],
                                                    float scale_log2, const Turn&) {
         return online_softmax_rescale<true>(s, m, l, scale_log2, alpha, RESCALE_TAU);
@@ -87,13 +89,14 @@ struct Precision16 {
     __forceinline__ __device__ static float m_scale(float scale_log2) { return scale_log2; }
 
     // Epilogue: V's channel scales (none), and O / l from registers or staged through shared memory.
-    __forceinline__ __device__ static const float* col_scales(const Params&, int, int) { return nullptr; }
-    template <class Rows>
-    __forceinline__ __device__ static void store_direct(const Rows& rows, const Params& p, const float*) {
+    template <class P>
+    __forceinline__ __device__ static const float* col_scales(const P&, int, int) { return nullptr; }
+    template <class Rows, class P>
+    __forceinline__ __device__ static void store_direct(const Rows& rows, const P& p, const float*) {
         DirectOut<T, D>::store(rows, p);
     }
-    template <class Rows>
-    __forceinline__ __device__ static void store_staged(const Rows& rows, const Params& p, const float*, u16* stage) {
+    template <class Rows, class P>
+    __forceinline__ __device__ static void store_staged(const Rows& rows, const P& p, const float*, u16* stage) {
         NormalizedOut<T, D>::store(rows, p, stage);
     }
 };
@@ -131,7 +134,8 @@ struct PrecisionFp8 {
     __forceinline__ __device__ static void before_reads() { griddep_wait(); }
 
     // V^T_j's TMA box c: all D rows, TV::W keys.
-    __forceinline__ __device__ static void load_v(u32 dst, const TmaDesc& tv, u32 bar, int j, int c, int h_kv, int b) {
+    __forceinline__ __device__ static void load_v(u32 dst, const TmaDesc& tv, u32 bar, int j, int c, int h_kv, int b,
+                                                  int /*k0: 0, no packed batch*/) {
         tma_load_4d(dst, tv, bar, j * BN + c * TV::W, 0, h_kv, b);
     }
     template <int N>

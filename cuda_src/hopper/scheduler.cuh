@@ -32,6 +32,7 @@ __forceinline__ __device__ Tail tail_of(const Fa3FwdParams& p) {
     return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
 }
 __forceinline__ __device__ Tail tail_of(const Fp8FwdParams&) { return {0, 1, 0, nullptr}; }
+__forceinline__ __device__ Tail tail_of(const MaskedFwdParams&) { return {0, 1, 0, nullptr}; }
 __forceinline__ __device__ Tail tail_of(const Fa3Fp8FwdParams& p) {
     return {p.tail_tiles, p.tail_blocks, p.tail_ranges, p.o_ws};
 }
@@ -72,8 +73,8 @@ struct TileScheduler {
             t = full_tiles() + x.tile;
         }
         const int qb = q_blocks(), i_block = qb - 1 - t % qb, hb = t / qb;
-        const int m0 = i_block * BM;
-        return Work{m0, hb % p.heads, hb / p.heads, split ? piece : CausalMask::blocks<BM, BN>(p, m0)};
+        const int m0 = i_block * BM, h = hb % p.heads, b = hb / p.heads;
+        return Work{m0, h, b, split ? piece : C::Mask::template blocks<BM, BN>(p, m0, h, b)};
     }
     // The ranges of the tail tile that piece e is part of.
     __forceinline__ __device__ TailTile tail_tile(int e) const {

@@ -66,16 +66,17 @@ def check_scale(softmax_scale: float, masks: Masks) -> None:
                          "0 there; pass a nonzero softmax_scale)")
 
 
-def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks, run=None):
     """(out, lse or None) for CuPy q, k, v: dense (batch, seqlen, heads, d) or, with masks.cu_seqlens_q, packed
     (total, heads, d). out has q's shape; lse is (batch, heads, seqlen_q), or (heads, total_q) when packed. Rows of
-    a packed q past cu_seqlens_q[-1] give 0 and -inf. A negative scale runs on a negated copy of q."""
+    a packed q past cu_seqlens_q[-1] give 0 and -inf. A negative scale runs on a negated copy of q. ``run``: the
+    kernel's launch on the arrays as _launchable gives them (fa2's here; kernels/fa3_masked.py passes fa3's)."""
     check_scale(softmax_scale, masks)
     if softmax_scale < 0:
         q, softmax_scale = negated(q), -softmax_scale
     d = q.shape[-1]
     q4, k4, v4 = _launchable((q, k, v), masks.packed)
-    out, lse = _run(q4, k4, v4, d, causal, softmax_scale, return_lse, masks)
+    out, lse = (run or _run)(q4, k4, v4, d, causal, softmax_scale, return_lse, masks)
     return _as_given(out, d, masks.packed), lse
 
 
@@ -95,15 +96,27 @@ def _as_given(a, d: int, packed: bool):
     return a[0] if packed else a
 
 
-def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+@dataclasses.dataclass
+class Prepared:
+    """A masked forward's launch as fa2's and fa3's kernels share it: the outputs (rows no sequence holds already 0
+    and -inf), MaskedFwdParams with zero pointers, the sequences and the longest one's rows, and the device arrays
+    the struct points to (alive until the launch is queued). ``empty``: nothing to launch."""
+    out: object
+    lse: object
+    template: bytes
+    batch: int
+    rows: int
+    held: list
+    empty: bool
+
+
+def prepare(q, k, v, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks) -> Prepared:
+    """The outputs and parameter struct of a masked forward over _launchable q, k, v."""
     import cupy
     _, nq, h, dp = q.shape
     packed = masks.packed
     batch = masks.cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
     rows = masks.max_seqlen_q if packed else nq
-    dt = template_dim(dp)
-    tile = pick_tiles(TILES, smem_bytes, dt)
-    smem = smem_bytes(dt, tile)
     check_grid(h, "heads")
     check_grid(batch, "batch")
     # rows of a packed q that no sequence holds are never visited: zeros and -inf there
@@ -114,14 +127,12 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
     if return_lse:
         shape = (h, nq) if packed else (batch, h, nq)
         lse = cupy.full(shape, -cupy.inf, cupy.float32) if uncovered else cupy.empty(shape, cupy.float32)
-    if rows == 0 or batch == 0 or nq == 0:
-        return out, lse
     qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
     if packed:
         qs, ks, vs = (0, qs[1], qs[2]), (0, ks[1], ks[2]), (0, vs[1], vs[2])
     o_b = 0 if packed else nq * h * dp
     sinks = None if masks.sinks is None else cupy.ascontiguousarray(masks.sinks, dtype=cupy.float32)
-    fields, _held = _mask_fields(masks, softmax_scale, h)   # (_held: alive until the launch)
+    fields, held = _mask_fields(masks, softmax_scale, h)
     from .params import KV_BLOCKS_ALL, MASKED_FWD
     template = MASKED_FWD.pack(
         q=0, k=0, v=0, o=0, lse=0, o_ws=0, l_ws=0, m_ws=0,
@@ -130,10 +141,24 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         seqlen_k=k.shape[1], heads=h, group=h // k.shape[2], head_dim=dp, kv_block_begin=0,
         kv_block_end=KV_BLOCKS_ALL, scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)),
         sinks=_ptr(sinks), lse_h=nq, **fields)
+    return Prepared(out, lse, template, batch, rows, held + [sinks], rows == 0 or batch == 0 or nq == 0)
+
+
+def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+    import cupy
+    from .params import MASKED_FWD
+    run = prepare(q, k, v, causal, softmax_scale, return_lse, masks)
+    if run.empty:
+        return run.out, run.lse
+    h, dp = q.shape[2], q.shape[3]
+    dt = template_dim(dp)
+    tile = pick_tiles(TILES, smem_bytes, dt)
+    smem = smem_bytes(dt, tile)
     func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
-    launch(func, (cdiv(rows, tile.block_q), h, batch), 32 * tile.warps, smem, cupy.cuda.get_current_stream().ptr,
-           template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, _ptr(lse), 0, 0, 0)
-    return out, lse
+    launch(func, (cdiv(run.rows, tile.block_q), h, run.batch), 32 * tile.warps, smem,
+           cupy.cuda.get_current_stream().ptr, run.template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr,
+           v.data.ptr, run.out.data.ptr, _ptr(run.lse), 0, 0, 0)
+    return run.out, run.lse
 
 
 def _ptr(a) -> int:

@@ -299,8 +299,9 @@ def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic=Tr
 
 
 def _sources():
-    from . import fa3_bwd
-    return {SOURCE: specializations(), PAD_SOURCE: PAD_INSTANCES, fa3_bwd.SOURCE: fa3_bwd.specializations()}
+    from . import fa3_bwd, fa3_masked
+    return {SOURCE: specializations() + fa3_masked.specializations(), PAD_SOURCE: PAD_INSTANCES,
+            fa3_bwd.SOURCE: fa3_bwd.specializations()}
 
 
 LAUNCHER = KernelLauncher(sources=_sources, forward_fn=forward, tiles_fn=tiles, extra_bytes_fn=extra_bytes,
