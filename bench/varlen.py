@@ -1,5 +1,6 @@
-"""Real batches on the GPU: fa2's masked kernels (kernels/fa2_masked.py) on a packed batch of documents, a sliding
-window, and each logit transform, forward and backward, against the same kernels on a plain problem, in one run.
+"""Real batches on the GPU: the masked kernels on a packed batch of documents, a sliding window, and each logit
+transform, forward (fa2's, kernels/fa2_masked.py, and on sm_90a fa3's, kernels/fa3_masked.py) and backward (fa2's),
+against the same kernels on a plain problem, in one run.
 
     python bench/varlen.py [--quick] [--json FILE]
 
@@ -18,7 +19,8 @@ import ml_dtypes
 import numpy as np
 from tabulate import tabulate
 
-from fa_variants.kernels import fa2_masked
+import fa_variants as fav
+from fa_variants.kernels import fa2_masked, fa3_masked
 from fa_variants.kernels.fa2_masked import Masks
 
 H, D = 16, 128
@@ -47,18 +49,26 @@ def causal_flops(lens_q, lens_k) -> float:
     return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
 
 
+# the forward kernels timed: fa2's, and fa3's where it runs
+FORWARDS = {"fa2": fa2_masked, **({"fa3": fa3_masked} if fav.get("fa3").available()[0] else {})}
+
+
 def run_case(name, q, k, v, masks, causal, flops, reps, rng):
     scale = D ** -0.5
-    def fwd():
-        return fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)
-    t_f = timed_ms(fwd, reps)
-    out, lse = fwd()
+    row = dict(case=name)
+    for kname, kernel in FORWARDS.items():
+        def fwd(kernel=kernel):
+            return kernel.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)
+        t_f = timed_ms(fwd, reps)
+        row[f"{kname} fwd ms"], row[f"{kname} fwd TFLOP/s"] = t_f, flops / t_f / 1e9
+    out, lse = fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)
     dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(DT))
 
     def bwd():
         return fa2_masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
     t_b = timed_ms(bwd, reps)
-    return dict(case=name, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=flops / t_f / 1e9, bwd_tflops=2.5 * flops / t_b / 1e9)
+    row["bwd_ms"], row["bwd_tflops"] = t_b, 2.5 * flops / t_b / 1e9
+    return row
 
 
 def main():
@@ -92,7 +102,8 @@ def main():
     dense = run_case(f"causal {n}", qd, kd, vd, Masks(), True, causal_flops([n], [n]), args.reps, rng)
     win_flops = 4.0 * D * H * sum(min(i + 1, w + 1) for i in range(n))
     win = run_case(f"causal window {w} of {n}", qd, kd, vd, Masks(window=(w, 0)), True, win_flops, args.reps, rng)
-    win["x dense time"] = win["fwd_ms"] / dense["fwd_ms"]
+    for kname in FORWARDS:
+        win[f"{kname} x dense time"] = win[f"{kname} fwd ms"] / dense[f"{kname} fwd ms"]
     win["ideal"] = win_flops / causal_flops([n], [n])
     rows += [dense, win]
 
@@ -106,11 +117,14 @@ def main():
                     ("sinks", Masks(sinks=cupy.asarray(rng.standard_normal(H).astype(np.float32)))),
                     ("alibi", Masks(alibi_slopes=cupy.asarray(rng.uniform(0.01, 0.2, H).astype(np.float32))))):
         r = run_case(f"{name} {b} x {n}", qd, kd, vd, m, True, flops, args.reps, rng)
-        r["fwd x plain"], r["bwd x plain"] = r["fwd_ms"] / plain["fwd_ms"], r["bwd_ms"] / plain["bwd_ms"]
+        for kname in FORWARDS:
+            r[f"{kname} fwd x plain"] = r[f"{kname} fwd ms"] / plain[f"{kname} fwd ms"]
+        r["bwd x plain"] = r["bwd_ms"] / plain["bwd_ms"]
         rows.append(r)
 
-    keys = ["case", "fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops", "x dense time", "ideal", "fwd x plain",
-            "bwd x plain"]
+    keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s")] + \
+        ["bwd_ms", "bwd_tflops"] + [f"{kn} x dense time" for kn in FORWARDS] + ["ideal"] + \
+        [f"{kn} fwd x plain" for kn in FORWARDS] + ["bwd x plain"]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")
     print(tabulate([[r.get(k2, "") if not isinstance(r.get(k2), float) else f"{r[k2]:.3g}" for k2 in keys]
                     for r in rows], headers=keys))
