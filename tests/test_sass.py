@@ -36,7 +36,9 @@ FA3_MMA = {False: ("HGMMA", "QGMMA"), True: ("QGMMA", "HGMMA")}
 
 def fa3_stores_o_by_tma(expr: str) -> bool:
     """kernels/fa3.py's stores_o_by_tma (the kernel's TMA_OUT) for an instance name
-    fa3_fwd<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT[, FP8]>."""
+    fa3_fwd<T, D, BN, STAGES, PINGPONG, OVERLAP, NC, PERSISTENT[, FP8]>; fa3_fwd_masked's (one CTA per tile) never."""
+    if expr.startswith("fa3_fwd_masked<"):
+        return False
     t, d, bn, stages, pp, overlap, nc, pers, *fp8 = (a.strip() for a in expr[expr.index("<") + 1:-1].split(","))
     cfg = Fa3Tile(64 * int(nc), int(bn), int(stages), pp == "true", pers == "true")
     return fa3.stores_o_by_tma(int(d), cfg, overlap == "true", itemsize=1 if fp8 == ["true"] else 2)

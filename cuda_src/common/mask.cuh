@@ -207,7 +207,7 @@ struct AttnMask {
     // policy of its own: sequence.cuh's lengths, then kv_blocks)
     template <int BM, int BN, class Params>
     __forceinline__ __device__ static BlockRange blocks(const Params& p, int m0, int h, int b) {
-        const Sequence s = sequence_of(p, b);
+        const PackedSequence s = sequence_of(p, b);
         return of(p, s.seqlen_q, s.seqlen_k, b, h).template kv_blocks<BM, BN>(m0, kv_split(p));
     }
     // From which K/V block on some key is hidden from some query >= q0 (past the first row's last key), and below

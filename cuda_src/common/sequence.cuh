@@ -6,16 +6,16 @@
 
 namespace fav {
 
-struct Sequence {
+struct PackedSequence {
     int seqlen_q, seqlen_k;
     int q0, k0;  // its first row of q (and o) and of k (and v) in a packed batch; 0 in a dense one
 };
 
 template <class Params>
-__forceinline__ __device__ Sequence sequence_of(const Params& p, int) {
+__forceinline__ __device__ PackedSequence sequence_of(const Params& p, int) {
     return {p.seqlen_q, p.seqlen_k, 0, 0};
 }
-__forceinline__ __device__ Sequence sequence_of(const MaskedFwdParams& p, int b) {
+__forceinline__ __device__ PackedSequence sequence_of(const MaskedFwdParams& p, int b) {
     if (p.cu_seqlens_q == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
     const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
     return {p.cu_seqlens_q[b + 1] - q0, p.cu_seqlens_k[b + 1] - k0, q0, k0};

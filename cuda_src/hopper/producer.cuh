@@ -19,7 +19,7 @@ template <class Params>
 __forceinline__ __device__ TmaOrigin tma_origin(const Params&, int b) { return {0, 0, b}; }
 __forceinline__ __device__ TmaOrigin tma_origin(const MaskedFwdParams& p, int b) {
     if (p.cu_seqlens_q == nullptr) return {0, 0, b};
-    const Sequence s = sequence_of(p, b);
+    const PackedSequence s = sequence_of(p, b);
     return {s.q0, s.k0, 0};
 }
 
