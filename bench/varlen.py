@@ -45,6 +45,33 @@ def rand(shape, rng):
     return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(DT))
 
 
+def flex_window_ms(n: int, w: int, reps: int) -> float | None:
+    """FlexAttention (torch.compile) on one causal sequence of n tokens under a sliding window of w keys left of the
+    diagonal, as a block mask (fully hidden blocks skipped): the forward's kernel time; None without torch."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    from fa_variants.timing.torch_peers import _compiled_flex
+    flex = _compiled_flex(torch)
+    q, k, v = (torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = create_block_mask(lambda b, h, i, j: (j <= i) & (j >= i - w), B=None, H=None, Q_LEN=n, KV_LEN=n,
+                             device="cuda")
+    fn = lambda: flex(q, k, v, block_mask=mask, scale=D ** -0.5)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def causal_flops(lens_q, lens_k) -> float:
     return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
 
@@ -105,6 +132,9 @@ def main():
     for kname in FORWARDS:
         win[f"{kname} x dense time"] = win[f"{kname} fwd ms"] / dense[f"{kname} fwd ms"]
     win["ideal"] = win_flops / causal_flops([n], [n])
+    flex_ms = flex_window_ms(n, w, args.reps)
+    if flex_ms is not None:
+        win["flex fwd ms"] = flex_ms
     rows += [dense, win]
 
     # each transform against the plain masked kernel, 2 x 8K causal
@@ -124,7 +154,7 @@ def main():
 
     keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s")] + \
         ["bwd_ms", "bwd_tflops"] + [f"{kn} x dense time" for kn in FORWARDS] + ["ideal"] + \
-        [f"{kn} fwd x plain" for kn in FORWARDS] + ["bwd x plain"]
+        [f"{kn} fwd x plain" for kn in FORWARDS] + ["bwd x plain", "flex fwd ms"]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")
     print(tabulate([[r.get(k2, "") if not isinstance(r.get(k2), float) else f"{r[k2]:.3g}" for k2 in keys]
                     for r in rows], headers=keys))
