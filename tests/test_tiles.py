@@ -253,3 +253,17 @@ def test_docs_list_the_table():
     for d, tile in tiles.FA3_FP8_TILES.items():
         row = _doc_row(d, "any", "any", tile)
         assert row in fp8_text, row
+
+
+def test_fa3_masked_runs_every_head_dim_on_a_compiled_instance():
+    """kernels/fa3_masked.py: every head dim, padded to a multiple of 8, has a tile in FA3_MASKED_TILES (one CTA per
+    tile) whose instance `fa-variants build` compiles, in both dtypes, within sm_90's shared memory."""
+    from fa_variants.kernels import fa3_masked
+    compiled = set(fa3.LAUNCHER.sources()[fa3.SOURCE])
+    for d in range(8, 257, 8):
+        dt = tiles.fa3_template_dim(d)
+        tile = fa3_masked.TILES[dt]
+        assert not tile.persistent
+        assert fa3_masked.smem_bytes(dt, tile) <= common.SM90_SMEM
+        for ctype in common.CTYPE.values():
+            assert fa3_masked.instance(ctype, dt, tile) in compiled
