@@ -31,8 +31,8 @@ def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_s
     "numpy". Torch tensors that require grad are recorded for autograd (integrations/torch.py).
 
     ``window=(left, right)``, ``softcap``, ``sinks`` (heads,) and ``alibi_slopes`` (heads,) or (batch, heads):
-    masks and logit transforms (varlen.py, docs/masks.md): the masked kernels run them on GPU arrays (fa2's, or with
-    variant="fa3" fa3's forward on sm_90a; fa2's backward), the NumPy models on host arrays; under torch autograd q, k, v and sinks get their gradients.
+    masks and logit transforms (varlen.py, docs/masks.md): the masked kernels run them on GPU arrays (fa3's forward
+    on sm_90a, fa2's elsewhere; fa2's backward), the NumPy models on host arrays; under torch autograd q, k, v and sinks get their gradients.
     """
     if not varlen.is_plain(window, softcap, sinks, alibi_slopes):
         return varlen.attention_masked(q, k, v, variant=variant, causal=causal, softmax_scale=softmax_scale,

@@ -10,8 +10,8 @@ The keywords (reference/masks.py has the conventions, docs/masks.md their source
 
 Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
 Then the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU arrays), and on the GPU
-the masked kernels: the forward fa2's (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU; variant "auto" or
-"fa2") or fa3's (kernels/fa3_masked.py, sm_90a; variant "fa3"), the backward fa2's (it needs only q, k, v, out and
+the masked kernels: the forward fa3's on sm_90a (kernels/fa3_masked.py; variant "auto" or "fa3") and fa2's elsewhere
+or by name (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU), the backward fa2's (it needs only q, k, v, out and
 lse); the other variants' kernels take no masks and are refused by name. A window that hides nothing a plain call
 would not (a side at least the sequence long, or (-1, 0), which is causal) runs as that plain call, on the GPU too.
 """
@@ -168,7 +168,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (with sinks, a row of a sequence without keys has lse = its sink).
 
     The NumPy models run it on host arrays (``variant``: "auto" is fa2's; naive, fa1, fa2, fa3 by name); GPU arrays
-    run a masked kernel (variant "auto" or "fa2": fa2's; "fa3": fa3's forward on sm_90a; the backward fa2's); backend="numpy" runs the model on host copies. ``backend``
+    run a masked kernel (variant "auto": fa3's forward on sm_90a, fa2's elsewhere; "fa2" or "fa3" by name; the
+    backward fa2's); backend="numpy" runs the model on host copies. ``backend``
     None means "auto". The lengths are checked on the host: a GPU call copies cu_seqlens there first (a sync).
     Torch tensors that require grad (q, k, v, sinks) are recorded for autograd, and under torch.compile the call
     is one opaque op (integrations/torch.py).
@@ -234,10 +235,11 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, c
 
 
 def masked_forward_kernel(variant: str):
-    """The module of the masked forward a GPU call of ``variant`` runs (its checks passed): fa3's by name, else
-    fa2's."""
+    """The module of the masked forward a GPU call of ``variant`` runs (its checks passed): fa3's where it runs
+    (sm_90a; variant "auto" or "fa3"), else fa2's."""
+    from . import registry
     from .kernels import fa2_masked, fa3_masked
-    if variant == "fa3":
+    if variant == "fa3" or (variant == "auto" and registry.get("fa3").available()[0]):
         return fa3_masked
     return fa2_masked
 

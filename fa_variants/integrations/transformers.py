@@ -38,8 +38,8 @@ What the attention function does with transformers' arguments:
 * ``sliding_window`` (Mistral, Gemma 2's alternate layers), ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks)
   go to ``fav.attention``'s ``window=(sliding_window - 1, 0)``, ``softcap`` and ``sinks`` (and to
   ``attention_varlen``'s with padding or packing), training included (the sinks get their gradient).
-  On the GPU these run fa2's masked kernels (kernels/fa2_masked.py); the CPU tests below run the NumPy models,
-  the GPU ones the kernels.
+  On the GPU these run the masked kernels (fa3's forward on sm_90a, fa2's elsewhere; fa2's backward); the CPU
+  tests below run the NumPy models, the GPU ones the kernels.
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
   rows), a window or softcap with a StaticCache, ``cu_seq_lens_*`` without packed position_ids, chunked
