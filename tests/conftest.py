@@ -45,7 +45,13 @@ def pytest_cmdline_main(config):
     Every GPU test is in the xdist group "gpu" (pytest_collection_modifyitems), which --dist loadgroup runs in one
     worker. Set here, not in pyproject's addopts, which `pytest bench` reads too: benchmarks need one process
     (pytest-benchmark switches itself off under xdist)."""
-    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):  # absent, or in a worker
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    if hasattr(config, "workerinput"):
+        # A worker parses the command line again, without the --dist set below, and would not group: where the
+        # command line names no --dist, the controller chose loadgroup.
+        if not any(a in ("--dist", "-d") or a.startswith("--dist=") for a in config.invocation_params.args):
+            config.option.loadgroup = True
         return
     if config.option.numprocesses is None:
         config.option.numprocesses = "logical"
@@ -58,13 +64,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs the variant's NumPy model in fa_variants/reference")
 
 
+def pytest_itemcollected(item):
+    """Under pytest-xdist (--dist loadgroup, set above) every GPU test runs in one worker, one after another: tests
+    in parallel processes would share one device's memory and SMs, and the NaN-poisoned pools and memory checks
+    assume no other test allocates meanwhile. Marked as each test is collected: xdist's worker reads the groups in
+    its own pytest_collection_modifyitems, which runs before this initial conftest's. (pytest-xdist 3.8 groups by
+    rewriting Item._nodeid, which pytest 9 no longer reads: the test extra keeps pytest below 9.)"""
+    if item.get_closest_marker("gpu") is not None:
+        item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    # Under pytest-xdist (pyproject's addopts: --dist loadgroup) every GPU test runs in one worker, one after
-    # another: tests in parallel processes would share one device's memory and SMs, and the NaN-poisoned pools
-    # and memory checks assume no other test allocates meanwhile.
-    for item in gpu_items:
-        item.add_marker(pytest.mark.xdist_group("gpu"))
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
