@@ -530,7 +530,7 @@ def test_gpu_training_step_gradients_match_sdpa():
 @pytest.mark.gpu
 def test_gpu_padded_generation_and_training_match_sdpa():
     """A left-padded batch on CUDA: 64 greedy tokens and a training step through attention_varlen, which runs
-    fa2's masked kernels (forward and backward) there."""
+    the masked kernels (fa3's forward on sm_90a, fa2's elsewhere; fa2's backward) there."""
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     ref = make_model(device="cuda", max_position_embeddings=128)
@@ -546,7 +546,7 @@ def test_gpu_padded_generation_and_training_match_sdpa():
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("name", sorted(WINDOWED))
 def test_gpu_windowed_softcapped_and_sink_models_match(name):
-    """Mistral, Gemma 2 and gpt-oss on CUDA: logits and a training step through fa2's masked kernels."""
+    """Mistral, Gemma 2 and gpt-oss on CUDA: logits and a training step through the masked kernels."""
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     if not hasattr(transformers, WINDOWED[name][0] + "Config"):
