@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 import fa_variants as fav
 from fa_variants.kernels import fa2_masked, fa3_masked
-from fa_variants.kernels.fa2_masked import Masks
+from fa_variants.kernels.masked import Masks
 
 H, D = 16, 128
 DT = ml_dtypes.bfloat16
@@ -50,7 +50,7 @@ def flex_window_ms(n: int, w: int, reps: int) -> float | None:
     diagonal, as a block mask (fully hidden blocks skipped): the forward's kernel time; None without torch."""
     try:
         import torch
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
     except ImportError:
         return None
     from fa_variants.timing.torch_peers import _compiled_flex

@@ -206,7 +206,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, cu=(None, None), bounds=None):
-    """The masked kernel's arguments (kernels/fa2_masked.Masks) for a checked call on the GPU: a variant whose
+    """The masked kernel's arguments (kernels/masked.Masks) for a checked call on the GPU: a variant whose
     kernel takes them (GPU_MASKED_VARIANTS), fa2's dtypes and head dims, the side arrays on q's device. The sinks
     come as their checked host copy (``sinks_h``) and go up as float32, the kernels' type: a bfloat16 GPU array
     (gpt-oss's sinks are the model's dtype) is then converted where ml_dtypes reads it, not by the GPU library's
@@ -215,7 +215,7 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, c
         raise NotImplementedError(f"variant {variant!r}: its GPU kernel takes no window, softcap, sinks, ALiBi or "
                                   f"varlen yet; variant='auto', 'fa2' or 'fa3' runs a masked kernel")
     from . import registry
-    from .kernels.fa2_masked import Masks
+    from .kernels.masked import Masks
     entry = registry.get("fa3" if variant == "fa3" else "fa2")
     arrays.check_supported(entry, dtype, d)
     dispatch.resolve_backend("cuda", entry, True)
@@ -253,12 +253,12 @@ def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=Non
     import dataclasses
 
     import cupy
-    from .kernels import fa2_masked
+    from .kernels import fa2_masked, masked
     with cupy.cuda.Device(inp.q.device.id if inp.on_gpu else None):
         q, k, v = (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
         if not inp.on_gpu:
             kernel_masks = dataclasses.replace(kernel_masks, **{
-                f: arrays.to_cupy(getattr(kernel_masks, f)) for f in fa2_masked.SIDE_ARRAYS
+                f: arrays.to_cupy(getattr(kernel_masks, f)) for f in masked.SIDE_ARRAYS
                 if getattr(kernel_masks, f) is not None})
         if saved is None:
             results = masked_forward_kernel(variant).forward(q, k, v, causal=bool(causal), softmax_scale=scale,

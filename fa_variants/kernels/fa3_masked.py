@@ -1,6 +1,6 @@
 """Launcher of fa3_fwd.cu's fa3_fwd_masked (sm_90a): FlashAttention-3's forward under a sliding window, a softcap,
 ALiBi and sinks (common/mask.cuh's AttnMask), over a dense batch or a packed (varlen) one. The call's checks, outputs
-and parameter struct are fa2's masked forward's (kernels/fa2_masked.py: MaskedFwdParams); what differs is the
+and parameter struct are those of every masked forward (kernels/masked.py: MaskedFwdParams); what differs is the
 kernel: TMA tensor maps of q, k, v (a packed batch's as one sequence of total rows, each CTA at its sequence's
 rows), the producer warpgroup and the ping-ponged consumers, one CTA per (Q block, head, sequence) tile.
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 from .. import jit
 from ..tiles import FA3_MASKED_TILES, fa3_template_dim
 from .common import CTYPE, cdiv
-from .fa2_masked import Masks, _ptr, prepare
-from .launch import function_of, launch
+from . import masked
+from .masked import Masks
+from .launch import function_of
 from . import tma
 
 SOURCE = "fa3_fwd.cu"
@@ -34,16 +35,15 @@ def smem_bytes(d: int, tile) -> int:
 
 
 def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
-    """fa2_masked.forward's contract, on fa3's kernel."""
-    from . import fa2_masked
-    return fa2_masked.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                              masks=masks, run=_run)
+    """masked.forward on fa3's kernel: (out, lse or None), lse (batch, heads, seqlen_q) or (heads, total_q)."""
+    return masked.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, masks=masks,
+                          run=_run)
 
 
 def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
     import cupy
     from .params import MASKED_FWD
-    run = prepare(q, k, v, causal, softmax_scale, return_lse, masks)
+    run = masked.prepare(q, k, v, causal, softmax_scale, return_lse, masks)
     if run.empty:
         return run.out, run.lse
     h, dp = q.shape[2], q.shape[3]
@@ -57,7 +57,7 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
     func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
     launch_masked(func, tiles, tile.threads, smem, cupy.cuda.get_current_stream().ptr, maps, run.template,
-                  MASKED_FWD.pointers_format, (q.data.ptr, k.data.ptr, v.data.ptr, run.out.data.ptr, _ptr(run.lse),
+                  MASKED_FWD.pointers_format, (q.data.ptr, k.data.ptr, v.data.ptr, run.out.data.ptr, masked.ptr(run.lse),
                                                 0, 0, 0))
     return run.out, run.lse
 
