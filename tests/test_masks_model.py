@@ -455,3 +455,11 @@ def test_explain_mask_prints_the_tile_counts(capsys):
     assert "tiles computed: 229 of 675 dense" in capsys.readouterr().out   # 2 x 2 + 15 x 15 of 3 x 15 x 15
     with pytest.raises(SystemExit, match="--window"):
         cli.main(["explain", "mask", "--window", "-2", "0"])
+    # without --blocks: the tiles of the masked forward that would run (fa3's on sm_90, fa2's on sm_80)
+    assert cli.main(["explain", "mask", "--head-dim", "128", "--causal", "--device-cc", "90"]) == 0
+    assert "tiles 128x128 (fa3's masked kernel tiles at d=128, sm_90)" in capsys.readouterr().out
+    from fa_variants.kernels import fa2_masked
+    from fa_variants.kernels.common import SMEM_BY_CC
+    assert cli.main(["explain", "mask", "--head-dim", "100", "--device-cc", "86"]) == 0
+    b_r, b_c = fa2_masked.tiles(100, SMEM_BY_CC[86])
+    assert f"tiles {b_r}x{b_c} (fa2's masked kernel tiles at d=100, sm_86)" in capsys.readouterr().out

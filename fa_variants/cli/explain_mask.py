@@ -4,18 +4,17 @@
     fa-variants explain mask --seqlens 128,4096,16384,0,512 --causal        (a packed batch)
 
 The count is reference/masks.py's (``tile_count``): the (Q block, K/V block) pairs whose rows see a key of the
-block, as the NumPy models visit them, and how many of those need the elementwise mask. The tiles are fa2's
-kernel tiles at --head-dim (or --blocks, or the paper's with --paper-blocks).
+block, as the NumPy models visit them, and how many of those need the elementwise mask. The tiles are those of the
+masked forward a call would run at --head-dim (fa3's on sm_90, fa2's elsewhere: on this GPU, or --device-cc's; as on
+an H200 without either), or --blocks, or the paper's with --paper-blocks.
 """
 from __future__ import annotations
 
 import argparse
 
+from .. import gpu
+from ..reference.common import paper_blocks
 from ..reference.masks import check_window, tile_count
-from ..registry import get
-from .blocks import Blocks
-
-TILED_BY = "fa2"   # whose kernel tiles the count uses by default
 
 
 def lengths_arg(text: str) -> list[int]:
@@ -44,12 +43,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"fa-variants explain mask: --window: {e}") from None
     lengths = args.seqlens or [args.seqlen]
-    (b_r, b_c), source = Blocks.from_args(args).pick(get(TILED_BY), args.head_dim, args.causal)
+    (b_r, b_c), source = _tiles(args)
     t = tile_count(lengths, lengths, b_r, b_c, causal=args.causal, window=window)
     what = ", ".join(([] if not args.causal else ["causal"]) + ([] if window == (-1, -1) else [f"window {window}"]))
     batch = f"{len(lengths)} sequences of {','.join(map(str, lengths))}" if args.seqlens else f"seqlen {lengths[0]}"
-    tiles = f"{b_r}x{b_c}" + ("" if source != "kernel" else f" ({TILED_BY}'s kernel tiles at d={args.head_dim})")
+    tiles = f"{b_r}x{b_c}" + (f" ({source})" if source else "")
     print(f"mask: {what or 'none'} over {batch}; tiles {tiles}")
     print(f"tiles computed: {t.visited:,} of {t.dense:,} dense ({100 * t.fraction:.1f}%; the dense grid is batch x "
           f"ceil(max_seqlen / B_r) x ceil(max_seqlen / B_c)); {t.masked:,} of them with the elementwise mask")
     return 0
+
+
+def _tiles(args: argparse.Namespace) -> tuple[tuple[int, int], str]:
+    """((B_r, B_c), where they come from): --blocks, the paper's (--paper-blocks), or the masked forward's tiles."""
+    if getattr(args, "blocks", None):
+        return tuple(args.blocks), ""
+    if getattr(args, "paper_blocks", False):
+        return paper_blocks(args.sram, args.head_dim), "the paper's"
+    from ..kernels import fa2_masked, fa3_masked
+    from ..kernels.common import SMEM_BY_CC
+    cc = args.device_cc if args.device_cc is not None else gpu.compute_capability()
+    where = f"sm_{cc}" if cc else "as on an H200, no GPU here"
+    if cc in (90, None):
+        return fa3_masked.tiles(args.head_dim), f"fa3's masked kernel tiles at d={args.head_dim}, {where}"
+    limit = SMEM_BY_CC.get(cc) if args.device_cc is not None else None
+    return fa2_masked.tiles(args.head_dim, limit), f"fa2's masked kernel tiles at d={args.head_dim}, {where}"

@@ -143,6 +143,8 @@ def check_grid(n: int, what: str):
 
 
 SM90_SMEM = 227 * 1024  # opt-in shared memory per block: sm_90 227 KB, sm_80 163 KB, sm_86/89 99 KB
+# The same by compute capability, for tiles picked for a device other than this one (`explain --device-cc`)
+SMEM_BY_CC = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: SM90_SMEM}
 
 
 def sm_count(device: int | None = None) -> int:

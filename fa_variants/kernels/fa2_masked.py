@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import jit
 from ..tiles import FA2_MASKED_TILES
 from . import masked
-from .common import CTYPE, cdiv, check_grid, elem_strides, negated, pick_tiles, scale_log2, template_dim
+from .common import CTYPE, cdiv, check_grid, elem_strides, negated, pick_tiles, round_up, scale_log2, template_dim
 from .launch import function_of, launch
 from .masked import Masks
 
@@ -32,6 +32,13 @@ def instance(ctype: str, d: int, tile) -> str:
 
 def specializations() -> tuple:
     return tuple(instance(c, d, tile) for c in CTYPE.values() for d, cands in TILES.items() for tile in cands)
+
+
+def tiles(head_dim: int, smem_limit: int | None = None) -> tuple[int, int]:
+    """(BM, BN) of the forward a call of ``head_dim`` launches with ``smem_limit`` bytes of shared memory a block
+    (None: this device's, sm_90's without one)."""
+    tile = pick_tiles(TILES, smem_bytes, template_dim(round_up(head_dim, 8)), smem_limit)
+    return tile.block_q, tile.block_k
 
 
 def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):

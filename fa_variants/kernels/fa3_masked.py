@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import jit
 from ..tiles import FA3_MASKED_TILES, fa3_template_dim
-from .common import CTYPE, cdiv
+from .common import CTYPE, cdiv, round_up
 from . import masked
 from .masked import Masks
 from .launch import function_of
@@ -27,6 +27,12 @@ def instance(ctype: str, d: int, tile) -> str:
 
 def specializations() -> tuple:
     return tuple(instance(c, d, tile) for c in CTYPE.values() for d, tile in TILES.items())
+
+
+def tiles(head_dim: int) -> tuple[int, int]:
+    """(BM, BN) of the forward a call of ``head_dim`` launches."""
+    tile = TILES[fa3_template_dim(round_up(head_dim, 8))]
+    return tile.block_q, tile.block_k
 
 
 def smem_bytes(d: int, tile) -> int:
