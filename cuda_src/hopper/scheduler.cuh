@@ -4,7 +4,9 @@
 //                    causal) Q blocks first, so that the CTAs running at one time share a few heads' K and V in L2
 //                    (ordering by Q block across all heads first makes a wave read every head's K and V).
 //   one CTA a tile   (not PERSISTENT) CTA blockIdx.x works on tile blockIdx.x; the hardware's block scheduler
-//                    hands the heavy tiles out first.
+//                    hands the heavy tiles out first. Under a mask per sequence (fa3_fwd_masked) the Q blocks are
+//                    counted over the longest sequence, the batch being the sequences, and the kernel leaves a
+//                    tile past its sequence's end at once; a tile's blocks are its sequence's (Mask::blocks).
 //   persistent grid  (PERSISTENT) one CTA per SM. Its producer takes tile blockIdx.x first, then the next in the
 //                    same heavy-first order from a global counter (gridDim.x + atomicAdd), so an SM that finishes
 //                    early takes the next tile (longest processing time first), and hands each tile to the
