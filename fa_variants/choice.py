@@ -8,6 +8,9 @@ Hopper kernels where its own does not apply: head dims above 128, keys beyond 12
 fp8 variants are never chosen: e4m3 operands are a precision a caller asks for by name. Without a usable GPU (or with ``backend="numpy"``) the choice is ``NUMPY_MODEL``'s NumPy
 model, which follows the kernel's blocks in O(N) memory.
 
+A call with a window, softcap, sinks, ALiBi or a packed batch (varlen.py) runs a masked kernel: the forward the
+first of ``MASKED_FORWARD`` that runs on the device (``masked_forward``), the backward fa2's masked one.
+
 This module looks at no array: ``dispatch`` hands it the device, dtype and head dim of a call.
 """
 from __future__ import annotations
@@ -22,6 +25,8 @@ BACKENDS = ("auto", "cuda", "numpy")
 FASTEST_FIRST = ("fa3", "fa2", "fa1", "naive")
 #: The NumPy model auto runs without a GPU.
 NUMPY_MODEL = "fa2"
+#: The variants with a masked GPU forward (kernels/fa3_masked.py, kernels/fa2_masked.py), fastest first.
+MASKED_FORWARD = ("fa3", "fa2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,16 @@ def why_not(entry: Variant, direction: str, device_cc: int, dtype: str, head_dim
     if head_dim not in entry.head_dims:
         return f"takes head_dim {entry.head_dims_text}"
     return None
+
+
+def masked_forward(device_cc: int | None) -> str:
+    """The variant whose masked forward ``variant="auto"`` runs on a device of compute capability ``device_cc``
+    (fa3's on sm_90a; fa2's, the last, on every other sm_80+ device and without one)."""
+    for name in MASKED_FORWARD[:-1]:
+        entry = VARIANTS[name]
+        if device_cc is not None and entry.min_cc <= device_cc and (entry.max_cc is None or device_cc <= entry.max_cc):
+            return name
+    return MASKED_FORWARD[-1]
 
 
 def _unsupported(direction: str, dtype: str, head_dim: int) -> Choice | None:

@@ -114,7 +114,7 @@ def explain_choice(q=None, k=None, v=None, *, dtype=None, head_dim: int | None =
 
         >>> fav.explain_choice(dtype="bfloat16", head_dim=128, device_cc=90)
         forward : fa3 (GPU): the fastest forward on compute capability 9.0
-        backward: fa2 (GPU): the fastest backward on compute capability 9.0; passed over fa3 (no backward)
+        backward: fa3 (GPU): the fastest backward on compute capability 9.0
     """
     check_backend(backend)
     on_gpu = False

@@ -237,11 +237,10 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, c
 def masked_forward_kernel(variant: str):
     """The module of the masked forward a GPU call of ``variant`` runs (its checks passed): fa3's where it runs
     (sm_90a; variant "auto" or "fa3"), else fa2's."""
-    from . import registry
+    from . import choice, gpu
     from .kernels import fa2_masked, fa3_masked
-    if variant == "fa3" or (variant == "auto" and registry.get("fa3").available()[0]):
-        return fa3_masked
-    return fa2_masked
+    name = choice.masked_forward(gpu.compute_capability()) if variant == "auto" else variant
+    return fa3_masked if name == "fa3" else fa2_masked
 
 
 def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=None, sinks_dtype=None,

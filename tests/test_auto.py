@@ -176,3 +176,11 @@ def test_auto_is_the_default_and_runs_fa2s_model_here(rng):
     got = fav.attention_backward(dout, q, k, v, out, lse, causal=True)
     ref = fav.attention_backward(dout, q, k, v, out, lse, causal=True, variant="fa2", backend="numpy")
     assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(got, ref))
+
+
+def test_masked_forward_is_fa3s_on_hopper_and_fa2s_elsewhere():
+    """A masked call's forward (window, softcap, sinks, ALiBi, varlen) under variant="auto": fa3's masked kernel on
+    sm_90a, fa2's on every other device (and without one); what explain mask counts its tiles by."""
+    assert choice.masked_forward(90) == "fa3"
+    assert [choice.masked_forward(cc) for cc in (80, 86, 89, 100, 120, None)] == ["fa2"] * 6
+    assert set(choice.MASKED_FORWARD) <= set(choice.FASTEST_FIRST)

@@ -60,11 +60,12 @@ def _tiles(args: argparse.Namespace) -> tuple[tuple[int, int], str]:
         return tuple(args.blocks), ""
     if getattr(args, "paper_blocks", False):
         return paper_blocks(args.sram, args.head_dim), "the paper's"
+    from ..choice import masked_forward
     from ..kernels import fa2_masked, fa3_masked
     from ..kernels.common import SMEM_BY_CC
     cc = args.device_cc if args.device_cc is not None else gpu.compute_capability()
     where = f"sm_{cc}" if cc else "as on an H200, no GPU here"
-    if cc in (90, None):
+    if masked_forward(cc or 90) == "fa3":
         return fa3_masked.tiles(args.head_dim), f"fa3's masked kernel tiles at d={args.head_dim}, {where}"
     limit = SMEM_BY_CC.get(cc) if args.device_cc is not None else None
     return fa2_masked.tiles(args.head_dim, limit), f"fa2's masked kernel tiles at d={args.head_dim}, {where}"
