@@ -1,13 +1,14 @@
 """``fa_variants.jax.attention``: a custom VJP over fav.attention / fav.attention_backward, eager only, on CPU JAX
 arrays (with no GPU here, backend auto runs fa2's NumPy models). Values and jax.grad against a jnp float32
-reference; under jax.jit (or vmap) a TypeError that names the limitation."""
+reference, and with the mask keywords against tests/test_masks_model.py's float64 one; under jax.jit (or vmap) a
+TypeError that names the limitation."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import fa_variants as fav
-from conftest import TOL, has_gpu, random_qkv_host, rel_err
+from conftest import GRAD_TOL, TOL, has_gpu, random_qkv_host, rel_err
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -105,3 +106,37 @@ def test_misuse_is_attention_s_error(rng):
         faj.attention(q, k, v, causal=1)
     with pytest.raises(ValueError, match=r"head_dim differs"):
         faj.attention(q, k[..., :8], v)
+
+
+@pytest.mark.parametrize("masks", [dict(causal=True, window=(5, 0)), dict(window=(4, 3), softcap=2.5),
+                                   dict(causal=True, sinks=True, alibi=True)],
+                         ids=["causal window", "window softcap", "sinks alibi"])
+def test_mask_keywords_values_and_grads(masks, rng):
+    """The mask keywords through the custom VJP: out and the gradients of q, k, v (and the sinks') against the
+    float64 reference of tests/test_masks_model.py; the ALiBi slopes get a zero cotangent."""
+    from test_masks_model import reference
+    q, k, v, g = _inputs(rng, 2, 23, 29, 4, 2, 32, "float16")
+    kw = {n: x for n, x in masks.items() if n not in ("sinks", "alibi")}
+    ref_kw = dict(kw)
+    if masks.get("sinks"):
+        kw["sinks"] = jnp.asarray(rng.standard_normal(4).astype(np.float32))
+        ref_kw["sinks"] = np.asarray(kw["sinks"], np.float64)
+    if masks.get("alibi"):
+        kw["alibi_slopes"] = jnp.asarray(rng.uniform(0.05, 0.3, 4).astype(np.float32))
+        ref_kw["alibi"] = np.asarray(kw["alibi_slopes"], np.float64)
+    f64 = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    want = reference(f64(q), f64(k), f64(v), f64(g), **ref_kw)
+    sinks, slopes = kw.pop("sinks", None), kw.pop("alibi_slopes", None)
+
+    def loss(q, k, v, sinks, slopes):
+        out = faj.attention(q, k, v, sinks=sinks, alibi_slopes=slopes, backend=BACKEND, **kw)
+        return (out.astype(jnp.float32) * g).sum(), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, sinks, slopes)
+    assert rel_err(np.asarray(out), want["out"]) <= TOL["float16"]
+    for name, x in zip(("dq", "dk", "dv"), grads[:3]):
+        assert rel_err(np.asarray(x), want[name]) <= GRAD_TOL["float16"], name
+    if sinks is not None:
+        assert grads[3].dtype == sinks.dtype and rel_err(np.asarray(grads[3]), want["dsinks"]) <= GRAD_TOL["float16"]
+    if slopes is not None:
+        assert not np.asarray(grads[4]).any()
