@@ -58,18 +58,8 @@ def flex_window_ms(n: int, w: int, reps: int) -> float | None:
     q, k, v = (torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     mask = create_block_mask(lambda b, h, i, j: (j <= i) & (j >= i - w), B=None, H=None, Q_LEN=n, KV_LEN=n,
                              device="cuda")
-    fn = lambda: flex(q, k, v, block_mask=mask, scale=D ** -0.5)  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    # (torch's default stream is the legacy one CuPy's events record on: timed_ms brackets the call)
+    return timed_ms(lambda: flex(q, k, v, block_mask=mask, scale=D ** -0.5), reps)
 
 
 def causal_flops(lens_q, lens_k) -> float:

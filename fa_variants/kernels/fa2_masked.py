@@ -47,21 +47,16 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
                           run=_run)
 
 
-def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+def _run(q, k, v, run: masked.Prepared) -> None:
     import cupy
     from .params import MASKED_FWD
-    run = masked.prepare(q, k, v, causal, softmax_scale, return_lse, masks)
-    if run.empty:
-        return run.out, run.lse
     h, dp = q.shape[2], q.shape[3]
     dt = template_dim(dp)
     tile = pick_tiles(TILES, smem_bytes, dt)
     smem = smem_bytes(dt, tile)
     func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
     launch(func, (cdiv(run.rows, tile.block_q), h, run.batch), 32 * tile.warps, smem,
-           cupy.cuda.get_current_stream().ptr, run.template, MASKED_FWD.pointers_format, q.data.ptr, k.data.ptr,
-           v.data.ptr, run.out.data.ptr, masked.ptr(run.lse), 0, 0, 0)
-    return run.out, run.lse
+           cupy.cuda.get_current_stream().ptr, run.template, MASKED_FWD.pointers_format, *run.pointers(q, k, v))
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks):

@@ -46,12 +46,9 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
                           run=_run)
 
 
-def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks):
+def _run(q, k, v, run: masked.Prepared) -> None:
     import cupy
     from .params import MASKED_FWD
-    run = masked.prepare(q, k, v, causal, softmax_scale, return_lse, masks)
-    if run.empty:
-        return run.out, run.lse
     h, dp = q.shape[2], q.shape[3]
     dt = fa3_template_dim(dp)
     tile = TILES[dt]
@@ -63,9 +60,7 @@ def _run(q, k, v, d: int, causal: bool, softmax_scale: float, return_lse: bool, 
         raise ValueError(f"batch * heads * Q blocks = {tiles} tiles exceed the grid's 2^31 - 1")
     func = function_of(jit.kernel(SOURCE, instance(CTYPE[q.dtype.name], dt, tile)), smem)
     launch_masked(func, tiles, tile.threads, smem, cupy.cuda.get_current_stream().ptr, maps, run.template,
-                  MASKED_FWD.pointers_format, (q.data.ptr, k.data.ptr, v.data.ptr, run.out.data.ptr, masked.ptr(run.lse),
-                                                0, 0, 0))
-    return run.out, run.lse
+                  MASKED_FWD.pointers_format, run.pointers(q, k, v))
 
 
 def tensor_map(a, rows: int, name: str) -> bytes:

@@ -45,14 +45,16 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
     """(out, lse or None) for CuPy q, k, v: dense (batch, seqlen, heads, d) or, with masks.cu_seqlens_q, packed
     (total, heads, d). out has q's shape; lse is (batch, heads, seqlen_q), or (heads, total_q) when packed. Rows of
     a packed q past cu_seqlens_q[-1] give 0 and -inf. A negative scale runs on a negated copy of q. ``run``: the
-    kernel's launch on the arrays as launchable gives them, returning (out, lse) in that layout."""
+    kernel's launch, run(q, k, v, prepared), on the arrays as launchable gives them, into prepared's outputs."""
     check_scale(softmax_scale, masks)
     if softmax_scale < 0:
         q, softmax_scale = negated(q), -softmax_scale
     d = q.shape[-1]
     q4, k4, v4 = launchable((q, k, v), masks.packed)
-    out, lse = run(q4, k4, v4, d, causal, softmax_scale, return_lse, masks)
-    return as_given(out, d, masks.packed), lse
+    prepared = prepare(q4, k4, v4, causal, softmax_scale, return_lse, masks)
+    if not prepared.empty:
+        run(q4, k4, v4, prepared)
+    return as_given(prepared.out, d, masks.packed), prepared.lse
 
 
 def launchable(xs, packed: bool) -> list:
@@ -83,6 +85,10 @@ class Prepared:
     rows: int
     held: list
     empty: bool
+
+    def pointers(self, q, k, v) -> tuple:
+        """MaskedFwdParams' leading pointers for a launch on q, k, v into these outputs (no workspaces)."""
+        return (q.data.ptr, k.data.ptr, v.data.ptr, self.out.data.ptr, ptr(self.lse), 0, 0, 0)
 
 
 def prepare(q, k, v, causal: bool, softmax_scale: float, return_lse: bool, masks: Masks) -> Prepared:
