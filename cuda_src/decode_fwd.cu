@@ -11,7 +11,10 @@
 //   e4m3 cache: K's bytes go from the ring straight into B fragments (its head dims and Q's permuted alike, so a
 //                                   thread's four bytes are one register's load); V is converted to fp16 in shared
 //                                   memory, as ldmatrix.trans has no 8-bit form, and P V runs in fp16
-//   end: one split: O / l and the LSE; more: the split's normalized O and its LSE in fp32 (merge_states.cu)
+//   mask: PackedMask (mask.cuh)     causal, a window, a softcap, ALiBi, for packed rows: the splits cut only the keys
+//                                   some row of the tile sees, so a window of w reads w + seqlen_q keys of any cache
+//   end: one split: O / l and the LSE; more: the split's normalized O and its LSE in fp32 (merge_states.cu); the
+//                                   sinks join split 0's rows where the warps' states are merged
 //   launches: kv_append -> decode_split -> merge_states, each behind the one before with programmatic dependent
 //                                   launch (sm_90): a kernel's launch overlaps the tail of the one it waits for
 //
@@ -29,13 +32,6 @@ constexpr int NWARPS = 4, THREADS = NWARPS * 32;
 constexpr int KW = 16;             // keys per warp per block
 constexpr int BN = NWARPS * KW;    // keys per block
 constexpr int SPLIT_N = 128;       // the split granularity (reference/decode.py's DEFAULT_BLOCK_N)
-
-// Split s's keys [x, y) of a sequence of seqlen_k: ceil(n / splits) whole SPLIT_N-key blocks each (the model's
-// split_ranges); splits past the end are empty.
-__forceinline__ __device__ int2 split_keys(int seqlen_k, int s, int splits) {
-    const int n = (seqlen_k + SPLIT_N - 1) / SPLIT_N, per = (n + splits - 1) / splits * SPLIT_N;
-    return make_int2(min(s * per, seqlen_k), min((s + 1) * per, seqlen_k));
-}
 
 // Shared memory: the Q tile, then NSTAGE stages of (K block, V block) as they land (KV's bytes per element, rows
 // padded by 16 bytes), then for an e4m3 cache the fp16 V block it is converted into. At the end the warps' partial
@@ -303,13 +299,20 @@ __forceinline__ __device__ void merge_warps_and_store(const float (&o)[MT][D / 8
             }
         }
     __syncthreads();
-    // A row's max over the warps (0 where every warp's is -inf: then every weight is 0) and its total sum.
+    // The sinks join the first split's rows as one more logit each, without a value (once per row: the merge adds
+    // the splits' states). In log2 units; -inf: none.
+    const float* sinks = s == 0 ? p.sinks : nullptr;
+    auto sink_log2 = [&](int row) {
+        return sinks ? sinks[g * p.group + (r0 + row) % p.group] * 1.4426950408889634f : neg_inf();
+    };
+    // A row's max over the warps and its sink (0 where all are -inf: then every weight is 0) and its total sum.
     auto row_total = [&](int row, float& top) {
-        top = neg_inf();
+        const float sink = sink_log2(row);
+        top = sink;
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) top = fmaxf(top, m_w[w * ROWS + row]);
         top = top == neg_inf() ? 0.f : top;
-        float total = 0.f;
+        float total = exp2f(sink - top);
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) total += l_w[w * ROWS + row] * exp2f(m_w[w * ROWS + row] - top);
         return total;
@@ -382,13 +385,14 @@ decode_split(const fav::DecodeParams p) {
     const int s = blockIdx.x, g = blockIdx.y % p.heads_kv, r0 = blockIdx.y / p.heads_kv * (16 * MT), b = blockIdx.z;
     const int warp = threadIdx.x / 32;
     const Sequence seq = Sequence::of(p, b);
-    const int2 keys = seq.fits ? split_keys(seq.seqlen_k, s, p.num_splits) : make_int2(0, 0);
-    const int n_blocks = (keys.y - keys.x + BN - 1) / BN;
-    const PackedCausalMask mask{keys.y, seq.seqlen_k - p.seqlen_q, p.group, p.causal != 0};
     const CacheRows<PAGED> rows = CacheRows<PAGED>::of(p, b);
     const float k_scale = p.k_descale ? p.k_descale[b * p.heads_kv + g] : 1.f;
     const float v_scale = p.v_descale ? p.v_descale[b * p.heads_kv + g] : 1.f;
     const float scale_log2 = p.scale_log2 * k_scale;
+    const PackedMask<MT> mask =
+        PackedMask<MT>::template of<SPLIT_N>(p, seq.seqlen_k, seq.fits, b, g, r0, s, p.inv_scale / k_scale);
+    const int2 keys = mask.keys;
+    const int n_blocks = (keys.y - keys.x + BN - 1) / BN;
 
     const unsigned char* kc = static_cast<const unsigned char*>(p.k) + g * p.k_h * KV::BYTES;
     const unsigned char* vc = static_cast<const unsigned char*>(p.v) + g * p.v_h * KV::BYTES;
@@ -432,7 +436,7 @@ decode_split(const fav::DecodeParams p) {
         float sc[MT][NT][4] = {};
         scores(sc, base, L::k_raw(base, j % NSTAGE), warp * KW);
         const int key0 = keys.x + j * BN + warp * KW;
-        if (mask.needs_mask<KW>(r0, key0)) mask.apply(sc, r0, key0);
+        mask.apply_if_needed(sc, key0);
         online_softmax_step(sc, m, l, o, scale_log2);
 
         // O += P~ V_w, P~ straight from the S registers

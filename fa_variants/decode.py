@@ -12,12 +12,13 @@ import numpy as np
 
 from . import arrays
 from .reference import decode as model
+from .reference import masks
 from .reference.common import is_float_dtype
 
 DTYPES = ("float16", "bfloat16")     # q's dtypes
 VARIANTS = ("auto", "decode")
 BACKENDS = (None, "auto", "numpy", "cuda")
-OPTIONAL = ("page_table", "k", "v", "k_descale", "v_descale")
+OPTIONAL = ("page_table", "k", "v", "k_descale", "v_descale", "alibi_slopes", "sinks")
 STREAMED = ("q", "k_cache", "v_cache", "k", "v")   # contiguous in their last dimension, as the kernels read them
 
 
@@ -55,7 +56,8 @@ def _host_views(named: dict) -> dict:
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, causal=True,
                            softmax_scale=None, num_splits=0, return_lse=False, k_descale=None, v_descale=None,
-                           variant="auto", backend=None):
+                           window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, variant="auto",
+                           backend=None):
     """Attention of a few new query tokens over a KV cache, with flash-attn's flash_attn_with_kvcache semantics.
 
     q: (batch, seqlen_q, heads, head_dim) float16 or bfloat16, heads % heads_kv == 0.
@@ -68,6 +70,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
         cache_seqlens, then attended to in the same call (the caller advances cache_seqlens by seqlen_new).
     causal: bottom-right within each sequence: query i sees keys j <= cache_seqlens + seqlen_new - seqlen_q + i;
         a row that sees no key gives zeros and lse -inf.
+    window, softcap, alibi_slopes, sinks: attention()'s mask keywords, each sequence's queries its last seqlen_q
+        tokens: window (left, right) keeps keys i + diag - left .. i + diag + right (-1: unbounded; only those keys
+        are read, so a window of w costs w keys a step however long the cache), softcap caps the scores
+        (cap tanh(s / cap)), alibi_slopes (heads,) or (batch, heads) float32 biases them by -slope |i + diag - j|,
+        sinks (heads,) float32 adds one logit per head to every row's denominator (gpt-oss).
     num_splits: 0 chooses the split count from batch, heads_kv, length and the SM count
         (reference/decode.py: choose_num_splits); any value 1..256 runs that many splits.
     Returns out (q's shape and dtype), and with return_lse the merged lse (batch, heads, seqlen_q) float32.
@@ -84,12 +91,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     scale = arrays.check_scalars(causal, softmax_scale, return_lse)
+    window, softcap = masks.check_window(window), masks.check_softcap(softcap)
     if arrays.torch_op_needed(q, autograd=False):   # torch.compile: one opaque op (there is no backward)
         from .integrations import torch as torch_ops
         return torch_ops.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v, causal=causal,
             softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, k_descale=k_descale,
-            v_descale=v_descale)
+            v_descale=v_descale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if _on_gpu(q, k_cache, v_cache) or backend == "cuda":
         if backend == "numpy":
             raise ValueError("backend='numpy' runs the NumPy model on NumPy arrays; q, k_cache, v_cache are on the "
@@ -101,9 +109,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
         return decode_cuda.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v, causal=bool(causal),
             softmax_scale=arrays.default_scale(scale, head_dim), num_splits=model.check_num_splits(num_splits),
-            return_lse=bool(return_lse), k_descale=k_descale, v_descale=v_descale)
+            return_lse=bool(return_lse), k_descale=k_descale, v_descale=v_descale, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks)
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=None if np.isscalar(cache_seqlens) else
-                 cache_seqlens, page_table=page_table, k=k, v=v, k_descale=k_descale, v_descale=v_descale)
+                 cache_seqlens, page_table=page_table, k=k, v=v, k_descale=k_descale, v_descale=v_descale,
+                 alibi_slopes=alibi_slopes, sinks=sinks)
     _check_placement("attention_with_kvcache", named, optional=("cache_seqlens", *OPTIONAL))
     if k is not None and type(k_cache).__module__.split(".")[0] in ("jax", "jaxlib"):
         raise TypeError("k_cache is a JAX array, which cannot be written in place: append k, v with JAX's own "
@@ -116,7 +126,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     lengths = cache_seqlens if np.isscalar(cache_seqlens) else host["cache_seqlens"]
     res = model.forward(hq, host["k_cache"], host["v_cache"], cache_seqlens=lengths, page_table=host["page_table"],
                         k=host["k"], v=host["v"], causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                        k_descale=host["k_descale"], v_descale=host["v_descale"])
+                        k_descale=host["k_descale"], v_descale=host["v_descale"], window=window, softcap=softcap,
+                        alibi_slopes=host["alibi_slopes"], sinks=host["sinks"])
     wrap = (lambda a: a) if isinstance(q, np.ndarray) else arrays._host_wrap(q)
     out = wrap(res.out.astype(hq.dtype))
     if not return_lse:

@@ -15,13 +15,15 @@ import ml_dtypes
 import numpy as np
 
 from . import arrays, gpu, kvcache
+from .reference import masks
 from .dispatch import BackendUnavailable
 from .kernels import decode as kern
 from .kernels.decode import DevArray, Framework
 
 BIG = ("q", "k_cache", "v_cache", "k", "v")
-INDEX = ("cache_seqlens", "page_table", "k_descale", "v_descale")
-INDEX_DTYPES = {"cache_seqlens": "int32", "page_table": "int32", "k_descale": "float32", "v_descale": "float32"}
+CACHE_INDEX = ("cache_seqlens", "page_table", "k_descale", "v_descale")
+MASK_ARRAYS = ("alibi_slopes", "sinks")
+INDEX = CACHE_INDEX + MASK_ARRAYS   # small arrays: device ones are not read on the host, host ones copied up
 
 
 def require_gpu(func: str) -> None:
@@ -50,6 +52,17 @@ def _device_array(name: str, x):
     return a, DevArray.of(a)
 
 
+def _as_float32(name: str, x, d: DevArray):
+    """A device sinks or alibi_slopes array as the kernel reads it: float32 (a model's bfloat16 parameters are
+    converted on the device: no host read), contiguous."""
+    if not d.dtype.startswith("float"):
+        raise TypeError(f"{name} must have a floating-point dtype, got {d.dtype}")
+    if d.dtype == "float32" and d.strides == kern.contiguous_strides(d.shape):
+        return x, d
+    y = x.float().contiguous() if _framework_root(x) == "torch" else arrays._cupy().ascontiguousarray(x, "float32")
+    return y, DevArray.of(y)
+
+
 def _np_dtype(dtype: str):
     return ml_dtypes.float8_e4m3fn if dtype == "float8_e4m3fn" else np.dtype(dtype)
 
@@ -73,9 +86,13 @@ def _check_aligned(name: str, a: DevArray, vector: bool) -> None:
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k, v, causal, softmax_scale,
-                           num_splits, return_lse, k_descale, v_descale):
-    """decode.attention_with_kvcache's GPU path (its scalar arguments already checked)."""
+                           num_splits, return_lse, k_descale, v_descale, window, softcap, alibi_slopes, sinks):
+    """decode.attention_with_kvcache's GPU path (its scalar arguments, the window and the softcap already
+    checked)."""
     require_gpu("attention_with_kvcache")
+    if softmax_scale == 0 and (softcap > 0 or alibi_slopes is not None):
+        raise ValueError("softmax_scale = 0 with softcap or alibi_slopes: not supported on the GPU (the kernel "
+                         "transforms raw scores, in units of 1 / softmax_scale); pass a nonzero softmax_scale")
     big = {n: _device_array(n, x) for n, x in zip(BIG, (q, k_cache, v_cache, k, v)) if x is not None}
     dev = {n: d for n, (_, d) in big.items()}
     if len({d.device for d in dev.values()}) != 1:
@@ -85,8 +102,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
     if k is not None and _framework_root(k_cache) in ("jax", "jaxlib"):
         raise TypeError("k_cache is a JAX array, which cannot be written in place: append k, v with JAX's own "
                         ".at[].set(), or pass the cache as CuPy arrays or torch tensors")
-    index = dict(zip(INDEX, (cache_seqlens, page_table, k_descale, v_descale)))
+    index = dict(zip(INDEX, (cache_seqlens, page_table, k_descale, v_descale, alibi_slopes, sinks)))
     on_device = {n: _device_array(n, x) for n, x in index.items() if x is not None and arrays._claims_gpu(x)}
+    on_device.update({n: _as_float32(n, *on_device[n]) for n in MASK_ARRAYS if n in on_device})
     index = {n: x if n in on_device or x is None or isinstance(x, np.ndarray) or np.isscalar(x) else
              arrays._host_import(n, x) for n, x in index.items()}   # CPU torch tensors: NumPy views
     specs = tuple((n, d.spec) for n, d in (*dev.items(), *((n, d) for n, (_, d) in on_device.items())))
@@ -96,7 +114,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
     max_k = call.capacity if "cache_seqlens" in on_device else int(call.seqlens_k.max())
     paged = call.page_table is not None
     sizes = (paged, call.page_table.shape[1] if paged else 0, call.seqlen_new, call.capacity, max_k)
-    plan = _step_plan(specs, sizes, causal, softmax_scale, num_splits, return_lse)
+    plan = _step_plan(specs, sizes, causal, softmax_scale, num_splits, return_lse, window, softcap)
     for n, d in dev.items():
         _check_aligned(n, d, vector=n not in ("k", "v"))
 
@@ -109,6 +127,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
             ptrs[n] = on_device[n][1].ptr
         elif x is not None:
             host_x = np.full(call.batch, x, np.int32) if n == "cache_seqlens" and np.isscalar(x) else x
+            if n in MASK_ARRAYS:
+                host_x = np.asarray(host_x, np.float32)   # the kernel's type, converted where ml_dtypes reads it
             held.append(fw.from_host(np.ascontiguousarray(host_x), device))
             ptrs[n] = fw.ptr(held[-1])
     out, lse = plan.run(fw, **ptrs)
@@ -121,9 +141,12 @@ def _check(specs: tuple, host: dict) -> kvcache.CacheCall:
     """kvcache.check_call with stand-ins for the GPU arrays (``specs``: (name, DevArray)) and the host index
     arrays' values (``host``)."""
     given = {**{n: kvcache.stand_in(d.shape, _np_dtype(d.dtype)) for n, d in specs}, **host}
-    on_device = tuple(n for n, _ in specs if n in INDEX)
-    return kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),
-                              **{n: given.get(n) for n in INDEX}, device_values=on_device)
+    on_device = tuple(n for n, _ in specs if n in CACHE_INDEX)
+    call = kvcache.check_call(given["q"], given["k_cache"], given["v_cache"], k=given.get("k"), v=given.get("v"),
+                              **{n: given.get(n) for n in CACHE_INDEX}, device_values=on_device)
+    masks.check_alibi(given.get("alibi_slopes"), call.heads, call.batch)
+    masks.check_sinks(given.get("sinks"), call.heads)
+    return call
 
 
 @functools.lru_cache(maxsize=1024)
@@ -135,7 +158,7 @@ def _checked_specs(specs: tuple) -> kvcache.CacheCall:
 
 @functools.lru_cache(maxsize=1024)
 def _step_plan(specs: tuple, sizes: tuple, causal: bool, softmax_scale: float, num_splits: int,
-               return_lse: bool) -> kern.StepPlan:
+               return_lse: bool, window: tuple, softcap: float) -> kern.StepPlan:
     """What the kernels take beyond the model, checked, and the step's launches, for arrays of these specs
     (name, DevArray without its pointer) and ``sizes``: (paged, max_pages, seqlen_new, capacity, max_seqlen_k)."""
     dev = dict(specs)
@@ -155,7 +178,13 @@ def _step_plan(specs: tuple, sizes: tuple, causal: bool, softmax_scale: float, n
                                     max_pages=max_pages)
     return kern.step_plan(dev["q"], dev["k_cache"], dev["v_cache"], paged=paged, max_pages=max_pages,
                           seqlen_new=seqlen_new, capacity=capacity, max_seqlen_k=max_k, causal=causal,
-                          softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, append=append)
+                          softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, append=append,
+                          window=window, softcap=softcap, alibi_rows=_alibi_rows(dev.get("alibi_slopes")))
+
+
+def _alibi_rows(slopes: DevArray | None) -> int:
+    """alibi_slopes' rows: 0 (none), 1 for (heads,), batch for (batch, heads)."""
+    return 0 if slopes is None else slopes.shape[0] if len(slopes.shape) == 2 else 1
 
 
 def _check_kernel_limits(head_dim: int, dev: dict) -> None:

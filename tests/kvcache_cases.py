@@ -72,22 +72,51 @@ def quantize_e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (x / descale[:, None, :, None]).astype(FP8), descale
 
 
-def reference(q, k_log, v_log, seqlens_k, causal: bool, scale=None, k_descale=None, v_descale=None):
+def reference(q, k_log, v_log, seqlens_k, causal: bool, scale=None, k_descale=None, v_descale=None, **mask):
     """float64 attention of each sequence over its first seqlens_k[b] logical tokens (dequantized by the descale
-    factors when given): (out (batch, seqlen_q, heads, d), lse (batch, heads, seqlen_q))."""
+    factors when given): (out (batch, seqlen_q, heads, d), lse (batch, heads, seqlen_q)). ``mask``: the mask
+    keywords (window, softcap, alibi_slopes, sinks), through test_masks_model's reference."""
+    from test_masks_model import reference as masked_reference
     batch, nq, heads, d = q.shape
     out, lse = np.zeros((batch, nq, heads, d)), np.full((batch, heads, nq), -np.inf)
+    slopes = mask.get("alibi_slopes")
     for b in range(batch):
         n = int(seqlens_k[b])
-        if n == 0:
+        if n == 0 and mask.get("sinks") is None:
             continue
         k, v = k_log[b:b + 1, :n].astype(np.float64), v_log[b:b + 1, :n].astype(np.float64)
         if k_descale is not None:
             k = k * k_descale[b][None, None, :, None].astype(np.float64)
         if v_descale is not None:
             v = v * v_descale[b][None, None, :, None].astype(np.float64)
-        out[b:b + 1], lse[b:b + 1] = reference64(q[b:b + 1], k, v, causal=causal, scale=scale)
+        if not mask:
+            out[b:b + 1], lse[b:b + 1] = reference64(q[b:b + 1], k, v, causal=causal, scale=scale)
+            continue
+        kw = dict(window=mask.get("window", (-1, -1)), softcap=mask.get("softcap", 0.0), sinks=mask.get("sinks"),
+                  alibi=None if slopes is None else np.asarray(slopes if slopes.ndim == 1 else slopes[b], np.float64))
+        r = masked_reference(q[b:b + 1].astype(np.float64), k, v, causal=causal, scale=scale, **kw)
+        out[b:b + 1], lse[b:b + 1] = r["out"], r["lse"]
     return out, lse
+
+
+def mask_case(rng, name: str, batch: int, heads: int) -> dict:
+    """attention_with_kvcache's mask keywords of a named case (fresh slopes and sinks, float32)."""
+    slopes = rng.uniform(0.05, 0.5, heads).astype(np.float32)
+    sinks = (rng.standard_normal(heads) + 1.0).astype(np.float32)
+    return {
+        "window": dict(window=(5, 0)),
+        "window both sides": dict(causal=False, window=(4, 2)),
+        "softcap": dict(softcap=1.5),
+        "alibi": dict(alibi_slopes=slopes),
+        "alibi per sequence": dict(alibi_slopes=rng.uniform(0.05, 0.5, (batch, heads)).astype(np.float32)),
+        "sinks": dict(sinks=sinks),
+        "window and sinks": dict(window=(7, 0), sinks=sinks),       # gpt-oss's sliding layers
+        "everything": dict(window=(9, 0), softcap=2.0, alibi_slopes=slopes, sinks=sinks),
+    }[name]
+
+
+MASK_CASES = ("window", "window both sides", "softcap", "alibi", "alibi per sequence", "sinks", "window and sinks",
+              "everything")
 
 
 def rel(a, ref) -> float:

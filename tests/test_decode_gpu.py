@@ -12,7 +12,8 @@ import pytest
 
 import fa_variants as fav
 from conftest import TOL, Case
-from kvcache_cases import FP8, assert_lse, logical_from, make_cache, quantize_e4m3, reference, rel
+from kvcache_cases import (FP8, MASK_CASES, assert_lse, logical_from, make_cache, mask_case, quantize_e4m3, reference,
+                           rel)
 
 pytestmark = pytest.mark.gpu
 
@@ -93,14 +94,15 @@ def _write_logical(dst, table, logical):
             dst[table[b, t // ps], t % ps] = logical[b, t]
 
 
-def _expected(c: DecodeCase, q, cache, new, kd, vd):
+def _expected(c: DecodeCase, q, cache, new, kd, vd, **mask):
     k_log, v_log = cache.k_log.copy(), cache.v_log.copy()
     lens = np.array(c.lens)
     if new is not None:
         for b in range(c.batch):
             k_log[b, lens[b]:lens[b] + c.seqlen_new] = new[0][b]
             v_log[b, lens[b]:lens[b] + c.seqlen_new] = new[1][b]
-    return reference(q, k_log, v_log, lens + c.seqlen_new, c.causal, k_descale=kd, v_descale=vd), (k_log, v_log)
+    return (reference(q, k_log, v_log, lens + c.seqlen_new, c.causal, k_descale=kd, v_descale=vd, **mask),
+            (k_log, v_log))
 
 
 def _check(c, out, lse, ref, what, tol_dtype):
@@ -133,6 +135,65 @@ def test_cupy_matches_float64_and_appends_in_place(rng, poisoned, c):
         after = cache._replace(k_cache=cupy.asnumpy(dev["k_cache"]), v_cache=cupy.asnumpy(dev["v_cache"]))
         k_after, v_after = logical_from(after, c.batch, c.capacity)
         assert np.array_equal(k_after, logical[0]) and np.array_equal(v_after, logical[1])
+
+
+MASK_GPU_CASES = [   # d 64 two m-tiles (Nq 4 x 8 rows), d 128 one, d 256; paged and contiguous; forced and chosen splits
+    DecodeCase(4, 1, 8, 2, 128, (0, 3, 700, 4097), 4200, None, True, seqlen_new=1),
+    DecodeCase(3, 4, 16, 2, 64, (1, 37, 1000), 1100, 16, True, seqlen_new=2, num_splits=3),
+    DecodeCase(2, 2, 8, 4, 256, (300, 129), 320, 7, True, num_splits=2, dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("c", MASK_GPU_CASES, ids=lambda c: c.id)
+def test_mask_keywords_match_float64(rng, poisoned, c, case):
+    """The window (its keys alone split and read), softcap, ALiBi and sinks on packed rows, against float64 attention
+    over the sequences' keys (appended ones included), outputs poisoned."""
+    import cupy
+    mask = mask_case(rng, case, c.batch, c.heads)
+    causal = mask.pop("causal", c.causal)
+    c = c._replace(causal=causal)
+    q, cache, new, kd, vd = _host_call(rng, c)
+    ref, _ = _expected(c, q, cache, new, kd, vd, **mask)
+    dev = dict(q=cupy.asarray(q), k_cache=cupy.asarray(cache.k_cache), v_cache=cupy.asarray(cache.v_cache))
+    side = {n: cupy.asarray(x) if n in ("alibi_slopes", "sinks") else x for n, x in mask.items()}
+    kw = dict(cache_seqlens=np.array(c.lens, np.int32), page_table=cache.page_table, causal=causal,
+              num_splits=c.num_splits, return_lse=True, **side)
+    if new is not None:
+        kw.update(k=cupy.asarray(new[0]), v=cupy.asarray(new[1]))
+    with poisoned(Case(c.batch, c.seqlen_q, c.capacity, c.heads, c.heads_kv, c.d, causal)):
+        out, lse = fav.attention_with_kvcache(**dev, **kw)
+    _check(c, cupy.asnumpy(out), cupy.asnumpy(lse), ref, f"{c.id} {case}", c.dtype)
+
+
+def test_bfloat16_sinks_on_the_device_and_a_graph(rng):
+    """gpt-oss's layers: a window and bfloat16 sinks (the model's parameters) as torch tensors, converted on the
+    device; the step under a CUDA graph replays the eager result."""
+    import torch
+    c = DecodeCase(2, 1, 16, 2, 64, (5000, 100), 5200, 16, True, seqlen_new=1)
+    q, cache, new, _, _ = _host_call(rng, c)
+    sinks = (rng.standard_normal(c.heads) + 1.0).astype(ml_dtypes.bfloat16)
+    ref, _ = _expected(c, q, cache, new, None, None, window=(127, 0), sinks=sinks.astype(np.float32))
+    kc, vc, qt, kn, vn = t(cache.k_cache), t(cache.v_cache), t(q), t(new[0]), t(new[1])
+    kw = dict(cache_seqlens=torch.tensor(c.lens, dtype=torch.int32, device="cuda"), window=(127, 0), sinks=t(sinks),
+              page_table=torch.from_numpy(cache.page_table).cuda(), return_lse=True)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
+    _check(c, out.float().cpu().numpy(), lse.cpu().numpy(), ref, "bf16 sinks", "bfloat16")
+    kc.copy_(kc0), vc.copy_(vc0)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    kc.copy_(kc0), vc.copy_(vc0)
+    with torch.cuda.graph(g):
+        g_out, g_lse = fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
+    kc.copy_(kc0), vc.copy_(vc0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
 def test_strided_q_and_cache_views(rng):

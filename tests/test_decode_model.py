@@ -11,23 +11,24 @@ import numpy as np
 import pytest
 
 from fa_variants.reference import decode as model
-from kvcache_cases import (SINGLE_SPLIT_TOL, SPLIT_MODEL_TOL, assert_lse, logical_from, make_cache,
-                           quantize_e4m3, reference, rel)
+from kvcache_cases import (MASK_CASES, SINGLE_SPLIT_TOL, SPLIT_MODEL_TOL, assert_lse, logical_from, make_cache,
+                           mask_case, quantize_e4m3, reference, rel)
 
 
 def run_case(rng, *, batch, lengths, seqlen_q, heads, heads_kv, d=16, page_size=None, num_splits=0, block_n=16,
-             causal=True, capacity=None, dtype=np.float16):
+             causal=True, capacity=None, dtype=np.float16, mask=None):
     lengths = np.asarray(lengths, np.int32)
     capacity = capacity or int(lengths.max()) + 3
     cache = make_cache(rng, batch, capacity, heads_kv, d, dtype, page_size)
     q = rng.standard_normal((batch, seqlen_q, heads, d)).astype(dtype)
+    mask = mask or {}
     with warnings.catch_warnings():
         warnings.simplefilter("error")                  # no divide-by-zero or invalid-value warnings
         res = model.forward(q, cache.k_cache, cache.v_cache, cache_seqlens=lengths, page_table=cache.page_table,
-                            causal=causal, num_splits=num_splits, block_n=block_n)
-    ref_out, ref_lse = reference(q, cache.k_log, cache.v_log, lengths, causal)
+                            causal=causal, num_splits=num_splits, block_n=block_n, **mask)
+    ref_out, ref_lse = reference(q, cache.k_log, cache.v_log, lengths, causal, **mask)
     what = (f"B{batch} L{lengths.tolist()} Nq{seqlen_q} H{heads}:{heads_kv} page {page_size} splits {num_splits}"
-            f"->{res.num_splits} causal={causal}")
+            f"->{res.num_splits} causal={causal} {sorted(mask)}")
     tol = SINGLE_SPLIT_TOL if res.num_splits == 1 else SPLIT_MODEL_TOL
     if np.linalg.norm(ref_out) == 0:
         assert (res.out == 0).all(), what
@@ -49,6 +50,26 @@ def test_lengths_that_differ_per_sequence(rng, seqlen_q, causal):
     """Sequence 0 is empty, sequence 1 shorter than seqlen_q (its first rows see no key when causal)."""
     run_case(rng, batch=4, lengths=[0, 3, 37, 130], seqlen_q=seqlen_q, heads=4, heads_kv=2, num_splits=3,
              causal=causal)
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("seqlen_q", [1, 5, 16])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_mask_keywords(rng, case, seqlen_q, num_splits):
+    """attention()'s mask keywords over a cache: sequence 0 empty (its rows see only their sinks), sequence 1
+    shorter than seqlen_q, the others longer than the windows (the splits cut only the keys a row sees)."""
+    mask = mask_case(rng, case, 4, 4)
+    run_case(rng, batch=4, lengths=[0, 3, 37, 130], seqlen_q=seqlen_q, heads=4, heads_kv=2, num_splits=num_splits,
+             causal=mask.pop("causal", True), mask=mask, page_size=5 if num_splits == 3 else None)
+
+
+def test_a_window_reads_only_the_keys_it_shows(rng):
+    """K/V bytes read: the keys some query sees (window 5, 4 tokens: 9 of each sequence), whatever the length."""
+    lengths, nq, hkv, d = [3, 37, 130], 4, 2, 16
+    res = run_case(rng, batch=3, lengths=lengths, seqlen_q=nq, heads=4, heads_kv=hkv, d=d, num_splits=3,
+                   mask=dict(window=(5, 0)))
+    seen = sum(min(n, 5 + nq) for n in lengths)
+    assert res.traffic.reads["k_cache"] == res.traffic.reads["v_cache"] == seen * hkv * d * 2
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16, 48])
@@ -240,11 +261,10 @@ def test_split_ranges_cover_the_keys_in_whole_blocks(seqlen_k, splits, block_n):
     assert sizes == sorted(sizes, reverse=True)            # the empty splits, if any, are at the end
 
 
-def test_key_visible_is_bottom_right_per_sequence():
-    vis = model.key_visible(np.arange(3), np.arange(5), 3, 5, True)
-    assert vis.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    assert not model.key_visible(np.arange(3), np.arange(2), 3, 2, True)[0].any()   # row 0 of Nq 3 > Nk 2
-    assert model.key_visible(np.arange(3), np.arange(2), 3, 2, False).all()
+def test_split_ranges_start_at_the_first_key_seen():
+    """A window's older keys are never cut into splits: the ranges cover [first_key, seqlen_k) in whole blocks."""
+    assert model.split_ranges(100, 3, 16, first_key=40) == [(40, 72), (72, 100), (100, 100)]
+    assert model.split_ranges(40, 2, 16, first_key=40) == [(40, 40), (40, 40)]
 
 
 def test_model_refuses_bad_block_and_splits(rng):

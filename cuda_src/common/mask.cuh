@@ -28,7 +28,7 @@
 // the caller, NVVM ordered the operands of the test otherwise and the machine code changed.
 //
 // AttnMask (after CausalMask) answers them for a sliding window, a softcap, ALiBi and sinks, one sequence of a packed
-// batch at a time; PackedCausalMask (the end of this file) is decoding's: the same questions for GQA-packed rows.
+// batch at a time; PackedMask (the end of this file) is decoding's: the same keys and transforms for GQA-packed rows.
 //
 // CausalMask, the prefill kernels' policy: the seqlen_k tail (keys >= seqlen_k in the block that straddles it) and,
 // with causal, the bottom-right aligned diagonal: query i sees key j iff j <= i + seqlen_k - seqlen_q (the
@@ -151,6 +151,10 @@ struct CausalMask {
 // The scores arrive raw (Q K^T, softmax_scale applied later in the exponent), so the transforms work in raw units:
 // cap / scale for the cap, slope / scale for the bias.
 // The sinks a kernel's parameters carry (the forward's; the backward needs none: its LSE holds them).
+// A raw score capped, cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)): two MUFU operations, exact at +-inf.
+__forceinline__ __device__ float capped(float x, float cap) {
+    return cap * (1.f - __fdividef(2.f, exp2f_approx(x * (2.885390081777927f / cap)) + 1.f));
+}
 __forceinline__ __device__ const float* sinks_of(const MaskedFwdParams& p) { return p.sinks; }
 __forceinline__ __device__ const float* sinks_of(const MaskedBwdParams&) { return nullptr; }
 
@@ -185,10 +189,9 @@ struct AttnMask {
     static constexpr bool BY_SEQUENCE = true, LOW_EDGE = true;
     static constexpr bool TRANSFORMS = true;
 
-    // softcap, then ALiBi, of a raw score (query row, key): cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)),
-    // two MUFU operations, exact at +-inf
+    // softcap, then ALiBi, of a raw score (query row, key)
     __forceinline__ __device__ float transform(float x, int row, int key) const {
-        if (cap > 0.f) x = cap * (1.f - __fdividef(2.f, exp2f_approx(x * (2.885390081777927f / cap)) + 1.f));
+        if (cap > 0.f) x = capped(x, cap);
         if (slope != 0.f) x -= slope * fabsf(float(row + diag - key));
         return x;
     }
@@ -302,29 +305,89 @@ struct AttnMask {
     }
 };
 
-// Decoding's policy (decode_fwd.cu): a tile's rows are query tokens packed with the query heads that share one KV
-// head (GQA packing: row r is token r / group), and a CTA's keys end where its split does (key_end <= seqlen_k).
-// Row r sees key j iff j < key_end and, with causal, j <= r / group + diag (bottom-right within the sequence).
-struct PackedCausalMask {
-    int key_end;
-    int diag;     // seqlen_k - seqlen_q
-    int group;    // rows per query token
-    bool causal;
+// Decoding's policy (decode_fwd.cu): AttnMask's keys and transforms for GQA-packed rows. A tile's rows are query
+// tokens packed with the query heads that share one KV head (row r: token r / group, head g * group + r % group), so
+// a row's keys follow its token and its ALiBi slope and sink its head; each thread keeps those of its own rows
+// (softmax.cuh's fragment layout: rows g and g + 8 of each m-tile). The tile's rows see one range of keys, `span`
+// (a window's older keys are never read); a CTA takes its split of it, `keys`, and is masked at the split's end.
+template <int MT>
+struct PackedMask {
+    int2 keys;             // [x, y): the keys this CTA's split reads
+    int diag;              // seqlen_k - seqlen_q
+    int left, right;       // the window's sides, bounded (AttnMask's); causal: right <= 0
+    int t_first, t_last;   // the tile's first and last query token
+    float cap;             // softcap in raw units; 0: none
+    int token[MT][2];      // the token of each of this thread's rows
+    float slope[MT][2];    // ALiBi slope in raw units of each of this thread's rows' heads
+    bool biased;           // ALiBi slopes given
 
-    // some key of [k0, k0 + KEYS) is hidden from some row >= r0 (the first row's token sees the fewest keys)
+    // Tile r0 of (sequence b, KV head g) with seqlen_k keys, split s of the span; inv_scale: 1 / the scale the raw
+    // scores take (softmax_scale times an e4m3 cache's k_descale). fits: the sequence fits its cache (else no key).
+    template <int SPLIT_N>
+    __forceinline__ __device__ static PackedMask of(const DecodeParams& p, int seqlen_k, bool fits, int b, int g,
+                                                    int r0, int s, float inv_scale) {
+        PackedMask m;
+        const int far = p.seqlen_q + seqlen_k + 1, rows = p.seqlen_q * p.group;
+        m.diag = seqlen_k - p.seqlen_q;
+        m.left = p.window_left < 0 ? far : p.window_left;
+        m.right = p.window_right < 0 ? far : p.window_right;
+        if (p.causal) m.right = min(m.right, 0);
+        m.t_first = r0 / p.group;
+        m.t_last = (min(r0 + 16 * MT, rows) - 1) / p.group;
+        m.cap = p.softcap * inv_scale;
+        const float* slopes = p.alibi_slopes ? p.alibi_slopes + b * p.alibi_b + g * p.group : nullptr;
+        m.biased = slopes != nullptr;
+        const int lane_row = (threadIdx.x % 32) / 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + mt * 16 + lane_row + 8 * h;
+                m.token[mt][h] = row / p.group;
+                m.slope[mt][h] = slopes ? slopes[row % p.group] * inv_scale : 0.f;
+            }
+        const int first = max(0, m.t_first + m.diag - m.left), stop = min(seqlen_k, m.t_last + m.diag + m.right + 1);
+        m.keys = fits && first < stop ? split_range<SPLIT_N>(first, stop, s, p.num_splits) : make_int2(0, 0);
+        return m;
+    }
+    // Split s of [first, stop): ceil(n / splits) whole SPLIT_N-key blocks each from first on (the model's
+    // split_ranges); splits past the end are empty.
+    template <int SPLIT_N>
+    __forceinline__ __device__ static int2 split_range(int first, int stop, int s, int splits) {
+        const int n = (stop - first + SPLIT_N - 1) / SPLIT_N, per = (n + splits - 1) / splits * SPLIT_N;
+        return make_int2(min(first + s * per, stop), min(first + (s + 1) * per, stop));
+    }
+
+    __forceinline__ __device__ bool transforms() const { return cap > 0.f || biased; }
+    // some key of [k0, k0 + KEYS) is hidden from some row of the tile: past the split's end, right of the first
+    // token's last key, or left of the last token's first
     template <int KEYS>
-    __forceinline__ __device__ bool needs_mask(int r0, int k0) const {
-        return k0 + KEYS > key_end || (causal && k0 + KEYS - 1 > r0 / group + diag);
+    __forceinline__ __device__ bool needs_mask(int k0) const {
+        return k0 + KEYS > keys.y || k0 + KEYS - 1 > t_first + diag + right || k0 < t_last + diag - left;
     }
-    __forceinline__ __device__ bool visible(int row, int key) const {
-        return key < key_end && !(causal && key > row / group + diag);
+    // a warp's scores (softmax.cuh's fragment layout), keys from key0: capped, biased, and -inf where hidden if
+    // MASKED
+    template <bool MASKED, int NT>
+    __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int key0) const {
+        const int t = threadIdx.x % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e / 2, key = key0 + nt * 8 + 2 * t + (e % 2), i = token[mt][h] + diag;
+                    float x = s[mt][nt][e];
+                    if (cap > 0.f) x = capped(x, cap);
+                    x -= slope[mt][h] * fabsf(float(i - key));
+                    const bool seen = key < keys.y && key >= i - left && key <= i + right;
+                    s[mt][nt][e] = MASKED && !seen ? neg_inf() : x;
+                }
     }
-    // a warp's scores (softmax.cuh's fragment layout), rows from row0, keys from key0: hidden ones to -inf
-    template <int MT, int NT>
-    __forceinline__ __device__ void apply(float (&s)[MT][NT][4], int row0, int key0) const {
-        for_each_score(s, row0, key0, [&](float& x, int row, int key) {
-            if (!visible(row, key)) x = neg_inf();
-        });
+    template <int NT>
+    __forceinline__ __device__ void apply_if_needed(float (&s)[MT][NT][4], int key0) const {
+        if (needs_mask<8 * NT>(key0)) apply<true>(s, key0);
+        else if (transforms()) apply<false>(s, key0);
     }
 };
 

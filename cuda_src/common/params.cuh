@@ -162,6 +162,8 @@ struct DecodeParams {
     float* lse;                  // (batch, heads, seqlen_q); null: not written
     float* o_part;               // (num_splits, batch, seqlen_q, heads, head_dim) fp32, normalized per split
     float* lse_part;             // (num_splits, batch, heads, seqlen_q)
+    const float* sinks;          // (heads,) one logit per query head in every row's denominator; null: none
+    const float* alibi_slopes;   // (batch or 1, heads) row stride alibi_b; null: none
     i64 q_b, q_n, q_h;
     i64 k_b, k_n, k_h;           // k_b: stride of the cache's first axis (a sequence's or a page's)
     i64 v_b, v_n, v_h;
@@ -174,6 +176,10 @@ struct DecodeParams {
     int row_tiles;               // Q tiles per (batch, KV head): ceil(seqlen_q * group / rows per tile)
     float scale_log2;            // softmax_scale * log2(e)
     int causal;                  // bottom-right within each sequence
+    int window_left, window_right;   // -1: unbounded (the mask policies': mask.cuh)
+    float softcap;               // in the units of the scaled scores; 0: none
+    float inv_scale;             // 1 / softmax_scale: the transforms act on raw scores
+    i64 alibi_b;                 // alibi_slopes' row stride: 0 (one row for every sequence) or heads
 };
 
 // The in-place append of a call's new keys and values (kv_append.cu): k, v (batch, seqlen_new, heads_kv, head_dim)

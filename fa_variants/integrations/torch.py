@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import arrays, backward, decode, dispatch, forward, varlen
+from ..reference import masks
 
 
 @torch.library.custom_op("fa_variants::attention_fwd", mutates_args=())
@@ -108,23 +109,28 @@ def attention(q, k, v, *, variant: str = "auto", causal: bool = False, softmax_s
 @torch.library.custom_op("fa_variants::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
 def _with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Optional[Tensor],
                   k: Optional[Tensor], v: Optional[Tensor], causal: bool, softmax_scale: Optional[float],
-                  num_splits: int, k_descale: Optional[Tensor], v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                  num_splits: int, k_descale: Optional[Tensor], v_descale: Optional[Tensor], window_left: int,
+                  window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                  sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     # The cache is declared mutated whether or not k, v are given: torch.compile then orders this call after
     # every earlier write to the cache and before every later read, and never reuses a stale copy.
     return decode.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
                                          k=k, v=v, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                                         return_lse=True, k_descale=k_descale, v_descale=v_descale)
+                                         return_lse=True, k_descale=k_descale, v_descale=v_descale,
+                                         window=(window_left, window_right), softcap=softcap,
+                                         alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 @_with_kvcache.register_fake
 def _with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
-                       k_descale, v_descale):
+                       k_descale, v_descale, window_left, window_right, softcap, alibi_slopes, sinks):
     b, nq, h, d = q.shape
     return q.new_empty((b, nq, h, d)), q.new_empty((b, h, nq), dtype=torch.float32)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, causal=True,
-                           softmax_scale=None, num_splits=0, return_lse=False, k_descale=None, v_descale=None):
+                           softmax_scale=None, num_splits=0, return_lse=False, k_descale=None, v_descale=None,
+                           window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """``fa_variants.attention_with_kvcache`` for torch tensors as one opaque op, so that torch.compile (and CUDA
     graphs under mode="reduce-overhead") take a decoding step whole. An int ``cache_seqlens`` becomes a tensor
     on q's device (checked by the kernels, as device lengths are)."""
@@ -134,9 +140,20 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
         if not isinstance(cache_seqlens, (int, torch.SymInt)) or isinstance(cache_seqlens, bool):
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    left, right = masks.check_window(window)
     out, lse = _with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, k, v, bool(causal),
-                             None if softmax_scale is None else float(softmax_scale), num_splits, k_descale, v_descale)
+                             None if softmax_scale is None else float(softmax_scale), num_splits, k_descale, v_descale,
+                             left, right, masks.check_softcap(softcap), _as_tensor(alibi_slopes, q),
+                             _as_tensor(sinks, q))
     return (out, lse) if return_lse else out
+
+
+def _as_tensor(x, q: Tensor) -> Optional[Tensor]:
+    """A side array (sinks, alibi_slopes) as the op's schema takes it: a tensor without grad (decoding has no
+    backward); a NumPy array goes to q's device."""
+    if x is None or isinstance(x, Tensor):
+        return None if x is None else x.detach()
+    return torch.as_tensor(arrays.to_numpy(x), device=q.device)
 
 
 # ------------------------------------------------------------------------------------------------ varlen

@@ -300,9 +300,11 @@ def _contiguous(shape: tuple, dtype: str, device: int) -> DevArray:
 
 def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool, max_pages: int, seqlen_new: int,
               capacity: int, max_seqlen_k: int, causal: bool, softmax_scale: float, num_splits: int,
-              return_lse: bool, append: Launch | None = None) -> StepPlan:
+              return_lse: bool, append: Launch | None = None, window: tuple = (-1, -1), softcap: float = 0.0,
+              alibi_rows: int = 0) -> StepPlan:
     """decode_fwd.cu's launch (and merge_states.cu's, when split) for arrays of these shapes, strides and dtypes
-    (their pointers are not read); ``append``: kv_append.cu's launch, ahead of them on the stream."""
+    (their pointers are not read); ``append``: kv_append.cu's launch, ahead of them on the stream; the mask
+    keywords checked (``alibi_rows``: alibi_slopes' rows, 1 or batch; 0: none)."""
     batch, seqlen_q, heads, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads // heads_kv
@@ -312,7 +314,8 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
     arch = arch_of(q.device)
     kv_bytes = k_cache.itemsize
     if num_splits == 0:
-        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, max_seqlen_k, num_sms(q.device), SPLIT_N)
+        seen = max_seqlen_k if window[0] < 0 else min(max_seqlen_k, window[0] + seqlen_q)   # the keys a row sees
+        num_splits = model.choose_num_splits(batch, heads_kv * row_tiles, seen, num_sms(q.device), SPLIT_N)
     n_stages = stages(d, mt, kv_bytes, arch)
     smem = smem_bytes(d, mt, n_stages, kv_bytes)
     if smem > smem_limit():
@@ -329,7 +332,9 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
                       head_dim=head_dim, seqlen_new=seqlen_new, capacity=capacity,
                       page_size=k_cache.shape[1] if paged else 0, max_pages=max_pages,
                       num_pages=k_cache.shape[0] if paged else 0, num_splits=num_splits, row_tiles=row_tiles,
-                      scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)))
+                      scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)), window_left=window[0],
+                      window_right=window[1], softcap=softcap, inv_scale=1.0 / softmax_scale,
+                      alibi_b=heads if alibi_rows > 1 else 0)
     parts_shape = (num_splits, batch, seqlen_q, heads, head_dim)
     lse_parts_shape = (num_splits, batch, heads, seqlen_q)
     merge = None

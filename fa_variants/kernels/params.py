@@ -134,11 +134,12 @@ QUANT = ParamStruct("QuantParams", (
 ))
 
 DECODE = ParamStruct("DecodeParams", (
-    *_fields("q k v cache_seqlens page_table k_descale v_descale o lse o_part lse_part", "ptr"),
+    *_fields("q k v cache_seqlens page_table k_descale v_descale o lse o_part lse_part sinks alibi_slopes", "ptr"),
     *_fields("q_b q_n q_h k_b k_n k_h v_b v_n v_h o_b o_n o_h", "i64"),
     *_fields("batch seqlen_q heads heads_kv group head_dim seqlen_new capacity page_size max_pages num_pages "
              "num_splits row_tiles", "int"),
-    ("scale_log2", "float"), ("causal", "int"),
+    ("scale_log2", "float"), ("causal", "int"), ("window_left", "int"), ("window_right", "int"),
+    ("softcap", "float"), ("inv_scale", "float"), ("alibi_b", "i64"),
 ))
 
 APPEND = ParamStruct("AppendParams", (

@@ -31,7 +31,8 @@ import numpy as np
 from ..arrays import check_scalars
 from ..kvcache import CacheCall, append, check_call
 from .budget import Progress
-from .common import causal_visible, exp_shift, logsumexp_from, normalize, online_softmax_step
+from . import masks
+from .common import exp_shift, logsumexp_from, normalize, online_softmax_step
 
 LOOPS = """\
 append:                    for b: write k[b], v[b] into the cache at cache_seqlens[b] .. + seqlen_new (in place)
@@ -39,9 +40,11 @@ for (b, g, s) in batch x heads_kv x num_splits:      (one CTA each)
   Q_t = q[b, :, g*G:(g+1)*G] as seqlen_q*G rows      (GQA packing: K/V of head g read once for all G heads)
   m = -inf, l = 0, O = 0 on chip
   for j in the blocks of split s (whole blocks of block_n keys, through the page table):
-                           load K_j, V_j; S = Q_t K_j^T * scale * k_descale; mask (causal, bottom-right per sequence)
+                           load K_j, V_j; S = Q_t K_j^T * scale * k_descale; softcap, ALiBi, mask (causal and window,
+                           bottom-right per sequence: reference/masks.py's Mask, each row its token's and head's)
                            m_new = max(m, rowmax S); P = exp(S - m_new)
                            l = e^(m - m_new) l + rowsum P; O = e^(m - m_new) O + P V_j
+  split 0 only: the sinks join m and l (one more logit per row, no value)
   write O_s = v_descale * O / l and LSE_s = m + log l in fp32   (an empty split: 0 and -inf)
 merge (one program per row): LSE = log sum_s e^LSE_s;  O = sum_s e^(LSE_s - LSE) O_s   (num_splits = 1: no merge)"""
 
@@ -100,22 +103,56 @@ def check_num_splits(num_splits) -> int:
     return int(num_splits)
 
 
-def split_ranges(seqlen_k: int, num_splits: int, block_n: int = DEFAULT_BLOCK_N) -> list[tuple[int, int]]:
-    """The key range [start, stop) of each of ``num_splits`` splits of a sequence of ``seqlen_k`` keys: each split
-    takes ceil(n / num_splits) whole blocks of ``block_n`` keys (n = ceil(seqlen_k / block_n)), the last one what
-    is left; the splits past the end are empty (start == stop)."""
-    per_split = -(-(-(-seqlen_k // block_n)) // num_splits) * block_n
-    return [(min(s * per_split, seqlen_k), min((s + 1) * per_split, seqlen_k)) for s in range(num_splits)]
+def split_ranges(seqlen_k: int, num_splits: int, block_n: int = DEFAULT_BLOCK_N,
+                 first_key: int = 0) -> list[tuple[int, int]]:
+    """The key range [start, stop) of each of ``num_splits`` splits of the keys [first_key, seqlen_k) a program's
+    rows see: each split takes ceil(n / num_splits) whole blocks of ``block_n`` keys from first_key on (n =
+    ceil((seqlen_k - first_key) / block_n)), the last one what is left; the splits past the end are empty (start ==
+    stop). first_key > 0 where a window hides the cache's older keys from every row."""
+    span = max(seqlen_k - first_key, 0)
+    per_split = -(-(-(-span // block_n)) // num_splits) * block_n
+    return [(first_key + min(s * per_split, span), first_key + min((s + 1) * per_split, span))
+            for s in range(num_splits)]
 
 
-# ------------------------------------------------------------------------------------------------ visibility
-def key_visible(tokens: np.ndarray, keys: np.ndarray, seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    """(rows, keys) bool: which of ``keys`` the query ``tokens`` see in a sequence of ``seqlen_k`` keys (after
-    the append). Causal is bottom-right within the sequence: token i sees key j iff j <= i + seqlen_k - seqlen_q.
-    The one place the model's mask lives."""
-    if causal:
-        return causal_visible(tokens, keys, seqlen_q, seqlen_k)
-    return np.ones((len(tokens), len(keys)), bool)
+# ------------------------------------------------------------------------------------------------ masks
+@dataclasses.dataclass(frozen=True)
+class MaskArgs:
+    """A call's mask keywords, checked (reference/masks.py's conventions): what every sequence's ``Mask`` is built
+    from."""
+    causal: bool
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None   # float64 (1 or batch, heads)
+    sinks: np.ndarray | None = None          # float64 (heads,)
+
+    @classmethod
+    def of(cls, call: CacheCall, causal: bool, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+        slopes = None if alibi_slopes is None else masks.check_alibi(alibi_slopes, call.heads, call.batch)
+        return cls(bool(causal), masks.check_window(window), masks.check_softcap(softcap), slopes,
+                   masks.check_sinks(sinks, call.heads))
+
+    def sequence(self, call: CacheCall, b: int) -> masks.Mask:
+        """Sequence b's mask: its seqlen_q queries over its keys after the append, bottom-right."""
+        slopes = None if self.alibi_slopes is None else self.alibi_slopes[b if len(self.alibi_slopes) > 1 else 0]
+        return masks.Mask.of(call.seqlen_q, int(call.seqlens_k[b]), causal=self.causal, window=self.window,
+                             softcap=self.softcap, alibi_slopes=slopes, sinks=self.sinks, heads=call.heads)
+
+    def key_span(self, call: CacheCall, b: int) -> tuple[int, int]:
+        """[first, stop) of the keys any query of sequence b sees: the splits cut this range (a window's older keys
+        are never read); (0, 0) where no query sees a key."""
+        mask = self.sequence(call, b)
+        last = mask.last_key(0, call.seqlen_q - 1)
+        return (0, 0) if last < 0 else (mask.first_key(0, call.seqlen_q - 1), last + 1)
+
+
+def group_mask(mask: masks.Mask, g: int, group: int) -> masks.Mask:
+    """A sequence's mask for the query heads of KV head g, its transforms acting on (group, seqlen_q, keys) scores
+    and (group, seqlen_q) row statistics (a program's packed rows, head-major)."""
+    heads = slice(g * group, (g + 1) * group)
+    alibi = None if mask.alibi is None else masks.Alibi(mask.alibi.slopes[0, heads], mask.alibi.diag)
+    sinks = None if mask.sinks is None else masks.Sinks(mask.sinks.values[heads])
+    return dataclasses.replace(mask, alibi=alibi, sinks=sinks)
 
 
 # ------------------------------------------------------------------------------------------------ the merge
@@ -212,15 +249,21 @@ class DecodeResult:
 
 
 def forward(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=None, causal=True,
-            softmax_scale=None, num_splits=0, k_descale=None, v_descale=None, block_n=DEFAULT_BLOCK_N,
-            num_sms=H100_SMS) -> DecodeResult:
+            softmax_scale=None, num_splits=0, k_descale=None, v_descale=None, window=(-1, -1), softcap=0.0,
+            alibi_slopes=None, sinks=None, block_n=DEFAULT_BLOCK_N, num_sms=H100_SMS) -> DecodeResult:
     """flash_attn_with_kvcache's step as the kernel runs it, on float64 copies of the values read.
 
-    Every argument is checked first (``kvcache.check_call``); then k, v are appended to k_cache, v_cache *in
-    place* (the caller's arrays: that is the operation), the splits run, and the merge. ``num_splits=0`` takes
-    ``choose_num_splits`` for ``num_sms`` SMs; ``block_n`` is the split granularity. An fp8 (float8_e4m3fn) cache
-    is read exactly (every e4m3 value is a float64) and dequantized by the per-(batch, KV head) factors:
-    k_descale folds into the softmax scale, v_descale multiplies each split's output.
+    Every argument is checked first (``kvcache.check_call``, the mask keywords by reference/masks.py); then k, v are
+    appended to k_cache, v_cache *in place* (the caller's arrays: that is the operation), the splits run, and the
+    merge. ``num_splits=0`` takes ``choose_num_splits`` for ``num_sms`` SMs; ``block_n`` is the split granularity.
+    An fp8 (float8_e4m3fn) cache is read exactly (every e4m3 value is a float64) and dequantized by the per-(batch,
+    KV head) factors: k_descale folds into the softmax scale, v_descale multiplies each split's output.
+
+    The mask keywords are attention()'s, each sequence's queries its last seqlen_q tokens: ``window`` (left, right)
+    bounds the keys, and the splits cut only the keys some query sees (a window of w reads w + seqlen_q keys
+    however long the cache); ``softcap`` and ``alibi_slopes`` transform the scores; ``sinks`` join the first
+    split's denominators (once per row: the merge adds the splits' states, so a sink folded into each would count
+    num_splits times).
     """
     scale = check_scalars(causal, softmax_scale, False)
     num_splits = check_num_splits(num_splits)
@@ -228,26 +271,32 @@ def forward(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k=None, v=No
         raise ValueError(f"block_n must be an int >= 1, got {block_n!r}")
     call = check_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v,
                       k_descale=k_descale, v_descale=v_descale)
+    mask_args = MaskArgs.of(call, causal, window, softcap, alibi_slopes, sinks)
     scale = 1.0 / math.sqrt(call.head_dim) if scale is None else scale
     traffic = Traffic()
     if call.seqlen_new:
         _append(call, k_cache, v_cache, k, v, traffic)
-    lengths = call.seqlens_k
-    splits = num_splits or choose_num_splits(call.batch, call.heads_kv, int(lengths.max()), num_sms, block_n)
+    spans = [mask_args.key_span(call, b) for b in range(call.batch)]
+    longest = max(stop - first for first, stop in spans)
+    splits = num_splits or choose_num_splits(call.batch, call.heads_kv, longest, num_sms, block_n)
     q_in = np.asarray(q)
     o_parts = np.zeros((splits, call.batch, call.seqlen_q, call.heads, call.head_dim))
     lse_parts = np.full((splits, call.batch, call.seqlen_q, call.heads), -np.inf)
-    program = _Program(call, k_cache, v_cache, scale, causal, block_n, traffic, Progress(
+    program = _Program(call, k_cache, v_cache, scale, block_n, traffic, Progress(
         f"the decode model (batch {call.batch} x heads_kv {call.heads_kv} x {splits} splits, "
-        f"{int(lengths.sum())} keys in all)", int((-(-lengths // block_n)).sum()) * call.heads_kv))
+        f"{sum(stop - first for first, stop in spans)} keys in all)",
+        sum(-(-(stop - first) // block_n) for first, stop in spans) * call.heads_kv))
     for b in range(call.batch):                                    # the grid: (batch, KV head, split)
-        ranges = split_ranges(int(lengths[b]), splits, block_n)
+        mask = mask_args.sequence(call, b)
+        ranges = split_ranges(spans[b][1], splits, block_n, spans[b][0])
         for g in range(call.heads_kv):
             heads = slice(g * call.group, (g + 1) * call.group)
             for s, (start, stop) in enumerate(ranges):
-                if start == stop:
+                sinks_here = s == 0 and mask.sinks is not None
+                if start == stop and not sinks_here:
                     continue                                       # an empty split: (0, -inf) as initialized
-                o_parts[s, b, :, heads], lse_parts[s, b, :, heads] = program.run(q_in[b, :, heads], b, g, start, stop)
+                o_parts[s, b, :, heads], lse_parts[s, b, :, heads] = program.run(
+                    q_in[b, :, heads], b, g, start, stop, group_mask(mask, g, call.group), sinks_here)
     program.progress.close()
     out, lse = _write_results(o_parts, lse_parts, q_in.dtype.itemsize, traffic)
     return DecodeResult(out=out, lse=lse.transpose(0, 2, 1), traffic=traffic, num_splits=splits, block_n=block_n)
@@ -262,38 +311,53 @@ def _append(call: CacheCall, k_cache, v_cache, k, v, traffic: Traffic) -> None:
 
 @dataclasses.dataclass
 class _Program:
-    """What every program of one call shares: the cache, the scale and mask, the block size, the counters."""
+    """What every program of one call shares: the cache, the scale, the block size, the counters."""
     call: CacheCall
     k_cache: np.ndarray
     v_cache: np.ndarray
     scale: float
-    causal: bool
     block_n: int
     traffic: Traffic
     progress: Progress
 
-    def run(self, q_heads: np.ndarray, b: int, g: int, start: int, stop: int):
-        """Program (b, g, s) over keys [start, stop) with its group's queries q_heads (seqlen_q, group, d): the
-        partial (O_s (seqlen_q, group, d), LSE_s (seqlen_q, group)) in float64."""
+    def run(self, q_heads: np.ndarray, b: int, g: int, start: int, stop: int, mask: masks.Mask, fold_sinks: bool):
+        """Program (b, g, s) over keys [start, stop) with its group's queries q_heads (seqlen_q, group, d) under
+        its group's ``mask`` (``group_mask``), folding the sinks in at the end when ``fold_sinks``: the partial
+        (O_s (seqlen_q, group, d), LSE_s (seqlen_q, group)) in float64."""
         call, nq, group, d = self.call, *q_heads.shape
         Q_t = q_heads.astype(np.float64).reshape(nq * group, d)   # GQA packing: row r = (token r // G, head r % G)
         self.traffic.read("q", q_heads.nbytes)
-        tokens = np.arange(nq * group) // group
         k_scale = self.scale * (1.0 if call.k_descale is None else call.k_descale[b, g])
         m, l, acc = np.full(nq * group, -np.inf), np.zeros(nq * group), np.zeros((nq * group, d))
-        seqlen_k = int(call.seqlens_k[b])
+        tokens = slice(0, nq)
         for j in range(start, stop, self.block_n):
-            keys = np.arange(j, min(j + self.block_n, stop))
-            rows = call.rows(b, j, keys[-1] + 1)                   # through the page table: blocks may straddle pages
+            keys = slice(j, min(j + self.block_n, stop))
+            rows = call.rows(b, keys.start, keys.stop)             # through the page table: blocks may straddle pages
             K_j = self.k_cache[rows[0], rows[1], g].astype(np.float64)
             V_j = self.v_cache[rows[0], rows[1], g].astype(np.float64)
             self.traffic.read("k_cache", K_j.size * self.k_cache.dtype.itemsize)
             self.traffic.read("v_cache", V_j.size * self.v_cache.dtype.itemsize)
-            S = np.where(key_visible(tokens, keys, nq, seqlen_k, self.causal), Q_t @ K_j.T * k_scale, -np.inf)
+            S = _by_head(Q_t @ K_j.T * k_scale, nq, group)       # (group, seqlen_q, keys): the mask's layout
+            S = _packed(mask.apply(S, tokens, keys, mask.needs_mask(tokens, keys)))
             m, l, acc = online_softmax_step(m, l, acc, S, V_j)
             self.progress.step()
+        if fold_sinks:                                             # the sink: one more logit with no value
+            by_head = lambda x: x.reshape(nq, group).T            # noqa: E731 - (group, nq), as the sinks broadcast
+            m, l, alpha = (x.T.reshape(-1) for x in mask.fold_sinks(by_head(m), by_head(l)))
+            acc = acc * alpha[:, None]
         o = normalize(acc, l) * (1.0 if call.v_descale is None else call.v_descale[b, g])
         return o.reshape(nq, group, d), logsumexp_from(m, l).reshape(nq, group)
+
+
+def _by_head(x: np.ndarray, nq: int, group: int) -> np.ndarray:
+    """Packed rows (nq * group, n) as (group, nq, n): row r = (token r // group, head r % group)."""
+    return x.reshape(nq, group, -1).transpose(1, 0, 2)
+
+
+def _packed(x: np.ndarray) -> np.ndarray:
+    """_by_head's inverse."""
+    group, nq, n = x.shape
+    return x.transpose(1, 0, 2).reshape(nq * group, n)
 
 
 def _write_results(o_parts, lse_parts, out_bytes: int, traffic: Traffic):
