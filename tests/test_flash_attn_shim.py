@@ -117,3 +117,47 @@ def test_refusals_name_the_argument(kw, exc, pattern, rng):
     q, k, v = _leaves(rng, 1, 8, 8, 2, 2, 32, "float16", "cpu")
     with pytest.raises(exc, match=pattern):
         fa.flash_attn_func(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_flash_attn_with_kvcache_appends_and_matches_float64(paged, device, rng):
+    """Two sequences of 30 and 7 cached tokens, 2 new ones appended in place, a window and a softcap (flash-attn's
+    defaults otherwise: causal False): the rows as the float64 reference over each sequence's 32 and 9 keys."""
+    if device == "cuda" and not (has_gpu() and torch.cuda.is_available()):
+        pytest.skip("needs a CUDA GPU that torch sees")
+    lens, new, cap, h, hkv, d = (30, 7), 2, 40, 4, 2, 64
+    q, k_all, v_all = _leaves(rng, 2, new, cap, h, hkv, d, "bfloat16", device)
+    q, k_all, v_all = (x.detach() for x in (q, k_all, v_all))
+    k_new, v_new = (torch.stack([x[b, lens[b]:lens[b] + new] for b in range(2)]) for x in (k_all, v_all))
+    k_cache, v_cache = k_all.clone(), v_all.clone()
+    for b in range(2):   # the new tokens' slots hold NaN until the append writes them
+        k_cache[b, lens[b]:lens[b] + new] = v_cache[b, lens[b]:lens[b] + new] = math.nan
+    table = None
+    if paged:   # pages of 8 tokens, sequence b's in reverse order
+        pages = cap // 8
+        table = torch.tensor([[b * pages + pages - 1 - i for i in range(pages)] for b in range(2)], dtype=torch.int32,
+                             device=device)
+        k_cache, v_cache = (torch.empty(2 * pages, 8, hkv, d, dtype=x.dtype, device=device) for x in (k_all, v_all))
+        for b in range(2):
+            for i in range(pages):
+                k_cache[table[b, i]], v_cache[table[b, i]] = k_all[b, 8 * i:8 * i + 8], v_all[b, 8 * i:8 * i + 8]
+                slots = slice(max(lens[b] - 8 * i, 0), max(min(lens[b] + new - 8 * i, 8), 0))
+                k_cache[table[b, i], slots] = v_cache[table[b, i], slots] = math.nan
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, block_table=table,
+                                          cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+                                          window_size=(6, 0), softcap=3.0, return_softmax_lse=True)
+    assert lse.shape == (2, h, new)
+    for b in range(2):
+        n = lens[b] + new
+        ref = reference(q[b:b + 1].cpu(), k_all[b:b + 1, :n].cpu(), v_all[b:b + 1, :n].cpu(), False,
+                        1 / math.sqrt(d), (6, 0), 3.0)
+        assert _rel(out[b:b + 1].cpu(), ref) <= TOL["bfloat16"]
+
+
+def test_flash_attn_with_kvcache_refuses_rotary_and_batch_index(rng):
+    q, k, v = (x.detach() for x in _leaves(rng, 1, 1, 8, 2, 2, 32, "float16", "cpu"))
+    for kw in (dict(rotary_cos=q, rotary_sin=q), dict(cache_batch_idx=torch.zeros(1, dtype=torch.int32)),
+               dict(cache_leftpad=torch.zeros(1, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}.* not supported"):
+            fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=8, **kw)

@@ -403,10 +403,11 @@ def _windowed_model(name, device="cpu", **overrides):
 
 @pytest.mark.filterwarnings("ignore")   # gpt-oss's config warns of its YaRN factor on a tiny context
 @pytest.mark.parametrize("name", sorted(WINDOWED))
-def test_windowed_softcapped_and_sink_models_match(name):
+def test_windowed_softcapped_and_sink_models_match(name, decode_calls):
     """Mistral (a window of 8 under a 24-token prompt), Gemma 2 (logit softcap, alternating windows), gpt-oss
     (sinks, alternating windows): logits and 64 greedy tokens as the reference implementation's, through
-    attention()'s mask keywords, the DynamicCache's sliding layers cropped by transformers."""
+    attention()'s mask keywords and, decoding, attention_with_kvcache's, the DynamicCache's sliding layers cropped
+    by transformers."""
     if not hasattr(transformers, WINDOWED[name][0] + "Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     ref = _windowed_model(name)
@@ -420,6 +421,10 @@ def test_windowed_softcapped_and_sink_models_match(name):
               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         assert_same_greedy(ref.generate(ids, **kw), ours.generate(ids, **kw), SEQ)
+    windowed = [c for c in decode_calls if c["window"] == (WINDOWED[name][2]["sliding_window"] - 1, 0)]
+    assert windowed and all(c["q"][1] == 1 for c in decode_calls)   # every step over the cache, windows kept
+    assert all((c.get("sinks") is not None) == (name == "gpt_oss") for c in decode_calls)
+    assert all((c["softcap"] > 0) == (name == "gemma2") for c in decode_calls)
 
 
 @pytest.mark.filterwarnings("ignore")

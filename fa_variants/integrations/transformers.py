@@ -37,12 +37,13 @@ What the attention function does with transformers' arguments:
   variable-length batch (``attention_varlen``), training included.
 * ``sliding_window`` (Mistral, Gemma 2's alternate layers), ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks)
   go to ``fav.attention``'s ``window=(sliding_window - 1, 0)``, ``softcap`` and ``sinks`` (and to
-  ``attention_varlen``'s with padding or packing), training included (the sinks get their gradient).
+  ``attention_varlen``'s with padding or packing, and to ``attention_with_kvcache``'s when decoding), training
+  included (the sinks get their gradient).
   On the GPU these run the masked kernels (fa3's forward on sm_90a, fa2's elsewhere; fa2's backward); the CPU
   tests below run the NumPy models, the GPU ones the kernels.
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
-  rows), a window or softcap with a StaticCache, ``cu_seq_lens_*`` without packed position_ids, chunked
+  rows), a StaticCache's sliding-window layers (their slots roll), ``cu_seq_lens_*`` without packed position_ids, chunked
   attention, custom mask overlays, position biases, a value head dim
   other than the query's, and attention dropout != 0 (there is no dropout in ``fav.attention``: transformers
   passes ``dropout=attention_dropout`` only in training, so set ``config.attention_dropout = 0`` or use
@@ -330,18 +331,15 @@ def attention_function(variant: str = "auto", backend: str = "auto"):
                           **masks)
         elif sequence_ids is not None:
             out = _packed(q, k, v, sequence_ids, variant=variant, softmax_scale=scale, backend=backend, **masks)
-        elif not plain:
-            if cache_seqlens is not None:
-                raise Unsupported("fa_variants attention takes a sliding window, a softcap or sinks with the "
-                                  "default (dynamic) cache, not a StaticCache: attention_with_kvcache has none yet")
-            out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend,
-                                **masks)
         elif cache_seqlens is not None or _decoding_step(variant, q):
             # The cache as attention_with_kvcache's k_cache, v_cache: the first cache_seqlens slots of each
             # sequence are its tokens (all of them for a DynamicCache), the queries the last of those.
             out = decode.attention_with_kvcache(
                 q, k, v, cache_seqlens=k.shape[1] if cache_seqlens is None else cache_seqlens, causal=causal,
-                softmax_scale=scale, backend=backend)
+                softmax_scale=scale, backend=backend, **masks)
+        elif not plain:
+            out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend,
+                                **masks)
         else:
             out = api.attention(q, k, v, variant=variant, causal=causal, softmax_scale=scale, backend=backend)
         return (out if out.dtype == out_dtype else out.to(out_dtype)), None
