@@ -170,6 +170,15 @@ MISUSE = {
     "a list for q": (lambda kw, rng: dict(q=kw["q"].tolist()), TypeError, "q must be a NumPy array"),
     "a masked cache": (lambda kw, rng: dict(k_cache=np.ma.masked_array(kw["k_cache"])), TypeError,
                        "masked array"),
+    "window of one side": (lambda kw, rng: dict(window=(3,)), TypeError, "window must be a (left, right) pair"),
+    "window below -1": (lambda kw, rng: dict(window=(-2, 0)), ValueError, "window sides must be >= -1"),
+    "softcap negative": (lambda kw, rng: dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    "sinks per KV head": (lambda kw, rng: dict(sinks=np.zeros(2, np.float32)), ValueError,
+                          "sinks must have shape (heads,) = (4,)"),
+    "sinks of ints": (lambda kw, rng: dict(sinks=np.zeros(4, np.int32)), TypeError,
+                      "sinks must have a floating-point dtype"),
+    "alibi of the wrong batch": (lambda kw, rng: dict(alibi_slopes=np.zeros((3, 4), np.float32)), ValueError,
+                                 "alibi_slopes must have shape (heads,) = (4,) or (batch, heads) = (2, 4)"),
 }
 
 FP8_MISUSE = {
