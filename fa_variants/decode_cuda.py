@@ -85,10 +85,66 @@ def _check_aligned(name: str, a: DevArray, vector: bool) -> None:
                          f"reads 16-byte rows), got pointer {a.ptr:#x} and element strides {a.strides}")
 
 
+_WARM: dict = {}     # a call's signature -> its StepPlan, for calls whose arrays all live on the device
+WARM_MAX = 256
+
+
+def _facts(x):
+    """What a step's checks and plan depend on of an array, read off a torch tensor or a CuPy array without
+    building anything (a decoding loop repeats one signature, and these reads are a warm call's whole cost before
+    its launches); None for None, False for an array of any other kind (such a call takes the checked path)."""
+    if x is None:
+        return None
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return type(x), x.shape, x.stride(), x.dtype, x.device
+    if module.startswith("cupy"):
+        return type(x), x.shape, x.strides, x.dtype, x.device.id
+    return False
+
+
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k, v, causal, softmax_scale,
                            num_splits, return_lse, k_descale, v_descale, window, softcap, alibi_slopes, sinks):
     """decode.attention_with_kvcache's GPU path (its scalar arguments, the window and the softcap already
-    checked)."""
+    checked). A call whose signature (every array's facts, on the device, and the scalars) passed before runs its
+    plan straight away: the checks depend on the signature alone there."""
+    given = (q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, alibi_slopes, sinks)
+    key = (*map(_facts, given), causal, softmax_scale, num_splits, return_lse, window, softcap)
+    plan = _WARM.get(key)
+    if plan is not None:
+        held = {n: _launchable(n, x) for n, x in zip(BIG + INDEX, given) if x is not None}   # alive until launched
+        out, lse = plan.run(Framework(q), **{n: _ptr(x) for n, x in held.items()})
+        return (out, lse) if return_lse else out
+    out, lse, plan = _checked_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, k=k, v=v,
+                                   causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                                   return_lse=return_lse, k_descale=k_descale, v_descale=v_descale, window=window,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if plan is not None and False not in key[:len(given)]:
+        if len(_WARM) >= WARM_MAX:
+            _WARM.clear()
+        _WARM[key] = plan
+    wrap = _wrap_like(q)
+    return (wrap(out), wrap(lse)) if return_lse else wrap(out)
+
+
+def _launchable(name: str, x):
+    """A warm call's array as the kernels read it: a mask array as float32 (_as_float32), the 16-byte alignment
+    of the streamed ones checked."""
+    if name in MASK_ARRAYS:
+        return _as_float32(name, x, DevArray.of(x))[0]
+    if name in ("q", "k_cache", "v_cache") and _ptr(x) % 16:
+        _check_aligned(name, DevArray.of(x), vector=True)
+    return x
+
+
+def _ptr(x) -> int:
+    return x.data_ptr() if type(x).__module__.startswith("torch") else x.data.ptr
+
+
+def _checked_call(q, k_cache, v_cache, *, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
+                  return_lse, k_descale, v_descale, window, softcap, alibi_slopes, sinks):
+    """The call checked in full and run: (out, lse, the plan where the call's index arrays all live on the device,
+    else None: host values are checked on every call)."""
     require_gpu("attention_with_kvcache")
     if softmax_scale == 0 and (softcap > 0 or alibi_slopes is not None):
         raise ValueError("softmax_scale = 0 with softcap or alibi_slopes: not supported on the GPU (the kernel "
@@ -132,9 +188,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
             held.append(fw.from_host(np.ascontiguousarray(host_x), device))
             ptrs[n] = fw.ptr(held[-1])
     out, lse = plan.run(fw, **ptrs)
-    del held
-    wrap = _wrap_like(q)
-    return (wrap(out), wrap(lse)) if return_lse else wrap(out)
+    return out, lse, None if held or on_device.keys() != {n for n in INDEX if index[n] is not None} else plan
 
 
 def _check(specs: tuple, host: dict) -> kvcache.CacheCall:

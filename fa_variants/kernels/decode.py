@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -106,9 +108,9 @@ def compile_units(arch: str | None = None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ arrays
-@dataclasses.dataclass(frozen=True)
-class DevArray:
-    """A GPU array as the launch needs it: pointer, shape, strides in elements, dtype name, device."""
+class DevArray(NamedTuple):
+    """A GPU array as the launch needs it: pointer, shape, strides in elements, dtype name, device. (A NamedTuple:
+    a decoding step makes and hashes several per call, and a tuple's construction and hash are the cheapest.)"""
     ptr: int
     shape: tuple
     strides: tuple
@@ -118,7 +120,7 @@ class DevArray:
     @property
     def spec(self) -> "DevArray":
         """The array without its pointer: what a launch plan depends on."""
-        return DevArray(0, self.shape, self.strides, self.dtype, self.device)
+        return self._replace(ptr=0)
 
     @property
     def itemsize(self) -> int:
@@ -206,7 +208,7 @@ class Launch:
     def __call__(self, stream: int, **ptrs: int) -> None:
         from .launch import launch
         launch(self.func, self.grid, self.block, self.smem, stream, self.template, self.fmt,
-               *(ptrs.get(f, 0) for f in self.pointers), after=self.after)
+               *[ptrs.get(f, 0) for f in self.pointers], after=self.after)
 
 
 def append_launch(k: DevArray, v: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool, capacity: int,
@@ -277,10 +279,12 @@ class StepPlan:
         step = dict(q=q, k=k_cache, v=v_cache, k_descale=k_descale, v_descale=v_descale, **index)
         if self.merge is None:
             self.split(fw.stream, **step, o=o, lse=lse_ptr)
-        else:
-            parts, lse_parts = fw.empty(self.parts_shape, "float32"), fw.empty(self.lse_parts_shape, "float32")
-            self.split(fw.stream, **step, o_part=fw.ptr(parts), lse_part=fw.ptr(lse_parts))
-            self.merge(fw.stream, o_parts=fw.ptr(parts), lse_parts=fw.ptr(lse_parts), out=o, lse=lse_ptr)
+        else:   # the partials, O's then the LSEs', in one allocation (one allocator call fewer a step)
+            parts = fw.empty((math.prod(self.parts_shape) + math.prod(self.lse_parts_shape),), "float32")
+            o_parts = fw.ptr(parts)
+            lse_parts = o_parts + 4 * math.prod(self.parts_shape)
+            self.split(fw.stream, **step, o_part=o_parts, lse_part=lse_parts)
+            self.merge(fw.stream, o_parts=o_parts, lse_parts=lse_parts, out=o, lse=lse_ptr)
         return out, lse
 
 
