@@ -93,3 +93,26 @@ def test_an_int_length_under_compile(rng):
     got = torch.compile(lambda q, kc, vc: fav.attention_with_kvcache(q, kc, vc, cache_seqlens=17),
                         fullgraph=True)(tensors["q"], tensors["k_cache"], tensors["v_cache"])
     assert np.array_equal(got.numpy(), want)
+
+
+def test_mask_keywords_compile_whole(rng):
+    """A window and bfloat16 sinks that require grad (gpt-oss's parameters) and ALiBi slopes through the one op
+    under torch.compile (fullgraph), as the eager call gives them."""
+    host, tensors = step(rng, ml_dtypes.bfloat16, 8)
+    sinks = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+    slopes = torch.rand(2, 4, dtype=torch.float32)
+    kw = dict(window=(5, 0), softcap=3.0, alibi_slopes=slopes)
+    eager = {n: None if x is None else x.clone() for n, x in tensors.items()}
+    with torch.no_grad():
+        want = call(eager, sinks=sinks, **kw)
+
+    @torch.compile(fullgraph=True)
+    def decode_step(q, k_cache, v_cache, cache_seqlens, page_table, k, v, sinks):
+        return fav.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                          page_table=page_table, k=k, v=v, sinks=sinks, **kw)
+
+    with torch.no_grad():
+        got = decode_step(**tensors, sinks=sinks)
+    assert torch.equal(got, want)
+    unmasked = call({n: None if x is None else x.clone() for n, x in eager.items() if n not in ("k", "v")})
+    assert not torch.equal(unmasked, want)
