@@ -19,6 +19,7 @@ import numpy as np
 from .. import jit
 from ..reference import decode as model
 from .common import CTYPE, cdiv, scale_log2, smem_limit
+from .launch import function_of, launch
 from .params import APPEND, DECODE, MERGE
 
 SOURCE, MERGE_SOURCE, APPEND_SOURCE = "decode_fwd.cu", "merge_states.cu", "kv_append.cu"
@@ -174,7 +175,6 @@ class Framework:
 # ------------------------------------------------------------------------------------------------ launches
 @functools.lru_cache(maxsize=None)
 def _function_on(source: str, expr: str, smem: int, device: int) -> int:
-    from .launch import function_of
     return function_of(jit.kernel(source, expr), smem)
 
 
@@ -206,7 +206,6 @@ class Launch:
                       struct.pointers_format, pointers, after)
 
     def __call__(self, stream: int, **ptrs: int) -> None:
-        from .launch import launch
         launch(self.func, self.grid, self.block, self.smem, stream, self.template, self.fmt,
                *[ptrs.get(f, 0) for f in self.pointers], after=self.after)
 
