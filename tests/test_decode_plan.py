@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from fa_variants.kernels import decode as k
-from fa_variants.kernels import launch as launch_mod
 from fa_variants.kernels.params import APPEND, DECODE, MERGE
 
 STREAM = 7
@@ -51,7 +50,7 @@ def launches(monkeypatch):
         pystruct.pack_into(fmt, buf, 0, *ptrs)
         rec = np.frombuffer(bytes(buf), dtype=struct.dtype)[0]
         seen.append((func, tuple(grid), after, {f: rec[f].item() for f, _ in struct.fields}))
-    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    monkeypatch.setattr(k, "launch", fake_launch)
     return seen
 
 
