@@ -3,11 +3,12 @@ FlashAttention-4 (where installed), on the same torch tensors, in one run.
 
     python bench/decode.py [--quick] [--fp16] [--json FILE]
 
-GB/s counts K and V read once (the bytes a decoding step cannot avoid). Kernel time: CUDA events around one call,
-the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden behind a sleep kernel, median of
---reps. As a user sees it: triton's do_bench
-(host cost included, L2 not flushed), and one step captured in a CUDA graph and replayed. SDPA's is_causal is
-top-left when seqlen_q > 1, so the peers get seqlen_q = 1 only (there causal and full coincide).
+GB/s counts K and V read once (the bytes a decoding step cannot avoid; with a window, the window's). Kernel time:
+CUDA events around one call, the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden
+behind a sleep kernel, median of --reps. As a user sees it: triton's do_bench (host cost included, L2 not flushed),
+and one step captured in a CUDA graph and replayed. SDPA's is_causal is top-left when seqlen_q > 1, so the peers get
+seqlen_q = 1 only (there causal and full coincide). The window rows (gpt-oss's sliding layers: a window of 128 and
+sinks) have no peer here: SDPA takes neither.
 """
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def paged_copy(x, page_size: int, order):
     return pages
 
 
-def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False, dtype="bfloat16"):
+def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False, dtype="bfloat16",
+              window=None):
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=getattr(torch, dtype))
     k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=getattr(torch, dtype))
@@ -113,14 +115,15 @@ def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=
         order = torch.randperm(batch * n // paged, device="cuda")
         kc, vc = paged_copy(kc, paged, order), paged_copy(vc, paged, order)
         table = order.view(batch, n // paged).to(torch.int32)
-    kv_bytes = 2 * batch * n * HEADS_KV * D * (1 if fp8 else 2)
+    kv_bytes = 2 * batch * min(n, window or n) * HEADS_KV * D * (1 if fp8 else 2)
+    masks = {} if window is None else dict(window=(window - 1, 0), sinks=torch.randn(HEADS, device="cuda"))
 
     def ours():
         return fav.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=kd,
-                                          v_descale=vd, causal=True)
+                                          v_descale=vd, causal=True, **masks)
     rows = {}
     fns = {"fa-variants": ours}
-    if with_peers and seqlen_q == 1 and not paged and not fp8 and dtype == "bfloat16":
+    if with_peers and seqlen_q == 1 and not paged and not fp8 and dtype == "bfloat16" and window is None:
         fns.update(peers(q, k, v))
     from triton.testing import do_bench
     for name, fn in fns.items():
@@ -145,7 +148,7 @@ def main():
     table, record = [], []
     shapes = SHAPES[:3] if args.quick else SHAPES
     variants = [dict(seqlen_q=1), dict(seqlen_q=4), dict(seqlen_q=1, paged=16), dict(seqlen_q=1, paged=256),
-                dict(seqlen_q=1, fp8=True)]
+                dict(seqlen_q=1, fp8=True), dict(seqlen_q=1, window=128)]   # gpt-oss's sliding layers (with sinks)
     if args.fp16:
         variants += [dict(seqlen_q=1, dtype="float16"), dict(seqlen_q=1, fp8=True, dtype="float16")]
     for batch, n in shapes:
@@ -157,7 +160,8 @@ def main():
             ours = rows["fa-variants"]
             q_fmt = {"bfloat16": "bf16", "float16": "fp16"}[var.get("dtype", "bfloat16")]
             table.append([batch, n, var.get("seqlen_q"), var.get("paged") or "-",
-                          f"fp8 ({q_fmt} q)" if var.get("fp8") else q_fmt,
+                          f"fp8 ({q_fmt} q)" if var.get("fp8") else
+                          f"{q_fmt}, window {var['window']} + sinks" if var.get("window") else q_fmt,
                           f"{ours['gbps']:.0f}", f"{ours['ms'] * 1e3:.1f}", f"{ours['do_bench_ms'] * 1e3:.1f}",
                           f"{ours['graph_ms'] * 1e3:.1f}",
                           *(f"{rows[p]['gbps']:.0f}" if p in rows else "-" for p in ("torch-flash", "cudnn", "fa4")),
