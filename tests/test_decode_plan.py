@@ -58,7 +58,7 @@ def spec(shape, dtype="bfloat16"):
     return k._contiguous(shape, dtype, 0)
 
 
-def plan(num_splits, append=False, return_lse=True, paged=False):
+def plan(num_splits, append=False, return_lse=True, paged=False, **masks):
     q = spec((2, 1, 32, 128))
     cache = spec((64, 16, 8, 128)) if paged else spec((2, 4096, 8, 128))
     new = spec((2, 1, 8, 128))
@@ -66,11 +66,11 @@ def plan(num_splits, append=False, return_lse=True, paged=False):
                            max_pages=32 if paged else 0) if append else None)
     return k.step_plan(q, cache, cache, paged=paged, max_pages=32 if paged else 0, seqlen_new=1 if append else 0,
                        capacity=4096, max_seqlen_k=4096, causal=True, softmax_scale=0.088,
-                       num_splits=num_splits, return_lse=return_lse, append=app)
+                       num_splits=num_splits, return_lse=return_lse, append=app, **masks)
 
 
 PTRS = dict(q=0x100, k_cache=0x200, v_cache=0x300, cache_seqlens=0x400, page_table=0x500, k_descale=0x600,
-            v_descale=0x700, k=0x800, v=0x900)
+            v_descale=0x700, k=0x800, v=0x900, alibi_slopes=0xa00, sinks=0xb00)
 
 
 def test_one_split_writes_out_and_lse_directly(launches):
@@ -117,3 +117,14 @@ def test_auto_split_count_is_the_models_rule(launches):
     """num_splits=0 takes the model's rule over the device's SMs."""
     from fa_variants.reference import decode as model
     assert plan(num_splits=0).num_splits == model.choose_num_splits(2, 8, 4096, 132, k.SPLIT_N)
+
+
+def test_mask_keywords_reach_the_split(launches):
+    """The window, softcap, per-sequence ALiBi rows and the sinks in the split's struct; a window's keys, not the
+    cache's, in the split rule (a window of 128 over 4096 tokens: one split)."""
+    p = plan(num_splits=0, window=(127, 0), softcap=30.0, alibi_rows=2)
+    p.run(FakeFramework(), **PTRS)
+    split = launches[0][3]
+    assert (split["window_left"], split["window_right"], split["softcap"]) == (127, 0, 30.0)
+    assert (split["alibi_slopes"], split["sinks"], split["alibi_b"]) == (0xa00, 0xb00, 32)
+    assert split["inv_scale"] == pytest.approx(1 / 0.088) and p.num_splits == 1

@@ -266,7 +266,7 @@ class StepPlan:
     lse_parts_shape: tuple
 
     def run(self, fw: Framework, *, q: int, k_cache: int, v_cache: int, cache_seqlens: int, page_table: int = 0,
-            k_descale: int = 0, v_descale: int = 0, k: int = 0, v: int = 0):
+            k_descale: int = 0, v_descale: int = 0, k: int = 0, v: int = 0, alibi_slopes: int = 0, sinks: int = 0):
         """(out, lse or None) in fw's arrays, given the device pointers of the call's arrays (0: absent); k, v:
         the new tokens, appended when the plan has an append."""
         out = fw.empty(self.out_shape, self.dtype)
@@ -275,7 +275,8 @@ class StepPlan:
         index = dict(cache_seqlens=cache_seqlens, page_table=page_table)
         if self.append is not None:
             self.append(fw.stream, k=k, v=v, k_cache=k_cache, v_cache=v_cache, **index)
-        step = dict(q=q, k=k_cache, v=v_cache, k_descale=k_descale, v_descale=v_descale, **index)
+        step = dict(q=q, k=k_cache, v=v_cache, k_descale=k_descale, v_descale=v_descale, alibi_slopes=alibi_slopes,
+                    sinks=sinks, **index)
         if self.merge is None:
             self.split(fw.stream, **step, o=o, lse=lse_ptr)
         else:   # the partials, O's then the LSEs', in one allocation (one allocator call fewer a step)
