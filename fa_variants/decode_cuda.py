@@ -24,6 +24,7 @@ BIG = ("q", "k_cache", "v_cache", "k", "v")
 CACHE_INDEX = ("cache_seqlens", "page_table", "k_descale", "v_descale")
 MASK_ARRAYS = ("alibi_slopes", "sinks")
 INDEX = CACHE_INDEX + MASK_ARRAYS   # small arrays: device ones are not read on the host, host ones copied up
+MASK_DTYPES = ("float32", "float16", "bfloat16", "float64")   # what a device mask array may hold (read as float32)
 
 
 def require_gpu(func: str) -> None:
@@ -55,8 +56,8 @@ def _device_array(name: str, x):
 def _as_float32(name: str, x, d: DevArray):
     """A device sinks or alibi_slopes array as the kernel reads it: float32 (a model's bfloat16 parameters are
     converted on the device: no host read), contiguous."""
-    if not d.dtype.startswith("float"):
-        raise TypeError(f"{name} must have a floating-point dtype, got {d.dtype}")
+    if d.dtype not in MASK_DTYPES:
+        raise TypeError(f"{name} must have a floating-point dtype ({', '.join(MASK_DTYPES)}), got {d.dtype}")
     if d.dtype == "float32" and d.strides == kern.contiguous_strides(d.shape):
         return x, d
     y = x.float().contiguous() if _framework_root(x) == "torch" else arrays._cupy().ascontiguousarray(x, "float32")
