@@ -327,6 +327,7 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
                          f"{smem_limit()}")
     func = _function(SOURCE, instance(q.dtype, d, mt, paged, kv_bytes, arch), smem)
     out_shape = (batch, seqlen_q, heads, head_dim)
+    inv_scale = 1.0 / softmax_scale if softmax_scale else 0.0   # the transforms' raw units (a scale of 0 has none)
     split = Launch.of(DECODE, func, (num_splits, heads_kv * row_tiles, batch), THREADS, smem, append is not None,
                       q_b=q.strides[0], q_n=q.strides[1], q_h=q.strides[2],
                       k_b=k_cache.strides[0], k_n=k_cache.strides[1], k_h=k_cache.strides[2],
@@ -337,7 +338,7 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
                       page_size=k_cache.shape[1] if paged else 0, max_pages=max_pages,
                       num_pages=k_cache.shape[0] if paged else 0, num_splits=num_splits, row_tiles=row_tiles,
                       scale_log2=scale_log2(softmax_scale), causal=int(bool(causal)), window_left=window[0],
-                      window_right=window[1], softcap=softcap, inv_scale=1.0 / softmax_scale,
+                      window_right=window[1], softcap=softcap, inv_scale=inv_scale,
                       alibi_b=heads if alibi_rows > 1 else 0)
     parts_shape = (num_splits, batch, seqlen_q, heads, head_dim)
     lse_parts_shape = (num_splits, batch, heads, seqlen_q)
