@@ -285,7 +285,8 @@ def _explain(capsys, *flags):
 
 
 @pytest.mark.parametrize("flags", [[], ["--batch", "3", "--seqlen", "1000", "--seqlen-q", "4", "--page-size", "7",
-                                        "--heads", "16", "--heads-kv", "2", "--head-dim", "32", "--splits", "5"]])
+                                        "--heads", "16", "--heads-kv", "2", "--head-dim", "32", "--splits", "5"],
+                                   ["--seqlen", "8192", "--window", "127", "0", "--splits", "5"]])
 def test_explain_decode_counts_match_the_closed_form(capsys, flags):
     rc, out = _explain(capsys, *flags)
     assert rc == 0
@@ -297,6 +298,8 @@ def test_explain_decode_counts_match_the_closed_form(capsys, flags):
     assert "Why split" in out and "LSE = log sum_s e^(LSE_s)" in out
     chosen = [line for line in out.splitlines() if line.startswith("->")]
     assert len(chosen) == 1 and chosen[0].split()[1] == ("5" if flags else "8")
+    if "--window" in flags:   # a window of 128 keys: 128 of the 8192 read, whatever the splits
+        assert "128 keys seen" in out and [r for r in rows if r[0] == "k_cache"][0][-1] == f"{128 * 8 * 64 * 2:,}"
 
 
 @pytest.mark.parametrize("flags,words", [(["--heads", "6", "--heads-kv", "4"], "must be a multiple of --heads-kv"),

@@ -12,6 +12,7 @@ import numpy as np
 from tabulate import tabulate
 
 from ..reference import decode as model
+from ..reference import masks
 from .args import positive
 
 # The model's steps at most: one per (KV head, block of keys) over the batch (Python loops, about 20 us each)
@@ -58,14 +59,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"fa-variants explain decode: {batch * heads_kv * blocks:,} (KV head, block) steps are too "
                          f"many for the NumPy model (at most {EXPLAIN_MAX_BLOCKS:,}); use a smaller --seqlen or "
                          f"--batch")
-    chosen = args.splits or model.choose_num_splits(batch, heads_kv, n, args.sms)
+    window = _window(args)
+    seen = n if window[0] < 0 else min(n, window[0] + nq)   # the keys some query sees: what is split and read
+    chosen = args.splits or model.choose_num_splits(batch, heads_kv, seen, args.sms)
     print(f"decode: split-KV decoding (FlashDecoding) over a KV cache; batch {batch}, {heads} query heads on "
           f"{heads_kv} KV heads (GQA {heads // heads_kv}:1), seqlen_q {nq}, {n} cached tokens, d {d}, {args.dtype}"
-          f"{'' if args.page_size is None else f', pages of {args.page_size}'}")
+          f"{'' if args.page_size is None else f', pages of {args.page_size}'}"
+          f"{'' if window == (-1, -1) else f', window {window}: {seen} keys seen'}")
     print(model.LOOPS + "\n")
     print(_why_split(batch, heads, heads_kv, args.sms) + "\n")
-    print(_splits_table(batch, heads, heads_kv, nq, n, d, args.sms, chosen, np.dtype(args.dtype).itemsize) + "\n")
-    print(_bytes_table(args, chosen) + "\n")
+    print(_splits_table(batch, heads, heads_kv, nq, seen, d, args.sms, chosen, np.dtype(args.dtype).itemsize) + "\n")
+    print(_bytes_table(args, chosen, window, seen) + "\n")
     print(MERGE_ALGEBRA)
     return 0
 
@@ -100,8 +104,18 @@ def _splits_table(batch, heads, heads_kv, nq, n, d, sms, chosen, kv_bytes) -> st
                          f"of {model.DEFAULT_BLOCK_N} keys, {sms} SMs):", WIDTH) + "\n" + table
 
 
-def _bytes_table(args: argparse.Namespace, splits: int) -> str:
-    """The model run once at the shape (random values) beside traffic_formula."""
+def _window(args: argparse.Namespace) -> tuple:
+    """explain mask's --window LEFT RIGHT, as the call's window (-1: unbounded)."""
+    window = tuple(getattr(args, "window", None) or (-1, -1))
+    try:
+        return masks.check_window(window)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"fa-variants explain decode: --window: {e}") from None
+
+
+def _bytes_table(args: argparse.Namespace, splits: int, window: tuple, seen: int) -> str:
+    """The model run once at the shape (random values) beside traffic_formula; with a window, over the keys it
+    shows (``seen`` of each sequence)."""
     batch, heads, heads_kv, nq, n, d = (args.batch, args.heads, args.heads_kv, args.seqlen_q, args.seqlen,
                                         args.head_dim)
     dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float16
@@ -115,9 +129,10 @@ def _bytes_table(args: argparse.Namespace, splits: int) -> str:
         page_table = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
     k_cache, v_cache = (rng.standard_normal(shape, np.float32).astype(dtype) for _ in range(2))
     q = rng.standard_normal((batch, nq, heads, d), np.float32).astype(dtype)
-    res = model.forward(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table, num_splits=splits)
+    res = model.forward(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table, num_splits=splits,
+                        window=window)
     counted = res.traffic.rows()
-    formula = model.traffic_formula([n] * batch, seqlen_q=nq, heads=heads, heads_kv=heads_kv, head_dim=d,
+    formula = model.traffic_formula([seen] * batch, seqlen_q=nq, heads=heads, heads_kv=heads_kv, head_dim=d,
                                     seqlen_new=0, num_splits=splits, q_bytes=q.itemsize, kv_bytes=k_cache.itemsize)
     rows = [(t, way, f"{formula.get((t, way), 0):,}", f"{counted.get((t, way), 0):,}")
             for t, way in sorted(set(formula) | set(counted), key=lambda k: (model.TENSORS.index(k[0]), k[1]))]
