@@ -32,7 +32,8 @@ def add_args(e: argparse.ArgumentParser) -> None:
     """explain's flags for ``explain mask``."""
     e.add_argument("--causal", action="store_true", help="explain mask: bottom-right causal")
     e.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=(-1, -1),
-                   help="explain mask and explain decode: a sliding window, flash-attn's (-1: unbounded), default -1 -1")
+                   help="explain mask and explain decode: a sliding window, flash-attn's (-1: unbounded), "
+                        "default -1 -1")
     e.add_argument("--seqlens", type=lengths_arg, metavar="N1,N2,...",
                    help="explain mask: a packed batch's sequence lengths instead of one sequence of --seqlen")
 

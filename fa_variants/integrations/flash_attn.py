@@ -78,7 +78,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     None: every sequence fills its cache). Returns out (with return_softmax_lse: (out, softmax_lse (batch, heads,
     seqlen_q)))."""
     refused = {n: x for n, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                                 ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)) if x is not None}
+                                 ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad))
+               if x is not None}
     if refused:
         raise ValueError(f"{', '.join(refused)} not supported by fa-variants' attention_with_kvcache: apply the "
                          f"rotary embedding to q and k before the call, and pass the cache's own rows (no "

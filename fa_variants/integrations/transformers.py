@@ -43,8 +43,8 @@ What the attention function does with transformers' arguments:
   tests below run the NumPy models, the GPU ones the kernels.
 * ``Unsupported`` for: a 4D mask, padding with a StaticCache (under torch.compile, where the mask cannot be read
   on the host, a padded sequence of a StaticCache gets the length -1 instead, which the kernels turn into NaN
-  rows), a StaticCache's sliding-window layers (their slots roll), ``cu_seq_lens_*`` without packed position_ids, chunked
-  attention, custom mask overlays, position biases, a value head dim
+  rows), a StaticCache's sliding-window layers (their slots roll), ``cu_seq_lens_*`` without packed position_ids,
+  chunked attention, custom mask overlays, position biases, a value head dim
   other than the query's, and attention dropout != 0 (there is no dropout in ``fav.attention``: transformers
   passes ``dropout=attention_dropout`` only in training, so set ``config.attention_dropout = 0`` or use
   ``model.eval()``).
