@@ -14,6 +14,7 @@ import io
 import pstats
 import time
 
+import numpy as np
 import torch
 
 import fa_variants as fav
@@ -30,17 +31,20 @@ class _HostFramework(kd.Framework):
         self.torch, self.lib, self.device, self.stream = True, torch, torch.device("cpu"), 0
 
 
-def stub_the_device() -> None:
-    """Make the GPU path run on CPU tensors: they claim the GPU, live on device 0, and nothing reaches a driver."""
+def stub_the_device(patch=setattr) -> None:
+    """Make the GPU path run on CPU tensors: they claim the GPU, live on device 0, and nothing reaches a driver.
+    ``patch(obj, name, value)``: setattr, or a test's monkeypatch.setattr (undone after the test)."""
     of = DevArray.of
-    DevArray.of = staticmethod(lambda x: of(x)._replace(device=0))
-    gpu.available = lambda: True
-    arrays._claims_gpu = lambda x: None if x is None else True
-    decode_cuda._device_array = lambda name, x: (x, DevArray.of(x))
-    decode_cuda.Framework = kd.Framework = _HostFramework
-    kd.arch_of, kd.num_sms, kd.smem_limit = (lambda device: "sm_90a"), (lambda device: 132), (lambda: 227 * 1024)
-    kd._function = lambda source, expr, smem=0: 1
-    kl.launch_argv = lambda *a, **k: None
+    patch(DevArray, "of", staticmethod(lambda x: of(x)._replace(device=0)))
+    patch(gpu, "available", lambda: True)
+    patch(arrays, "_claims_gpu", lambda x: None if x is None else not isinstance(x, (int, np.ndarray)))
+    patch(decode_cuda, "_device_array", lambda name, x: (x, DevArray.of(x)))
+    patch(decode_cuda, "Framework", _HostFramework)
+    patch(kd, "arch_of", lambda device: "sm_90a")
+    patch(kd, "num_sms", lambda device: 132)
+    patch(kd, "smem_limit", lambda: 227 * 1024)
+    patch(kd, "_function", lambda source, expr, smem=0: 1)
+    patch(kl, "launch_argv", lambda *a, **k: None)
 
 
 def main():
