@@ -109,6 +109,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
     """decode.attention_with_kvcache's GPU path (its scalar arguments, the window and the softcap already
     checked). A call whose signature (every array's facts, on the device, and the scalars) passed before runs its
     plan straight away: the checks depend on the signature alone there."""
+    if softmax_scale < 0:   # the kernel's row max is of the raw scores: -q with |scale| gives the same scores
+        q, softmax_scale = _negated(q), -softmax_scale
     given = (q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, alibi_slopes, sinks)
     key = (*map(_facts, given), causal, softmax_scale, num_splits, return_lse, window, softcap)
     plan = _WARM.get(key)
@@ -126,6 +128,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
         _WARM[key] = plan
     wrap = _wrap_like(q)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)
+
+
+def _negated(q):
+    """-q, exact (a sign flip), in q's framework: a CuPy bfloat16 array by its sign bits (CuPy has no arithmetic
+    on it)."""
+    root = _framework_root(q)
+    if root == "cupy":
+        from .kernels.common import negated
+        return negated(q)
+    return -q
 
 
 def _launchable(name: str, x):

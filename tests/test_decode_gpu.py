@@ -196,6 +196,22 @@ def test_bfloat16_sinks_on_the_device_and_a_graph(rng):
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+def test_a_negative_scale_matches_float64(rng, softcap):
+    """softmax_scale -0.5 on scores spread over hundreds (q scaled by 8): the row max of the raw scores would
+    overflow the exponentials; the kernel runs -q with |scale| (with a softcap too, odd in the score)."""
+    import cupy
+    c = DecodeCase(2, 2, 8, 2, 128, (300, 1000), 1024, None, True, num_splits=3)
+    q, cache, _, _, _ = _host_call(rng, c)
+    q = (q.astype(np.float32) * 8).astype(q.dtype)
+    ref = reference(q, cache.k_log, cache.v_log, np.array(c.lens), True, scale=-0.5,
+                    **({"softcap": softcap} if softcap else {}))
+    out, lse = fav.attention_with_kvcache(cupy.asarray(q), cupy.asarray(cache.k_cache), cupy.asarray(cache.v_cache),
+                                          cache_seqlens=np.array(c.lens, np.int32), softmax_scale=-0.5,
+                                          softcap=softcap, num_splits=3, return_lse=True)
+    _check(c, cupy.asnumpy(out), cupy.asnumpy(lse), ref, f"scale -0.5 softcap {softcap}", c.dtype)
+
+
 def test_strided_q_and_cache_views(rng):
     """q a slice of a wider tensor (heads), the cache a slice of a longer one: strides, not copies."""
     import cupy

@@ -91,3 +91,12 @@ def test_bfloat16_sinks_are_launched_as_float32(launches):
     for _ in range(2):   # the checked call, then the warm one
         fav.attention_with_kvcache(q, k, v, cache_seqlens=lens, sinks=sinks)
         assert seen[-1]["sinks"] not in (0, sinks.data_ptr())
+
+
+def test_a_negative_scale_runs_on_a_negated_q(launches):
+    """The kernel's row max is of the raw scores, so softmax_scale < 0 runs -q with |scale| (the same scores)."""
+    seen, _ = launches
+    q, k, v, lens = arrays()
+    for _ in range(2):
+        fav.attention_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=-0.5)
+        assert seen[-1]["q"] != q.data_ptr() and seen[-1]["scale_log2"] == pytest.approx(0.5 * 1.4426950408889634)
