@@ -18,6 +18,7 @@ from . import arrays, gpu, kvcache
 from .reference import masks
 from .dispatch import BackendUnavailable
 from .kernels import decode as kern
+from .kernels.common import negated
 from .kernels.decode import DevArray, Framework
 
 BIG = ("q", "k_cache", "v_cache", "k", "v")
@@ -133,11 +134,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, k,
 def _negated(q):
     """-q, exact (a sign flip), in q's framework: a CuPy bfloat16 array by its sign bits (CuPy has no arithmetic
     on it)."""
-    root = _framework_root(q)
-    if root == "cupy":
-        from .kernels.common import negated
-        return negated(q)
-    return -q
+    return negated(q) if _framework_root(q) == "cupy" else -q
 
 
 def _launchable(name: str, x):

@@ -105,6 +105,26 @@ def _expected(c: DecodeCase, q, cache, new, kd, vd, **mask):
             (k_log, v_log))
 
 
+def _graph_replay(step, reset):
+    """step()'s results as a torch.cuda.CUDAGraph replays it: warmed up on a side stream (torch's rule), captured,
+    replayed, with reset() (the cache back as it was) before each of the three."""
+    import torch
+    reset()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    reset()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        results = step()
+    reset()
+    g.replay()
+    torch.cuda.synchronize()
+    return results
+
+
 def _check(c, out, lse, ref, what, tol_dtype):
     (ref_out, ref_lse) = ref
     out = np.asarray(out, np.float64)
@@ -180,19 +200,8 @@ def test_bfloat16_sinks_on_the_device_and_a_graph(rng):
     kc0, vc0 = kc.clone(), vc.clone()
     out, lse = fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
     _check(c, out.float().cpu().numpy(), lse.cpu().numpy(), ref, "bf16 sinks", "bfloat16")
-    kc.copy_(kc0), vc.copy_(vc0)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    kc.copy_(kc0), vc.copy_(vc0)
-    with torch.cuda.graph(g):
-        g_out, g_lse = fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
-    kc.copy_(kc0), vc.copy_(vc0)
-    g.replay()
-    torch.cuda.synchronize()
+    g_out, g_lse = _graph_replay(lambda: fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw),
+                                 lambda: (kc.copy_(kc0), vc.copy_(vc0)))
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
@@ -300,20 +309,8 @@ def test_torch_in_place_append_device_lengths_and_cuda_graph(rng):
     ref, _ = _expected(c, q, cache, new, None, None)
     _check(c, out.float().cpu().numpy(), lse.cpu().numpy(), ref, "torch", "bfloat16")
     assert not torch.equal(kc, kc0)
-    # the graph: warm up on a side stream (torch's rule), capture, reset the cache, replay
-    kc.copy_(kc0), vc.copy_(vc0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    kc.copy_(kc0), vc.copy_(vc0)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        g_out, g_lse = fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw)
-    kc.copy_(kc0), vc.copy_(vc0)
-    g.replay()
-    torch.cuda.synchronize()
+    g_out, g_lse = _graph_replay(lambda: fav.attention_with_kvcache(qt, kc, vc, k=kn, v=vn, **kw),
+                                 lambda: (kc.copy_(kc0), vc.copy_(vc0)))
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 

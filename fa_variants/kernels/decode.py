@@ -262,8 +262,8 @@ class StepPlan:
     out_shape: tuple
     dtype: str
     lse_shape: tuple | None      # None: no LSE asked for
-    parts_shape: tuple           # the splits' fp32 partial O and LSE (when split)
-    lse_parts_shape: tuple
+    o_parts_size: int            # elements of the splits' fp32 partial O (when split), then their LSEs' up to
+    parts_size: int              # parts_size: one allocation
 
     def run(self, fw: Framework, *, q: int, k_cache: int, v_cache: int, cache_seqlens: int, page_table: int = 0,
             k_descale: int = 0, v_descale: int = 0, k: int = 0, v: int = 0, alibi_slopes: int = 0, sinks: int = 0):
@@ -280,9 +280,9 @@ class StepPlan:
         if self.merge is None:
             self.split(fw.stream, **step, o=o, lse=lse_ptr)
         else:   # the partials, O's then the LSEs', in one allocation (one allocator call fewer a step)
-            parts = fw.empty((math.prod(self.parts_shape) + math.prod(self.lse_parts_shape),), "float32")
+            parts = fw.empty((self.parts_size,), "float32")
             o_parts = fw.ptr(parts)
-            lse_parts = o_parts + 4 * math.prod(self.parts_shape)
+            lse_parts = o_parts + 4 * self.o_parts_size
             self.split(fw.stream, **step, o_part=o_parts, lse_part=lse_parts)
             self.merge(fw.stream, o_parts=o_parts, lse_parts=lse_parts, out=o, lse=lse_ptr)
         return out, lse
@@ -348,4 +348,5 @@ def step_plan(q: DevArray, k_cache: DevArray, v_cache: DevArray, *, paged: bool,
         merge = merge_launch(_contiguous(parts_shape, "float32", q.device), lse_parts,
                              _contiguous(out_shape, q.dtype, q.device), lse_parts.strides, after=True)
     return StepPlan(append, split, merge, num_splits, out_shape, q.dtype,
-                    (batch, heads, seqlen_q) if return_lse else None, parts_shape, lse_parts_shape)
+                    (batch, heads, seqlen_q) if return_lse else None, math.prod(parts_shape),
+                    math.prod(parts_shape) + math.prod(lse_parts_shape))
