@@ -217,38 +217,17 @@ fa2_bwd_dq(const fav::BwdParams p) {
 }
 
 // ---- the masked backward: the same passes under AttnMask (windows, softcap, ALiBi; the sinks are in the LSE), over
-// a dense batch or a packed one. A CTA's view of its sequence: the pointers at the sequence's first row (packed) or
-// its LSE and D at its batch row (dense), the lengths its own; b (for the dense strides) is 0 in a packed view.
-struct MaskedBwdView {
-    fav::MaskedBwdParams p;
-    int b;
-    __forceinline__ __device__ MaskedBwdView(const fav::MaskedBwdParams& params, int seq) : p(params), b(seq) {
-        if (params.cu_seqlens_q != nullptr) {
-            const int q0 = params.cu_seqlens_q[seq], k0 = params.cu_seqlens_k[seq];
-            const long long ldq = (long long)params.heads * params.head_dim;
-            const long long ldk = (long long)(params.heads / params.group) * params.head_dim;
-            p.seqlen_q = params.cu_seqlens_q[seq + 1] - q0;
-            p.seqlen_k = params.cu_seqlens_k[seq + 1] - k0;
-            p.q += q0 * params.q_n, p.o += q0 * params.o_n, p.dout += q0 * params.do_n, p.dq += q0 * ldq;
-            p.k += k0 * params.k_n, p.v += k0 * params.v_n, p.dk += k0 * ldk, p.dv += k0 * ldk;
-            p.lse += q0, p.delta += q0;
-            b = 0;
-        } else {
-            const long long at = (long long)seq * params.heads * params.seqlen_q;
-            p.lse += at, p.delta += at;
-        }
-    }
-};
-
+// a dense batch or a packed one, each CTA on its sequence's view (sequence.cuh's sequence_view: the pointers at the
+// sequence's first row when packed, the lengths its own; b, for the dense strides, is 0 in a packed view).
 template <class T, int D, int DC, int BM, int BN, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa2_bwd_dkdv_masked(const fav::MaskedBwdParams params) {
     using namespace fav;
     constexpr int SLICES = D / DC;
     const int j = blockIdx.x / SLICES, h_kv = blockIdx.y;
-    const MaskedBwdView view(params, blockIdx.z);
-    if (j * BN >= view.p.seqlen_k) return;
-    const MaskedBwdParams& p = view.p;
+    const BwdSequence view = sequence_view(params, blockIdx.z);
+    if (j * BN >= view.seqlen_k) return;
+    const MaskedBwdParams& p = view;
     dkdv_block<T, D, DC, BM, BN, NWARPS>(
         p, [&] { return AttnMask::of(p, p.seqlen_q, p.seqlen_k, blockIdx.z, h_kv * params.group); }, j,
         (blockIdx.x % SLICES) * DC, h_kv, view.b);
@@ -260,9 +239,9 @@ fa2_bwd_dq_masked(const fav::MaskedBwdParams params) {
     using namespace fav;
     constexpr int SLICES = D / DC;
     const int i_block = gridDim.x / SLICES - 1 - blockIdx.x / SLICES, h = blockIdx.y;
-    const MaskedBwdView view(params, blockIdx.z);
-    if (i_block * BM >= view.p.seqlen_q) return;
-    const MaskedBwdParams& p = view.p;
+    const BwdSequence view = sequence_view(params, blockIdx.z);
+    if (i_block * BM >= view.seqlen_q) return;
+    const MaskedBwdParams& p = view;
     dq_block<T, D, DC, BM, BN, NWARPS>(p, [&] { return AttnMask::of(p, p.seqlen_q, p.seqlen_k, blockIdx.z, h); },
                                        i_block, (blockIdx.x % SLICES) * DC, h, view.b);
 }

@@ -213,34 +213,13 @@ fa2_bwd_fused_writer_sm90(const fav::BwdParams p, float* dq_acc, int* dq_counts,
     }
 }
 
-// dQ = scale x the fused pass's fp32 sum, into q's layout (contiguous); Q blocks that see no key get zeros (no
-// share was stored there). One thread per 8 columns of a row. The sum is in the writer's layout, (batch, heads,
-// n_q, half, 64 x 64 in fragment order: the pair of columns 8n + 2t, + 1 of row 16 w + 8 r + g at float
-// ((n * 2 + r) * 128 + 32 w + 4 g + t) * 2 of its half), so that a row's 8 columns from 8n on are again 8
-// consecutive floats. FRAG names that layout (true: the only one).
+// dQ = scale x the fused pass's fp32 sum, into q's layout (hopper/bwd_dq_writer.cuh's convert_dq_row). One thread
+// per 8 columns of a row. FRAG names the sum's layout (true: the writer's fragment order, the only one).
 template <class T, int D, int BN, int BM, bool FRAG>
 __global__ void __launch_bounds__(256)
 fa2_bwd_dq_convert(const fav::BwdParams p, const float* dq_acc) {
-    using namespace fav;
-    static_assert(FRAG && BM * D == 2 * 64 * 64, "the writer's two 64 x 64 halves");
-    const int h = blockIdx.y, b = blockIdx.z, chunks = p.head_dim / 8;
-    const int x = blockIdx.x * 256 + threadIdx.x;
-    if (x >= p.seqlen_q * chunks) return;
-    const BwdMask mask(p);
-    const int q = x / chunks, col = x % chunks * 8, i = q / BM, n_q = mask.q_blocks<BM>(0).end;
-    const bool seen = mask.kv_blocks<BM, BN>(i * BM).count() > 0;
-    // halves by rows at BM 128 (d 64), by columns at BM 64 (d 128)
-    const int rq = q % BM, half = BM == 128 ? rq / 64 : col / 64, row = rq % 64, n = col % 64 / 8;
-    const float* src = dq_acc + ((((i64)b * p.heads + h) * n_q + i) * 2 + half) * 64 * 64 +
-                       ((n * 2 + row % 16 / 8) * 128 + row / 16 * 32 + row % 8 * 4) * 2;
-    float v[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = seen ? src[e] : 0.f;
-    u32 packed[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) packed[e] = T::pack(v[2 * e] * p.scale, v[2 * e + 1] * p.scale);
-    *reinterpret_cast<uint4*>(p.dq + ((i64)b * p.seqlen_q + q) * p.heads * p.head_dim + (i64)h * p.head_dim + col) =
-        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    static_assert(FRAG, "the writer's fragment order");
+    fav::convert_dq_row<T, D, BN, BM>(p, blockIdx.z, blockIdx.y, blockIdx.x * 256 + threadIdx.x, dq_acc);
 }
 
 template <class T, int D, int BM, int BN, int MINB = 1>

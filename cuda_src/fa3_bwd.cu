@@ -20,11 +20,13 @@
 
 namespace fav {
 
-// One work item of a compute warpgroup: K/V block j of (batch b, kv head h_kv), the m-th item of the CTA; shares
-// counts the CTA's steps so far (each step hands one share to the writer), which is also the ring position.
+// One work item of a compute warpgroup: K/V block j of (batch b, kv head h_kv), the m-th item the CTA runs;
+// shares counts the CTA's steps so far (each step hands one share to the writer), which is also the ring position.
+// MASKED: p is the item's sequence (BwdSequence), P^T is the step's query head's (its ALiBi slope), and dS^T takes
+// the softcap's chain rule.
 template <class C>
-__forceinline__ __device__ void fa3_dkdv_block(const BwdParams& p, int j, int h_kv, int b, const DqOrder& order,
-                                               DqShares& shares, int m) {
+__forceinline__ __device__ void fa3_dkdv_block(const typename C::Params& p, int j, int h_kv, int b,
+                                               const DqOrder& order, DqShares& shares, int m) {
     extern __shared__ unsigned char smem[];
     const DkdvCta<C> cta(p, smem, j, h_kv, b, order);
     const QSteps<C>& steps = cta.steps;
@@ -51,9 +53,17 @@ __forceinline__ __device__ void fa3_dkdv_block(const BwdParams& p, int j, int h_
         const float* lse2 = cta.smem.stats + 2 * stage * C::BM;
         wgmma_wait<1>();  // S^T is in (dP^T may still run)
         hold_registers(r.st);
-        recompute_pt(cta, r, lse2, m0);
         // dV_j, dS^T, dK_j, and dQ_i's share dS_ij K_j to the writer
-        fused_dq_step(cta, r, shares, order, stage, lse2 + C::BM, h, m0 / C::BM);
+        if constexpr (C::MASKED) {
+            const BwdAttnMask mask = cta.mask.for_head(p, h);
+            const int kw = cta.key0 + cta.kr0;
+            mask.p_key_rows(r.pt, r.st, kw, m0, lse2, p.scale_log2);
+            fused_dq_step(cta, r, shares, order, stage, lse2 + C::BM, h, m0 / C::BM,
+                          [&](float (&ds)[C::NT][4]) { mask.ds_key_rows(ds, r.pt, kw, m0, lse2, p.scale_log2); });
+        } else {
+            recompute_pt(cta, r, lse2, m0);
+            fused_dq_step(cta, r, shares, order, stage, lse2 + C::BM, h, m0 / C::BM);
+        }
         mbar_arrive_if(ring.empty(stage), leader);  // this warp's wgmmas of the step are done with the stage
     }
     sync_cta<C>();  // every warpgroup is done with K_j, V_j: the epilogue stages dK, dV over them
@@ -62,15 +72,55 @@ __forceinline__ __device__ void fa3_dkdv_block(const BwdParams& p, int j, int h_
     mbar_arrive_if(ring.kv_empty(), leader);
 }
 
-// The compute warpgroups' walk over the CTA's work items (ItemWalk, as fa2_bwd_sm90.cu's fused_items).
-template <class C>
-__forceinline__ __device__ void fa3_bwd_items(const BwdParams& p, int batch) {
+// The compute warpgroups' walk over the CTA's work items (ItemWalk, as fa2_bwd_sm90.cu's fused_items; MASKED:
+// SequenceWalk, as the producer's).
+template <class C, class P>
+__forceinline__ __device__ void fa3_bwd_items(const P& p, int batch) {
     DqShares shares{0};
-    for (ItemWalk<C::BN, C::BM> w(p, batch); w.more(); w.next()) {
+    for (typename WalkOf<typename C::Params, C::BN, C::BM>::type w(p, batch); w.more(); w.next()) {
         const FusedItemRole role = w.role(p);
-        fa3_dkdv_block<C>(p, role.j, w.h_kv(), w.b(), role.order, shares, w.m);
+        fa3_dkdv_block<C>(w.view(p), role.j, w.h_kv(), w.view_b(), role.order, shares, w.runs());
     }
     end_dq_shares<C::D, C::BN, C::BM>(shares);
+}
+
+// A CTA of the backward: its roles (below), each its own branch after its setmaxnreg.
+template <class C, bool ORDERED, class P>
+__forceinline__ __device__ void fa3_bwd_cta(const TmaDesc& tq, const TmaDesc& tdo, const TmaDesc& tk,
+                                            const TmaDesc& tv, const P& p, const float* stats, float* dq_acc,
+                                            int* dq_counts, int batch) {
+    extern __shared__ unsigned char smem[];
+    if (threadIdx.x == 0) {
+        const u32 base = (smem_u32(smem) + 1023) & ~1023u;
+        DqBuffers<C::D, C::BN, C::BM>{base}.init(2 * C::BN);
+        BwdRing<C>(base).init();
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 2 * C::BN) {
+        setmaxnreg_inc<240>();
+        fa3_bwd_items<C>(p, batch);
+    } else if (threadIdx.x / 32 % 4 == 2) {
+        setmaxnreg_dec<24>();
+        bwd_producer<C>(p, tq, tdo, tk, tv, stats, batch);
+    } else {
+        setmaxnreg_dec<24>();
+        dq_writer<C::D, C::BN, C::BM, ORDERED>(dq_acc, dq_counts);
+    }
+}
+
+// The producer's stats of query row i of head h (FA3's preprocessing): in Q block i / BM's (dq_block's numbering),
+// its LSE in log2 units, then its D = rowsum(dO o O), so that a step's stats are one bulk copy; rows past seqlen_q
+// (up to the block's end) get LSE +inf and D 0 (their P is 0). One warp per row.
+template <class T, int BM, class P>
+__forceinline__ __device__ void stats_row(const P& p, int b, int h, int i, float* stats) {
+    const int lane = threadIdx.x % 32;
+    const float delta = i < p.seqlen_q ? row_delta<T>(p, b, h, i, lane) : 0.f;
+    if (lane == 0) {
+        float* block = stats + (i64)dq_block<BM>(p, b, h, i / BM) * 2 * BM;
+        block[i % BM] = row_lse2(p, b, h, i);
+        block[BM + i % BM] = delta;
+    }
 }
 
 }  // namespace fav
@@ -85,26 +135,8 @@ __global__ void __launch_bounds__(2 * BN + 128, 1)
 fa3_bwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tdo,
         const __grid_constant__ fav::TmaDesc tk, const __grid_constant__ fav::TmaDesc tv, const fav::BwdParams p,
         const float* stats, float* dq_acc, int* dq_counts, int batch) {
-    using namespace fav;
-    using C = DkdvConfig<T, D, BN, BM, true, true, false, false, true>;
-    extern __shared__ unsigned char smem[];
-    if (threadIdx.x == 0) {
-        const u32 base = (smem_u32(smem) + 1023) & ~1023u;
-        DqBuffers<D, BN, BM>{base}.init(2 * BN);
-        BwdRing<C>(base).init();
-        fence_mbar_init();
-    }
-    __syncthreads();
-    if (threadIdx.x < 2 * BN) {
-        setmaxnreg_inc<240>();
-        fa3_bwd_items<C>(p, batch);
-    } else if (threadIdx.x / 32 % 4 == 2) {
-        setmaxnreg_dec<24>();
-        bwd_producer<C>(p, tq, tdo, tk, tv, stats, batch);
-    } else {
-        setmaxnreg_dec<24>();
-        dq_writer<D, BN, BM, ORDERED>(dq_acc, dq_counts);
-    }
+    using C = fav::DkdvConfig<T, D, BN, BM, true, true, false, false, true>;
+    fav::fa3_bwd_cta<C, ORDERED>(tq, tdo, tk, tv, p, stats, dq_acc, dq_counts, batch);
 }
 
 // The producer's LSE and D (FA3's preprocessing): per (batch, head, Q block of BM queries), the block's LSE in log2
@@ -113,14 +145,40 @@ fa3_bwd(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::Tm
 template <class T, int BM, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 fa3_bwd_stats(const fav::BwdParams p, float* stats) {
+    const int i = blockIdx.x * NWARPS + threadIdx.x / 32;
+    if (i >= (p.seqlen_q + BM - 1) / BM * BM) return;
+    fav::stats_row<T, BM>(p, blockIdx.z, blockIdx.y, i, stats);
+}
+
+// ---- the masked backward: the same CTA under AttnMask (a window, softcap, ALiBi; the sinks are in the LSE), over
+// a dense batch or a packed one (MaskedBwdParams; the maps of a packed batch's tensors as one sequence of their
+// rows). Each work item is one sequence's (SequenceWalk); the stats and the dQ sum are numbered by dq_block. The
+// dQ sum is always added in the fixed order. kernels/fa3_bwd.py's masked_backward launches the three.
+template <class T, int D, int BN, int BM>
+__global__ void __launch_bounds__(2 * BN + 128, 1)
+fa3_bwd_masked(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tdo,
+               const __grid_constant__ fav::TmaDesc tk, const __grid_constant__ fav::TmaDesc tv,
+               const fav::MaskedBwdParams p, const float* stats, float* dq_acc, int* dq_counts, int batch) {
+    using C = fav::DkdvConfig<T, D, BN, BM, true, true, false, false, true, false, fav::BwdSequence>;
+    fav::fa3_bwd_cta<C, true>(tq, tdo, tk, tv, p, stats, dq_acc, dq_counts, batch);
+}
+
+// The stats of a masked call: grid (longest sequence's Q blocks x BM / NWARPS, heads, sequences).
+template <class T, int BM, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+fa3_bwd_stats_masked(const fav::MaskedBwdParams params, float* stats) {
     using namespace fav;
-    const int i = blockIdx.x * NWARPS + threadIdx.x / 32, h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % 32;
-    const int n_q = (p.seqlen_q + BM - 1) / BM;
-    if (i >= n_q * BM) return;
-    const float delta = i < p.seqlen_q ? row_delta<T>(p, b, h, i, lane) : 0.f;
-    if (lane == 0) {
-        float* block = stats + (((i64)b * p.heads + h) * n_q + i / BM) * 2 * BM;
-        block[i % BM] = row_lse2(p, b, h, i);
-        block[BM + i % BM] = delta;
-    }
+    const BwdSequence s = sequence_view(params, blockIdx.z);
+    const int i = blockIdx.x * NWARPS + threadIdx.x / 32;
+    if (i >= (s.seqlen_q + BM - 1) / BM * BM) return;
+    stats_row<T, BM>(s, s.b, blockIdx.y, i, stats);
+}
+
+// dQ of a masked call from its sum (convert_dq_row): grid (longest sequence's rows x head_dim / 8 / 256, heads,
+// sequences).
+template <class T, int D, int BN, int BM>
+__global__ void __launch_bounds__(256)
+fa3_bwd_dq_convert_masked(const fav::MaskedBwdParams params, const float* dq_acc) {
+    const fav::BwdSequence s = fav::sequence_view(params, blockIdx.z);
+    fav::convert_dq_row<T, D, BN, BM>(s, s.b, blockIdx.y, blockIdx.x * 256 + threadIdx.x, dq_acc);
 }

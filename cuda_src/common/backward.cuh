@@ -37,6 +37,9 @@ __forceinline__ __device__ RowStats row_stats(const BwdParams& p, int b, int h, 
 }
 // The masked backward's view of one sequence (or batch row) has its LSE and D pointers at the sequence's first row
 // and a head stride of its own (packed calls: (heads, total_q)); b is 0 there.
+__forceinline__ __device__ float row_lse2(const MaskedBwdParams& p, int, int h, int row) {
+    return row < p.seqlen_q ? p.lse[h * p.lse_h + row] * LOG2E : __int_as_float(0x7f800000);
+}
 __forceinline__ __device__ RowStats row_stats(const MaskedBwdParams& p, int, int h, int row) {
     if (row >= p.seqlen_q) return {__int_as_float(0x7f800000), 0.f};
     const i64 at = h * p.lse_h + row;

@@ -247,6 +247,12 @@ struct AttnMask {
         if (k0 + KEYS > seqlen_k || k0 < first + QUERIES - 1 + diag - left || k0 + KEYS - 1 > first + diag + right)
             then();
     }
+    template <int QUERIES, int KEYS>
+    __forceinline__ __device__ bool needs_mask(int q0, int q_off, int k0) const {
+        bool needs = false;
+        if_needs_mask<QUERIES, KEYS>(q0, q_off, k0, [&] { needs = true; });
+        return needs;
+    }
 
     __forceinline__ __device__ bool visible(int query, int key) const {
         return key < seqlen_k && key >= query + diag - left && key <= query + diag + right;

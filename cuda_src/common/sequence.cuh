@@ -39,3 +39,33 @@ __forceinline__ __device__ MaskedFwdParams sequence_view(const MaskedFwdParams& 
 }
 
 }  // namespace fav
+
+namespace fav {
+
+// The backward's view of sequence `seq` of a masked call (fa2's masked passes, fa3's masked backward): the
+// parameters of a batch of its own, as sequence_view's for the forward (its lengths; in a packed batch the
+// pointers of q, o, dO, dq, k, v, dk, dv, LSE and D moved to its first rows, whose (heads, total_q) LSE and D keep
+// their head stride lse_h), with where it sits: the batch row b its dense strides address (0 when packed), and
+// its first rows q0, k0 of the packed tensors (0 in a dense batch), where fa3's tensor maps find it.
+struct BwdSequence : MaskedBwdParams {
+    int seq, b, q0, k0;
+};
+__forceinline__ __device__ BwdSequence sequence_view(const MaskedBwdParams& params, int seq) {
+    BwdSequence s{params, seq, seq, 0, 0};
+    if (params.cu_seqlens_q != nullptr) {
+        const int q0 = params.cu_seqlens_q[seq], k0 = params.cu_seqlens_k[seq];
+        const i64 ldq = (i64)params.heads * params.head_dim, ldk = (i64)(params.heads / params.group) * params.head_dim;
+        s.seqlen_q = params.cu_seqlens_q[seq + 1] - q0;
+        s.seqlen_k = params.cu_seqlens_k[seq + 1] - k0;
+        s.q += q0 * params.q_n, s.o += q0 * params.o_n, s.dout += q0 * params.do_n, s.dq += q0 * ldq;
+        s.k += k0 * params.k_n, s.v += k0 * params.v_n, s.dk += k0 * ldk, s.dv += k0 * ldk;
+        s.lse += q0, s.delta += q0;
+        s.b = 0, s.q0 = q0, s.k0 = k0;
+    } else {
+        const i64 at = (i64)seq * params.heads * params.seqlen_q;
+        s.lse += at, s.delta += at;
+    }
+    return s;
+}
+
+}  // namespace fav

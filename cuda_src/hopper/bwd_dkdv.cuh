@@ -42,11 +42,15 @@ struct DkdvSmem {
 // waited on (fa2_bwd_sm90.cu's header). FUSED: each step's share of dQ goes to a writer warpgroup
 // (bwd_dq_writer.cuh). XCHG (d = 256): one warpgroup of a CTA of two on the same 64 keys, with the other's
 // gradient: the dV one (warpgroup 0) computes P^T and leaves it in shared memory, the dK one takes it from there
-// instead of computing S^T.
+// instead of computing S^T. P_: the parameters a work item sees, BwdParams, or fa3's masked backward's BwdSequence
+// (one sequence of a masked call: AttnMask, MASKED).
 template <class T_, int D_, int BN_, int BM_, bool DK_, bool DV_, bool NO_V_ = false, bool PIPE_ = false,
-          bool FUSED_ = false, bool XCHG_ = false>
+          bool FUSED_ = false, bool XCHG_ = false, class P_ = BwdParams>
 struct DkdvConfig {
     using T = T_;
+    using Params = P_;
+    using Mask = typename BwdMaskOf<P_>::type;
+    static constexpr bool MASKED = Mask::TRANSFORMS;
     static constexpr int D = D_, BN = BN_, BM = BM_;
     static constexpr bool DK = DK_, DV = DV_, NO_V = NO_V_, PIPE = PIPE_, FUSED = FUSED_, XCHG = XCHG_;
     static constexpr int THREADS = XCHG ? 256 : 2 * BN, NT = BM / 8, DT = D / 8, STAGES = PIPE ? 3 : 2;
@@ -95,6 +99,15 @@ struct DqOrder {
         const int t = ((i + 1) * n_kv - 1) / n_q - j;
         return t < 0 ? t + n_kv : t;
     }
+    // The same under a mask whose blocks form a band (fa3's masked backward: a window, causal or not): UP and DOWN
+    // count from the K/V blocks [begin, end) Q block i sees; n_q is then one past the last Q block j sees, where
+    // DOWN starts.
+    template <int BM, int BN, class Mask>
+    __forceinline__ __device__ int rank_in(int i, const Mask& mask) const {
+        if (mode == ROTATED) return rank<BM, BN>(i, 0, 0);
+        const BlockRange seen = mask.template kv_blocks<BM, BN>(i * BM);
+        return mode == UP ? seen.end - 1 - j : j - seen.begin;
+    }
 };
 
 // A step's query head (hq: h_kv's hq-th) and k-th Q block of that head.
@@ -109,9 +122,10 @@ template <class C>
 struct QSteps {
     DqOrder order;
     int i_first, n_i, count;  // the first Q block; Q blocks per query head that see block j; steps in all
-    __forceinline__ __device__ QSteps(const BwdParams& p, const BwdMask& mask, int key0, const DqOrder& order)
-        : order(order), i_first(C::FUSED ? order.i_first : mask.q_blocks<C::BM>(key0).begin),
-          n_i(max(0, mask.q_blocks<C::BM>(key0).end - i_first)), count(p.group * n_i) {}
+    template <class Mask>
+    __forceinline__ __device__ QSteps(const BwdParams& p, const Mask& mask, int key0, const DqOrder& order)
+        : order(order), i_first(C::FUSED ? order.i_first : mask.template q_blocks<C::BM, C::BN>(key0).begin),
+          n_i(max(0, mask.template q_blocks<C::BM, C::BN>(key0).end - i_first)), count(p.group * n_i) {}
     __forceinline__ __device__ QStep first(int group) const { return QStep{n_i > 0 ? 0 : group, 0}; }
     __forceinline__ __device__ QStep after(QStep c) const {
         return c.k + 1 < n_i ? QStep{c.hq, c.k + 1} : QStep{c.hq + 1, 0};
@@ -142,18 +156,19 @@ struct DkdvTiles {
 // in the order they are declared, which is the order the kernel's instructions were measured with.)
 template <class C>
 struct DkdvCta {
-    const BwdParams& p;
+    const typename C::Params& p;
     DkdvTiles<C> smem;
     int b, h_kv;
     int wg, warp;       // this warpgroup of the CTA, this warp of the warpgroup
-    BwdMask mask;
+    typename C::Mask mask;  // (MASKED: of the kv head's first query head)
     int kw0;            // this warpgroup's first key of the block (XCHG: both take all 64)
     int key0, kr0;      // the block's first key; this warp's first row of it
     QSteps<C> steps;
     int row_bytes;      // bytes of a head_dim row (columns past it are zero-filled)
-    __forceinline__ __device__ DkdvCta(const BwdParams& p, unsigned char* shared, int j, int h_kv, int b,
+    __forceinline__ __device__ DkdvCta(const typename C::Params& p, unsigned char* shared, int j, int h_kv, int b,
                                        const DqOrder& order)
-        : p(p), smem(shared), b(b), h_kv(h_kv), wg(threadIdx.x / 128), warp(threadIdx.x / 32 % 4), mask(p),
+        : p(p), smem(shared), b(b), h_kv(h_kv), wg(threadIdx.x / 128), warp(threadIdx.x / 32 % 4),
+          mask(p, h_kv * p.group),
           kw0(C::XCHG ? 0 : wg * 64), key0(j * C::BN), kr0(kw0 + warp * 16), steps(p, mask, key0, order),
           row_bytes(2 * p.head_dim) {}
 };
@@ -280,18 +295,25 @@ __forceinline__ __device__ void issue_dv(const DkdvCta<C>& cta, const DkdvRegs<C
     wgmma_commit();
 }
 
-// dS^T = P^T o (dP^T - D[query]), then dK_j += dS^T Q_i (Q_i read N-major).
-template <class C>
-__forceinline__ __device__ void issue_dk(const DkdvCta<C>& cta, const DkdvRegs<C>& r, int stage, const float* delta) {
+// dS^T = P^T o (dP^T - D[query]), then dK_j += dS^T Q_i (Q_i read N-major). chain(dS^T): the logit transforms'
+// chain rule, where the mask has transforms (StepMask::chain).
+template <class C, class Chain>
+__forceinline__ __device__ void issue_dk(const DkdvCta<C>& cta, const DkdvRegs<C>& r, int stage, const float* delta,
+                                         const Chain& chain) {
     const int t = cta.mask.t;
 #pragma unroll
     for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) r.dst[nt][e] = r.pt[nt][e] * (r.dpt[nt][e] - delta[nt * 8 + 2 * t + e % 2]);
+    chain(r.dst);
     repack_all<typename C::T>(r.ads, r.dst);
     wgmma_fence();
     wgmma_rs_rows<typename C::T, typename C::TQ, C::D>(r.dk[0], r.ads, cta.smem.q(stage));
     wgmma_commit();
+}
+template <class C>
+__forceinline__ __device__ void issue_dk(const DkdvCta<C>& cta, const DkdvRegs<C>& r, int stage, const float* delta) {
+    issue_dk(cta, r, stage, delta, [](float(&)[C::NT][4]) {});
 }
 
 // ---------------------------------------------------------------------------------------------------- epilogue

@@ -49,6 +49,81 @@ struct ItemWalk {
     }
     __forceinline__ __device__ int h_kv() const { return item % heads_kv; }
     __forceinline__ __device__ int b() const { return item / heads_kv; }
+    // (what SequenceWalk answers for a sequence of a masked call) the item's parameters and batch row, the items
+    // run so far (the K/V barriers' phase), and where the tensor maps find its rows
+    __forceinline__ __device__ const BwdParams& view(const BwdParams& p) const { return p; }
+    __forceinline__ __device__ int view_b() const { return b(); }
+    __forceinline__ __device__ int runs() const { return m; }
+    __forceinline__ __device__ int q_row(int m0) const { return m0; }
+    __forceinline__ __device__ int k_row(int key0) const { return key0; }
+};
+
+// Where Q block i of query head h keeps its share of the dQ sum, its counts, and fa3's stats, in Q blocks: a dense
+// batch's (batch, heads, n_q) blocks; a packed one's (Q blocks of the packed rows + batch, heads), sequence seq's
+// from q0 / BM + seq on (a sequence that starts inside a block takes one more), heads inner. (An int: the
+// launchers keep the count below 2^31.)
+template <int BM>
+__forceinline__ __device__ int dq_block(const BwdParams& p, int b, int h, int i) {
+    return (b * p.heads + h) * ((p.seqlen_q + BM - 1) / BM) + i;
+}
+template <int BM>
+__forceinline__ __device__ int dq_block(const BwdSequence& s, int, int h, int i) {
+    if (s.cu_seqlens_q == nullptr) return dq_block<BM>(static_cast<const BwdParams&>(s), s.seq, h, i);
+    return (s.q0 / BM + s.seq + i) * s.heads + h;
+}
+
+// fa3's masked backward's walk: ItemWalk's items, each on its sequence (sequence_view), the CTA's column c of K/V
+// blocks moved on by the blocks of the items before it, so that the short sequences of a packed batch spread over
+// the CTAs rather than all landing on the first columns. An item whose column is past its sequence's blocks is
+// skipped (the compute warps and the producer walk alike); its CTAs then are those of the columns it has, all
+// resident. The order's mode alternates with the items walked (m), the same for every CTA of an item; a band (causal
+// or a window) visits Q blocks UP and DOWN, a full mask ROTATED, all in the sequence's own blocks.
+template <int BN, int BM>
+struct SequenceWalk : ItemWalk<BN, BM> {
+    using W = ItemWalk<BN, BM>;
+    const MaskedBwdParams& p;
+    BwdSequence seq;
+    int col, n_b, shift, run;  // this CTA's column of the item, the sequence's K/V blocks, the columns moved, runs
+    __forceinline__ __device__ SequenceWalk(const MaskedBwdParams& p, int batch)
+        : W(p, batch), p(p), seq(sequence_view(p, 0)), col(0), n_b(0), shift(0), run(-1) {
+        find();
+    }
+    __forceinline__ __device__ void find() {
+        for (; W::more(); W::next()) {
+            seq = sequence_view(p, W::b());
+            n_b = (seq.seqlen_k + BN - 1) / BN;
+            col = W::c - shift < 0 ? W::c - shift + W::n_kv : W::c - shift;
+            shift = (shift + n_b) % W::n_kv;
+            if (col < n_b) {
+                ++run;
+                return;
+            }
+        }
+    }
+    __forceinline__ __device__ void next() { W::next(), find(); }
+    __forceinline__ __device__ FusedItemRole role(const MaskedBwdParams&) const {
+        const bool band = p.causal || p.window_left >= 0 || p.window_right >= 0;
+        const bool down = band && (W::m & 1);
+        const int j = down ? n_b - 1 - col : col, n_q = (seq.seqlen_q + BM - 1) / BM;
+        const BlockRange seen = BwdAttnMask(seq, 0).q_blocks<BM, BN>(j * BN);
+        return {j, DqOrder{band ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_b,
+                           band ? seen.end : n_q, seen.begin, j * n_q / n_b}};
+    }
+    __forceinline__ __device__ const BwdSequence& view(const MaskedBwdParams&) const { return seq; }
+    __forceinline__ __device__ int view_b() const { return seq.b; }
+    __forceinline__ __device__ int runs() const { return run; }
+    __forceinline__ __device__ int q_row(int m0) const { return seq.q0 + m0; }
+    __forceinline__ __device__ int k_row(int key0) const { return seq.k0 + key0; }
+};
+
+// The walk of a fused-dQ CTA whose items see parameters P (DkdvConfig's Params).
+template <class P, int BN, int BM>
+struct WalkOf {
+    using type = ItemWalk<BN, BM>;
+};
+template <int BN, int BM>
+struct WalkOf<BwdSequence, BN, BM> {
+    using type = SequenceWalk<BN, BM>;
 };
 
 // The two share buffers (DkdvSmem's DQ on): each holds both warpgroups' 64 x 64 fp32 halves of a share.
@@ -100,9 +175,11 @@ __forceinline__ __device__ void issue_dq_share(const DkdvCta<C>& cta, float (&dq
 // The share then goes into the buffer in fragment order: the (n, r) pair of thread x at float ((n * 2 + r) * 128 +
 // x) * 2 of the warpgroup's half (8-byte pairs contiguous by thread: conflict-free; fa2_bwd_dq_convert reads this
 // layout), with its slot: where it goes (an int: batch x heads x Q blocks < 2^31) and its rank in Q block i's order.
-template <class C>
+// chain: issue_dk's (the transforms' chain rule on dS^T, MASKED).
+template <class C, class Chain>
 __forceinline__ __device__ void fused_dq_step(const DkdvCta<C>& cta, const DkdvRegs<C>& r, DqShares& shares,
-                                              const DqOrder& order, int stage, const float* delta, int h, int i) {
+                                              const DqOrder& order, int stage, const float* delta, int h, int i,
+                                              const Chain& chain) {
     using TP = SwizzledTile<64, 2 * C::BM>;
     const DqBuffers<C::D, C::BN, C::BM> bufs{cta.smem.base};
     const int share = shares.sent++, buf = share % 2;
@@ -123,7 +200,7 @@ __forceinline__ __device__ void fused_dq_step(const DkdvCta<C>& cta, const DkdvR
     }
     wgmma_wait<1>();  // dP^T is in (dV may still run)
     hold_registers(r.dpt);
-    issue_dk(cta, r, stage, delta);
+    issue_dk(cta, r, stage, delta, chain);
     store_a_rows<typename C::TdS, C::NT>(cta.smem.ds, cta.kr0, r.ads);
     fence_proxy_async();
     sync_cta<C>();  // both warpgroups' dS^T in
@@ -140,11 +217,21 @@ __forceinline__ __device__ void fused_dq_step(const DkdvCta<C>& cta, const DkdvR
         for (int k = 0; k < 2; ++k) st_shared_f32x2(mine + (n * 2 + k) * 128 * 8, dqs[n][2 * k], dqs[n][2 * k + 1]);
     fence_proxy_async();  // visible to the bulk copy that reads it
     if (threadIdx.x == 0) {
-        const int n_q = (cta.mask.seqlen_q + C::BM - 1) / C::BM;
-        st_shared(bufs.slot(buf), ((cta.b * cta.p.heads + h) * n_q + i));
-        st_shared(bufs.slot(buf) + 4, order.rank<C::BM, C::BN>(i, cta.mask.seqlen_q, cta.mask.seqlen_k));
+        if constexpr (C::MASKED) {
+            st_shared(bufs.slot(buf), dq_block<C::BM>(cta.p, cta.b, h, i));
+            st_shared(bufs.slot(buf) + 4, order.rank_in<C::BM, C::BN>(i, cta.mask));
+        } else {
+            const int n_q = (cta.mask.seqlen_q + C::BM - 1) / C::BM;
+            st_shared(bufs.slot(buf), ((cta.b * cta.p.heads + h) * n_q + i));
+            st_shared(bufs.slot(buf) + 4, order.rank<C::BM, C::BN>(i, cta.mask.seqlen_q, cta.mask.seqlen_k));
+        }
     }
     mbar_arrive_if(bufs.full(buf), true);
+}
+template <class C>
+__forceinline__ __device__ void fused_dq_step(const DkdvCta<C>& cta, const DkdvRegs<C>& r, DqShares& shares,
+                                              const DqOrder& order, int stage, const float* delta, int h, int i) {
+    fused_dq_step(cta, r, shares, order, stage, delta, h, i, [](float(&)[C::NT][4]) {});
 }
 
 // (compute threads) The end of a CTA's walk: a last share of rank -1.
@@ -196,6 +283,34 @@ __forceinline__ __device__ void dq_writer(float* dq_acc, int* dq_counts) {
         }
     }
     bulk_wait<0>();
+}
+
+// dQ = scale x the fused pass's fp32 sum, one thread's 8 columns of a query row (x: the row's chunk of 8 columns
+// in (row, chunk) order) of head h, batch row b, into q's layout (contiguous); Q blocks that see no key get zeros
+// (no share was stored there). The sum is in the writer's layout, (Q blocks as dq_block numbers them, half,
+// 64 x 64 in fragment order: the pair of columns 8n + 2t, + 1 of row 16 w + 8 r + g at float ((n * 2 + r) * 128 +
+// 32 w + 4 g + t) * 2 of its half), so that a row's 8 columns from 8n on are again 8 consecutive floats.
+// fa2_bwd_sm90.cu's fa2_bwd_dq_convert (p: BwdParams) and fa3_bwd.cu's masked one (p: a BwdSequence) run it.
+template <class T, int D, int BN, int BM, class P>
+__forceinline__ __device__ void convert_dq_row(const P& p, int b, int h, int x, const float* dq_acc) {
+    static_assert(BM * D == 2 * 64 * 64, "the writer's two 64 x 64 halves");
+    const int chunks = p.head_dim / 8;
+    if (x >= p.seqlen_q * chunks) return;
+    const typename BwdMaskOf<P>::type mask(p, h);
+    const int q = x / chunks, col = x % chunks * 8, i = q / BM;
+    const bool seen = mask.template kv_blocks<BM, BN>(i * BM).count() > 0;
+    // halves by rows at BM 128 (d 64), by columns at BM 64 (d 128)
+    const int rq = q % BM, half = BM == 128 ? rq / 64 : col / 64, row = rq % 64, n = col % 64 / 8;
+    const float* src = dq_acc + ((i64)dq_block<BM>(p, b, h, i) * 2 + half) * 64 * 64 +
+                       ((n * 2 + row % 16 / 8) * 128 + row / 16 * 32 + row % 8 * 4) * 2;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = seen ? src[e] : 0.f;
+    u32 packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) packed[e] = T::pack(v[2 * e] * p.scale, v[2 * e + 1] * p.scale);
+    *reinterpret_cast<uint4*>(p.dq + ((i64)b * p.seqlen_q + q) * p.heads * p.head_dim + (i64)h * p.head_dim + col) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
 }  // namespace fav

@@ -1,10 +1,12 @@
-// The Hopper backward's view of the mask policy (fa2_bwd_sm90.cu): common/mask.cuh's CausalMask, which answers
+// The Hopper backward's view of the mask policy (fa2_bwd_sm90.cu, fa3_bwd.cu): common/mask.cuh's CausalMask, which answers
 // which blocks a tile visits (q_blocks: the Q blocks a K/V block's CTA steps over; kv_blocks: the K/V blocks a Q
 // block's CTA steps over), and where this thread's elements sit in a 64 x N accumulator fragment, for the test
 // applied to one: a select to exactly 0, never a product with a mask (P = exp2(S - LSE) with LSE = -inf for a query
-// that saw no key must not make a NaN).
+// that saw no key must not make a NaN). BwdAttnMask is fa3's masked backward's: AttnMask (a window, softcap, ALiBi)
+// on one sequence of a packed or dense batch, the same questions and the transforms' part of P^T and dS^T.
 #pragma once
 #include "../common/mask.cuh"
+#include "../common/sequence.cuh"
 
 namespace fav {
 
@@ -20,6 +22,9 @@ struct BwdMask : FragmentLane, CausalMask {
     __forceinline__ __device__ explicit BwdMask(const BwdParams& p)
         : FragmentLane{int(threadIdx.x % 32 / 4), int(threadIdx.x % 4)},
           CausalMask{p.seqlen_q, p.seqlen_k, p.seqlen_k - p.seqlen_q, p.causal != 0} {}
+    // (every query head sees the same mask: the head is BwdAttnMask's)
+    __forceinline__ __device__ BwdMask(const BwdParams& p, int) : BwdMask(p) {}
+    __forceinline__ __device__ const BwdMask& for_head(const BwdParams&, int) const { return *this; }
 
     // The dK/dV pass's test (keys as rows): this warp's 16 rows of a 64 x 8 NT fragment, keys kw.. (the warp's
     // first), against the queries of the columns, m0.. . Each element becomes value(nt, e, col) where its query
@@ -40,6 +45,62 @@ struct BwdMask : FragmentLane, CausalMask {
                 frag[nt][e] = !edge || (key < seqlen_k && !(causal && key > m0 + col + diag)) ? x : 0.f;
             }
     }
+};
+
+// AttnMask for the dK/dV pass of one sequence (a BwdSequence view), keys as rows: P^T of the capped and biased
+// scores, zero where the key does not see the query, and dS^T of the raw scores (the softcap's chain rule). Built
+// for the kv head's first query head; for_head moves the ALiBi slope to a step's head.
+struct BwdAttnMask : FragmentLane, AttnMask {
+    __forceinline__ __device__ BwdAttnMask(const BwdSequence& s, int h)
+        : FragmentLane{int(threadIdx.x % 32 / 4), int(threadIdx.x % 4)},
+          AttnMask(AttnMask::of(s, s.seqlen_q, s.seqlen_k, s.seq, h)) {}
+    __forceinline__ __device__ BwdAttnMask for_head(const BwdSequence& s, int h) const {
+        BwdAttnMask m = *this;
+        if (slopes) m.slope = slopes[h] * s.inv_scale;
+        return m;
+    }
+
+    // P^T of this warp's 16 keys from kw (rows) and the queries m0 + col (columns), from the raw S^T:
+    // exp2(transform(S) scale_log2 - LSE2[col]) where the key sees the query, else 0. The element test runs only
+    // where some key of the warp's is hidden from some query of the block (the edge test); the transforms always.
+    template <int NT>
+    __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
+                                               const float* lse2, float scale_log2) const {
+        const bool edge = needs_mask<8 * NT, 16>(m0, 0, kw);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2), query = m0 + col;
+                const float x = exp2f_approx(fmaf(transform(st[nt][e], query, key), scale_log2, -lse2[col]));
+                pt[nt][e] = !edge || visible(query, key) ? x : 0.f;
+            }
+    }
+    // dS^T of the raw scores from dS^T of the transformed ones (ds_raw: the softcap's 1 - tanh^2, read back from
+    // P^T); nothing to do without a softcap.
+    template <int NT>
+    __forceinline__ __device__ void ds_key_rows(float (&ds)[NT][4], const float (&pt)[NT][4], int kw, int m0,
+                                                const float* lse2, float scale_log2) const {
+        if (cap <= 0.f) return;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * t + e % 2;
+                ds[nt][e] = ds_raw(ds[nt][e], pt[nt][e], scale_log2, lse2[col], m0 + col, kw + g + 8 * (e / 2));
+            }
+    }
+};
+
+// The mask a Hopper dK/dV CTA builds from its parameters: CausalMask's for a plain call, AttnMask's for one
+// sequence of a masked call.
+template <class P>
+struct BwdMaskOf {
+    using type = BwdMask;
+};
+template <>
+struct BwdMaskOf<BwdSequence> {
+    using type = BwdAttnMask;
 };
 
 }  // namespace fav

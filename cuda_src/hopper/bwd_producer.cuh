@@ -42,9 +42,11 @@ struct BwdRing {
 // The producer warp (one lane issues): for every work item of the CTA, K_j and V_j once the previous item's epilogue has left their tiles,
 // then for every step Q_i, dO_i and the stats of Q block i (stats: (batch, heads, Q blocks, LSE in log2 units of
 // BM queries, D of BM queries), fa3_bwd_stats's) into the next stage once the compute warps are done with it. Rows
-// past seqlen_q land as zero Q and dO rows (the maps' extent), with LSE +inf and D 0: P^T is 0 there.
-template <class C>
-__forceinline__ __device__ void bwd_producer(const BwdParams& p, const TmaDesc& tq, const TmaDesc& tdo,
+// past seqlen_q land as zero Q and dO rows (the maps' extent), with LSE +inf and D 0: P^T is 0 there. MASKED (P:
+// MaskedBwdParams): each item on its sequence (SequenceWalk), whose rows the maps reach at the sequence's first
+// rows of the packed tensors; rows past its end are the next sequence's or zeros, their LSE +inf all the same.
+template <class C, class P>
+__forceinline__ __device__ void bwd_producer(const P& p, const TmaDesc& tq, const TmaDesc& tdo,
                                              const TmaDesc& tk, const TmaDesc& tv, const float* stats, int batch) {
     using TQ = typename C::TQ;
     using TKV = typename C::TKV;
@@ -55,29 +57,31 @@ __forceinline__ __device__ void bwd_producer(const BwdParams& p, const TmaDesc& 
     const int n_q = (p.seqlen_q + C::BM - 1) / C::BM;
     const bool leader = threadIdx.x % 32 == 0;  // issues the copies; the warp walks the steps with it
     int g = 0;  // steps loaded so far
-    for (ItemWalk<C::BN, C::BM> w(p, batch); w.more(); w.next()) {
+    for (typename WalkOf<typename C::Params, C::BN, C::BM>::type w(p, batch); w.more(); w.next()) {
         const FusedItemRole role = w.role(p);
-        const int h_kv = w.h_kv(), b = w.b(), key0 = role.j * C::BN;
-        mbar_wait(ring.kv_empty(), (w.m & 1) ^ 1);
+        const typename C::Params& s_p = w.view(p);
+        const int h_kv = w.h_kv(), b = w.view_b(), key0 = role.j * C::BN;
+        mbar_wait(ring.kv_empty(), (w.runs() & 1) ^ 1);
         if (leader) {
             mbar_expect_tx(ring.kv_full(), 2 * TKV::BYTES);
             for (int s = 0; s < TKV::SLABS; ++s) {
-                tma_load_4d(tiles.k() + s * TKV::SLAB, tk, ring.kv_full(), s * TKV::W / 2, key0, h_kv, b);
-                tma_load_4d(tiles.v() + s * TKV::SLAB, tv, ring.kv_full(), s * TKV::W / 2, key0, h_kv, b);
+                tma_load_4d(tiles.k() + s * TKV::SLAB, tk, ring.kv_full(), s * TKV::W / 2, w.k_row(key0), h_kv, b);
+                tma_load_4d(tiles.v() + s * TKV::SLAB, tv, ring.kv_full(), s * TKV::W / 2, w.k_row(key0), h_kv, b);
             }
         }
-        const QSteps<C> steps(p, BwdMask(p), key0, role.order);
+        const QSteps<C> steps(s_p, typename C::Mask(s_p, h_kv * p.group), key0, role.order);
         for (QStep cur = steps.first(p.group); cur.hq < p.group; cur = steps.after(cur), ++g) {
             const int stage = ring.stage(g), i = steps.block(cur), h = h_kv * p.group + cur.hq;
             mbar_wait(ring.empty(stage), ring.phase(g) ^ 1);
             if (!leader) continue;
             mbar_expect_tx(ring.full(stage), 2 * TQ::BYTES + STATS);
+            const int row = w.q_row(i * C::BM);
             for (int s = 0; s < TQ::SLABS; ++s) {
-                tma_load_4d(tiles.q(stage) + s * TQ::SLAB, tq, ring.full(stage), s * TQ::W / 2, i * C::BM, h, b);
-                tma_load_4d(tiles.dout(stage) + s * TQ::SLAB, tdo, ring.full(stage), s * TQ::W / 2, i * C::BM, h, b);
+                tma_load_4d(tiles.q(stage) + s * TQ::SLAB, tq, ring.full(stage), s * TQ::W / 2, row, h, b);
+                tma_load_4d(tiles.dout(stage) + s * TQ::SLAB, tdo, ring.full(stage), s * TQ::W / 2, row, h, b);
             }
-            bulk_load(smem_u32(tiles.stats + 2 * stage * C::BM), stats + (((i64)b * p.heads + h) * n_q + i) * 2 * C::BM,
-                      STATS, ring.full(stage));
+            const i64 block = C::MASKED ? dq_block<C::BM>(s_p, b, h, i) : ((i64)b * p.heads + h) * n_q + i;
+            bulk_load(smem_u32(tiles.stats + 2 * stage * C::BM), stats + block * 2 * C::BM, STATS, ring.full(stage));
         }
     }
 }
