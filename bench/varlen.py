@@ -1,6 +1,6 @@
 """Real batches on the GPU: the masked kernels on a packed batch of documents, a sliding window, and each logit
-transform, forward (fa2's, kernels/fa2_masked.py, and on sm_90a fa3's, kernels/fa3_masked.py) and backward (fa2's),
-against the same kernels on a plain problem, in one run.
+transform, forward and backward (fa2's, kernels/fa2_masked.py, and on sm_90a fa3's, kernels/fa3_masked.py), against
+the same kernels on a plain problem, in one run.
 
     python bench/varlen.py [--quick] [--json FILE]
 
@@ -66,7 +66,7 @@ def causal_flops(lens_q, lens_k) -> float:
     return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
 
 
-# the forward kernels timed: fa2's, and fa3's where it runs
+# the kernels timed, forward and backward: fa2's, and fa3's where it runs
 FORWARDS = {"fa2": fa2_masked, **({"fa3": fa3_masked} if fav.get("fa3").available()[0] else {})}
 
 
@@ -80,11 +80,11 @@ def run_case(name, q, k, v, masks, causal, flops, reps, rng):
         row[f"{kname} fwd ms"], row[f"{kname} fwd TFLOP/s"] = t_f, flops / t_f / 1e9
     out, lse = fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)
     dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(DT))
-
-    def bwd():
-        return fa2_masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
-    t_b = timed_ms(bwd, reps)
-    row["bwd_ms"], row["bwd_tflops"] = t_b, 2.5 * flops / t_b / 1e9
+    for kname, kernel in FORWARDS.items():
+        def bwd(kernel=kernel):
+            return kernel.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
+        t_b = timed_ms(bwd, reps)
+        row[f"{kname} bwd ms"], row[f"{kname} bwd TFLOP/s"] = t_b, 2.5 * flops / t_b / 1e9
     return row
 
 
@@ -121,6 +121,7 @@ def main():
     win = run_case(f"causal window {w} of {n}", qd, kd, vd, Masks(window=(w, 0)), True, win_flops, args.reps, rng)
     for kname in FORWARDS:
         win[f"{kname} x dense time"] = win[f"{kname} fwd ms"] / dense[f"{kname} fwd ms"]
+        win[f"{kname} bwd x dense time"] = win[f"{kname} bwd ms"] / dense[f"{kname} bwd ms"]
     win["ideal"] = win_flops / causal_flops([n], [n])
     flex_ms = flex_window_ms(n, w, args.reps)
     if flex_ms is not None:
@@ -139,12 +140,12 @@ def main():
         r = run_case(f"{name} {b} x {n}", qd, kd, vd, m, True, flops, args.reps, rng)
         for kname in FORWARDS:
             r[f"{kname} fwd x plain"] = r[f"{kname} fwd ms"] / plain[f"{kname} fwd ms"]
-        r["bwd x plain"] = r["bwd_ms"] / plain["bwd_ms"]
+            r[f"{kname} bwd x plain"] = r[f"{kname} bwd ms"] / plain[f"{kname} bwd ms"]
         rows.append(r)
 
-    keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s")] + \
-        ["bwd_ms", "bwd_tflops"] + [f"{kn} x dense time" for kn in FORWARDS] + ["ideal"] + \
-        [f"{kn} fwd x plain" for kn in FORWARDS] + ["bwd x plain", "flex fwd ms"]
+    keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s")] + \
+        [f"{kn} {c}x dense time" for kn in FORWARDS for c in ("", "bwd ")] + ["ideal"] + \
+        [f"{kn} {c} x plain" for kn in FORWARDS for c in ("fwd", "bwd")] + ["flex fwd ms"]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")
     print(tabulate([[r.get(k2, "") if not isinstance(r.get(k2), float) else f"{r[k2]:.3g}" for k2 in keys]
                     for r in rows], headers=keys))

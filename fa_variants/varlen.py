@@ -10,9 +10,9 @@ The keywords (reference/masks.py has the conventions, docs/masks.md their source
 
 Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
 Then the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU arrays), and on the GPU
-the masked kernels: the forward fa3's on sm_90a (kernels/fa3_masked.py; variant "auto" or "fa3") and fa2's elsewhere
-or by name (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU), the backward fa2's (it needs only q, k, v, out and
-lse); the other variants' kernels take no masks and are refused by name. A window that hides nothing a plain call
+the masked kernels: fa3's on sm_90a (kernels/fa3_masked.py; variant "auto" or "fa3"; its backward falls back to
+fa2's passes for head dims above 128 and sequences longer than 128 keys an SM) and fa2's elsewhere or by name
+(kernels/fa2_masked.py, mma.sync on every sm_80+ GPU); a backward needs only q, k, v, out and lse; the other variants' kernels take no masks and are refused by name. A window that hides nothing a plain call
 would not (a side at least the sequence long, or (-1, 0), which is causal) runs as that plain call, on the GPU too.
 """
 from __future__ import annotations
@@ -235,8 +235,9 @@ def _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes, c
 
 
 def masked_forward_kernel(variant: str):
-    """The module of the masked forward a GPU call of ``variant`` runs (its checks passed): fa3's where it runs
-    (sm_90a; variant "auto" or "fa3"), else fa2's."""
+    """The module of the masked forward (and backward) a GPU call of ``variant`` runs (its checks passed): fa3's
+    where it runs (sm_90a; variant "auto" or "fa3"), else fa2's. (fa3's backward runs fa2's passes where its own
+    does not apply: kernels/fa3_masked.py.)"""
     from . import choice, gpu
     from .kernels import fa2_masked, fa3_masked
     name = choice.masked_forward(gpu.compute_capability()) if variant == "auto" else variant
@@ -247,12 +248,12 @@ def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=Non
             variant="auto"):
     """The masked kernels on the checked arrays (host arrays with backend="cuda": on device copies, the results
     copied back), as q's array type: the forward's (out, lse) by ``variant``'s kernel (masked_forward_kernel), or
-    with ``saved`` (the backward's dout, out, lse) fa2's gradients (dq, dk, dv, and dsinks in ``sinks_dtype`` where
+    with ``saved`` (the backward's dout, out, lse) its gradients (dq, dk, dv, and dsinks in ``sinks_dtype`` where
     sinks are given)."""
     import dataclasses
 
     import cupy
-    from .kernels import fa2_masked, masked
+    from .kernels import masked
     with cupy.cuda.Device(inp.q.device.id if inp.on_gpu else None):
         q, k, v = (arrays.to_cupy(a) for a in (inp.q, inp.k, inp.v))
         if not inp.on_gpu:
@@ -265,8 +266,8 @@ def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=Non
             results = results if return_lse else results[:1]
         else:
             dout, out, lse = (arrays.to_cupy(saved[n]) for n in ("dout", "out", "lse"))
-            *results, dsinks = fa2_masked.backward(dout, q, k, v, out, lse, causal=bool(causal), softmax_scale=scale,
-                                                   masks=kernel_masks)
+            *results, dsinks = masked_forward_kernel(variant).backward(dout, q, k, v, out, lse, causal=bool(causal),
+                                                                       softmax_scale=scale, masks=kernel_masks)
             if dsinks is not None:
                 results.append(dsinks.astype(sinks_dtype))
     back = (lambda a: a) if inp.on_gpu else arrays.to_numpy
@@ -293,7 +294,8 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
                               max_seqlen_q, max_seqlen_k, plain):
     """``attention_backward()`` with mask keywords or the varlen layout (``plain``: attention_backward itself, for
     a window that reduces to a plain call). Returns (dq, dk, dv), and dsinks (heads,) in sinks' dtype where sinks
-    are given. The masked kernels (fa2's) and the models sum in a fixed order: ``deterministic`` holds either way."""
+    are given. The masked kernels (fa3's on sm_90a, fa2's) and the models sum in a fixed order: ``deterministic``
+    holds either way."""
     backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, False, window, softcap)
     arrays.check_flags(check_lse=check_lse)
     arrays.check_flags(deterministic=deterministic, none=True)
@@ -327,7 +329,7 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
         kernel_masks = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes,
                                   cu=(cu_seqlens_q, cu_seqlens_k) if packed else (None, None), bounds=bounds)
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), False, kernel_masks, saved=saved,
-                       sinks_dtype=None if sinks_h is None else sinks_h.dtype)
+                       sinks_dtype=None if sinks_h is None else sinks_h.dtype, variant=variant)
     entry = _model("backward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     saved = {n: arrays.to_numpy(a) for n, a in saved.items()}

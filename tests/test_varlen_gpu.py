@@ -188,16 +188,34 @@ def test_torch_tensors_in_and_out(rng):
         assert rel_err(out[rows].cpu().numpy()[None], want["out"]) <= TOL["float16"]
 
 
-BACKWARD_MASKS = ["causal", "window", "softcap", "alibi", "sinks", "everything"]
+BACKWARD_MASKS = ["plain", "causal", "window", "causal window", "softcap", "alibi", "sinks", "everything"]
 
 
-@pytest.mark.parametrize("d", [64, 128, 72])
+def _runs(variant, monkeypatch) -> list:
+    """The calls of fa3's masked backward kernels (kernels/fa3_bwd.py's masked_gradients) a test makes: variant
+    "fa3" must run them (at head dims up to 128), fa2 never."""
+    from fa_variants.kernels import fa3_bwd
+    calls = []
+    real = fa3_bwd.masked_gradients
+
+    def spy(*a, **kw):
+        calls.append(a[1].shape)
+        return real(*a, **kw)
+    monkeypatch.setattr(fa3_bwd, "masked_gradients", spy)
+    return calls
+
+
+@pytest.mark.parametrize("d", [64, 128, 72, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("mask", BACKWARD_MASKS)
-def test_packed_backward_matches_float64(rng, poisoned, mask, dtype, d):
-    """dq, dk, dv (and dsinks) of a packed batch against float64 per sequence; rows of k and v past the last
-    sequence get zero gradients."""
+@pytest.mark.parametrize("variant", KERNELS)
+def test_packed_backward_matches_float64(rng, poisoned, monkeypatch, variant, mask, dtype, d):
+    """dq, dk, dv (and dsinks) of a packed batch against float64 per sequence, on fa2's masked passes and on fa3's
+    masked backward (d 256: fa2's passes under variant "fa3"); rows of k and v past the last sequence get zero
+    gradients."""
     import cupy
+    variant = _kernel(variant)
+    calls = _runs(variant, monkeypatch)
     lens_q, lens_k = [1, 0, 37, 300, 200, 5], [1, 5, 37, 777, 200, 0]
     q, k, v, cu_q, cu_k = _packed(rng, dtype, d, lens_q, lens_k)
     k_extra = np.concatenate([k, rng.standard_normal((3, HKV, d)).astype(k.dtype)])   # rows no sequence holds
@@ -209,9 +227,12 @@ def test_packed_backward_matches_float64(rng, poisoned, mask, dtype, d):
     lens = dict(cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_k=cupy.asarray(cu_k), max_seqlen_q=max(lens_q),
                 max_seqlen_k=max(lens_k))
     out, lse = fav.attention_varlen(*args, lens["cu_seqlens_q"], lens["cu_seqlens_k"], max(lens_q), max(lens_k),
-                                    return_lse=True, **dev)
+                                    return_lse=True, variant=variant, **dev)
     with poisoned(Case(1, q.shape[0], k_extra.shape[0], H, HKV, d, False)):
-        grads = fav.attention_backward(cupy.asarray(dout), *args, out, lse, **lens, **dev)
+        grads = fav.attention_backward(cupy.asarray(dout), *args, out, lse, variant=variant, **lens, **dev)
+    again = fav.attention_backward(cupy.asarray(dout), *args, out, lse, variant=variant, **lens, **dev)
+    assert all(bool((a == b).all()) for a, b in zip(grads, again)), "not the same bits on a second run"
+    assert len(calls) == (2 if variant == "fa3" and d <= 128 else 0)
     assert len(grads) == (4 if "sinks" in kw else 3)
     dq, dk, dv = (to_host(g).astype(np.float64) for g in grads[:3])
     assert (dk[k.shape[0]:] == 0).all() and (dv[k.shape[0]:] == 0).all()
@@ -234,9 +255,13 @@ def test_packed_backward_matches_float64(rng, poisoned, mask, dtype, d):
 
 @pytest.mark.parametrize("mask", ["window", "softcap", "everything"])
 @pytest.mark.parametrize("case", DENSE[:3] + DENSE[4:], ids=[c.id for c in DENSE[:3] + DENSE[4:]])
-def test_masked_attention_backward_matches_float64(rng, poisoned, case, mask):
-    """attention_backward() with mask keywords on GPU arrays: seqlen_q != seqlen_k, GQA, padded head dims, strided."""
+@pytest.mark.parametrize("variant", KERNELS)
+def test_masked_attention_backward_matches_float64(rng, poisoned, monkeypatch, variant, case, mask):
+    """attention_backward() with mask keywords on GPU arrays: seqlen_q != seqlen_k, GQA, padded head dims, strided;
+    fa2's masked passes and fa3's masked backward."""
     import cupy
+    variant = _kernel(variant)
+    calls = _runs(variant, monkeypatch)
     b, nq, nk, h, hkv, d = case[:6]
     dt = DTYPES["float16"]
     q, k, v = (rng.standard_normal(s).astype(dt) for s in ((b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, d)))
@@ -247,9 +272,10 @@ def test_masked_attention_backward_matches_float64(rng, poisoned, case, mask):
     qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
     if case.strided:
         qd = cupy.asarray(np.stack([q, q], axis=3).reshape(b, nq, 2 * h, d))[:, :, ::2]   # q, every other head
-    out, lse = fav.attention(qd, kd, vd, return_lse=True, **dkw)
+    out, lse = fav.attention(qd, kd, vd, return_lse=True, variant=variant, **dkw)
     with poisoned(case):
-        grads = fav.attention_backward(cupy.asarray(dout), qd, kd, vd, out, lse, **dkw)
+        grads = fav.attention_backward(cupy.asarray(dout), qd, kd, vd, out, lse, variant=variant, **dkw)
+    assert len(calls) == (1 if variant == "fa3" and d <= 128 else 0)
     f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
     ref_kw = {n: x for n, x in kw.items() if n not in ("alibi_slopes", "sinks")}
     if "sinks" in kw:

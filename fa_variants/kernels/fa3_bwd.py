@@ -8,6 +8,10 @@ into dq). dQ's shares are added in a fixed order: the result is the same bit for
 Where the kernel does not apply, fa2's Hopper backward (kernels/fa2_bwd_sm90.py) runs instead: head dims above
 128 (the fused dQ's tiles hold d 64 and 128; d 256 runs fa2's three passes), and sequences whose K/V blocks a
 head's CTAs cannot all hold at once (seqlen_k > 128 x SMs: fa2_bwd_sm90.fused_grid gives no grid).
+
+``masked_gradients`` is the same backward under a window, softcap or ALiBi, over a dense or packed batch
+(``fa3_bwd_masked``, ``fa3_bwd_stats_masked``, ``fa3_bwd_dq_convert_masked``; kernels/fa3_masked.py's backward
+calls it where it applies, fa2's masked passes elsewhere).
 """
 from __future__ import annotations
 
@@ -44,8 +48,20 @@ def instances(ctype: str, d: int) -> tuple:
     return instance(ctype, d), instance(ctype, d, False), stats_instance(ctype, d)
 
 
+def masked_instances(ctype: str, d: int) -> tuple:
+    """The masked backward's three kernels (one NVRTC module with the plain ones)."""
+    t = FA3_BWD_TILES[d]
+    return (f"fa3_bwd_masked<{ctype}, {d}, {t.block_k}, {t.block_q}>",
+            f"fa3_bwd_stats_masked<{ctype}, {t.block_q}, {STATS_WARPS}>",
+            f"fa3_bwd_dq_convert_masked<{ctype}, {d}, {t.block_k}, {t.block_q}>")
+
+
+def module(ctype: str, d: int) -> tuple:
+    return instances(ctype, d) + masked_instances(ctype, d)
+
+
 def specializations() -> tuple:
-    return tuple(dict.fromkeys(e for c in CTYPE.values() for d in DIMS for e in instances(c, d)))
+    return tuple(dict.fromkeys(e for c in CTYPE.values() for d in DIMS for e in module(c, d)))
 
 
 def smem_bytes(d: int) -> int:
@@ -95,7 +111,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
     # (BwdParams' delta stays null: D travels in stats)
     ptrs = tuple(a.data.ptr for a in (q, k, v, out, dout, lse)) + (0,) + tuple(a.data.ptr for a in (dq, dk, dv))
     stream = cupy.cuda.get_current_stream().ptr
-    exprs = instances(ctype, D)
+    exprs = module(ctype, D)
 
     launch(function_of(jit.kernel(SOURCE, stats_instance(ctype, D), exprs), 0),
            (cdiv(stats.shape[2] * bm, STATS_WARPS), h, b), 32 * STATS_WARPS, 0, stream, template,
@@ -118,3 +134,104 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
            (cdiv(nq * (d // 8), 256), h, b), 256, 0, stream, template, BWD.pointers_format, *ptrs,
            extra=(ctypes.c_uint64(acc.data.ptr),))
     return dq, dk, dv
+
+
+def masked_grid(q, k, masks) -> int:
+    """CTAs of the masked backward for q, k as given (dense, or packed (total, heads, d)); 0 where it does not
+    apply: head dims above 128, or more K/V blocks in the longest sequence than SMs."""
+    d = q.shape[-1]
+    if d > DIMS[-1]:
+        return 0
+    rows_k = masks.max_seqlen_k if masks.packed else k.shape[1]
+    items = (masks.cu_seqlens_q.shape[0] - 1 if masks.packed else q.shape[0]) * k.shape[-2]
+    n_kv = cdiv(rows_k, FA3_BWD_TILES[template_dim(d, DIMS)].block_k)
+    return fa2_bwd_sm90.fused_grid(q.device.id, n_kv, items) if n_kv and items else 0
+
+
+def masked_blocks(q, masks, bm: int) -> int:
+    """Q blocks of the stats and the dQ sum (bwd_dq_writer.cuh's dq_block): (batch, heads, n_q) dense; packed, the
+    packed rows' blocks plus one a sequence, for every head."""
+    b, nq, h = q.shape[:3]
+    if masks.packed:
+        return (cdiv(nq, bm) + masks.cu_seqlens_q.shape[0] - 1) * h
+    return b * h * cdiv(nq, bm)
+
+
+def masked_gradients(dout, q, k, v, out, lse, causal, softmax_scale, masks):
+    """(dq, dk, dv, None) of launchable arrays (kernels/masked.py's backward): fa3_bwd_stats_masked, the
+    persistent fa3_bwd_masked (dQ's shares in the fixed order), fa3_bwd_dq_convert_masked. The caller checked
+    masked_grid."""
+    import cupy
+    from . import fa3_masked, masked
+    from .params import MASKED_BWD
+    run = masked.bwd_launch(dout, q, k, v, out, causal, softmax_scale, masks)
+    if run.empty:
+        return run.dq, run.dk, run.dv, None
+    h, dp = q.shape[2], q.shape[3]
+    D = template_dim(dp, DIMS)
+    ctype = CTYPE[q.dtype.name]
+    bm, bn = FA3_BWD_TILES[D]
+    blocks = masked_blocks(q, masks, bm)
+    if blocks >= 2**31:
+        raise ValueError(f"{blocks} Q blocks x heads exceed the backward's 2^31 - 1")
+    stats = cupy.empty((blocks, 2, bm), cupy.float32)
+    acc = cupy.empty((blocks, 2, 64 * 64), cupy.float32)
+    counts = cupy.zeros((blocks, 2), cupy.int32)
+    ptrs = run.pointers(q, k, v, out, dout, lse, None)
+    stream = cupy.cuda.get_current_stream().ptr
+    exprs = module(ctype, D)
+    main_k, stats_k, convert_k = masked_instances(ctype, D)
+
+    launch(function_of(jit.kernel(SOURCE, stats_k, exprs), 0), (cdiv(cdiv(run.rows_q, bm) * bm, STATS_WARPS), h,
+           run.batch), 32 * STATS_WARPS, 0, stream, run.template, MASKED_BWD.pointers_format, *ptrs,
+           extra=(ctypes.c_uint64(stats.data.ptr),))
+
+    maps = [ctypes.create_string_buffer(fa3_masked.tensor_map(a, rows, name), 128)
+            for a, rows, name in ((q, bm, "q"), (dout, bm, "dout"), (k, bn, "k"), (v, bn, "v"))]
+    params = ctypes.create_string_buffer(run.template, len(run.template))
+    struct.pack_into(MASKED_BWD.pointers_format, params, 0, *ptrs)
+    scalars = (ctypes.c_uint64(stats.data.ptr), ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(counts.data.ptr),
+               ctypes.c_int(run.batch))
+    argv = (ctypes.c_void_p * 9)(*(ctypes.addressof(x) for x in maps + [params]),
+                                 *(ctypes.addressof(x) for x in scalars))
+    smem = smem_bytes(D)
+    launch_argv(function_of(jit.kernel(SOURCE, main_k, exprs), smem), (masked_grid(q, k, masks), 1, 1), threads(D),
+                smem, stream, argv)
+
+    launch(function_of(jit.kernel(SOURCE, convert_k, exprs), 0), (cdiv(run.rows_q * (dp // 8), 256), h, run.batch),
+           256, 0, stream, run.template, MASKED_BWD.pointers_format, *ptrs, extra=(ctypes.c_uint64(acc.data.ptr),))
+    return run.dq, run.dk, run.dv, None
+
+
+def masked_shares(seqlens_q, seqlens_k, heads_kv: int, group: int, ctas: int, bm: int, bn: int, *, causal: bool,
+                  window=(-1, -1)) -> list:
+    """The masked backward's walk (bwd_dq_writer.cuh's SequenceWalk and DqOrder's rank_in, on reference/masks.py's
+    blocks): for each of ``ctas`` CTAs, the dQ shares it hands its writer, in order, as ((sequence, query head, Q
+    block), rank). Every K/V block of every (sequence, kv head) is one CTA's item; CTA c takes column c of an item
+    moved on by the blocks of the items its group walked before it."""
+    from ..reference.masks import Mask
+    n_kv = cdiv(max(seqlens_k), bn)
+    groups, items = ctas // n_kv, len(seqlens_q) * heads_kv
+    band = causal or tuple(window) != (-1, -1)
+    walks = []
+    for cta in range(ctas):
+        c, shares, shift = cta % n_kv, [], 0
+        for m, item in enumerate(range(cta // n_kv, items, groups)):
+            b, h_kv = divmod(item, heads_kv)
+            sq, sk = seqlens_q[b], seqlens_k[b]
+            n_b, n_q = cdiv(sk, bn), cdiv(sq, bm)
+            col, shift = (c - shift) % n_kv, (shift + n_b) % n_kv
+            if col >= n_b:
+                continue
+            down = band and m % 2 == 1
+            j = n_b - 1 - col if down else col
+            mask = Mask.of(sq, sk, causal=causal, window=window)
+            seen = [rows.start // bm for rows in mask.q_blocks(slice(j * bn, min(j * bn + bn, sk)), bm)]
+            blocks = (seen[::-1] if down else seen) if band else [(j * n_q // n_b + k) % n_q for k in range(n_q)]
+            for hq in range(group):
+                for i in blocks:
+                    kv = [cols.start // bn for cols in mask.blocks(slice(i * bm, min(i * bm + bm, sq)), bn)]
+                    rank = (j - kv[0] if down else kv[-1] - j) if band else (((i + 1) * n_b - 1) // n_q - j) % n_b
+                    shares.append(((b, h_kv * group + hq, i), rank))
+        walks.append(shares)
+    return walks

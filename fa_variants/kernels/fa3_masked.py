@@ -4,7 +4,9 @@ and parameter struct are those of every masked forward (kernels/masked.py: Maske
 kernel: TMA tensor maps of q, k, v (a packed batch's as one sequence of total rows, each CTA at its sequence's
 rows), the producer warpgroup and the ping-ponged consumers, one CTA per (Q block, head, sequence) tile.
 
-The backward of a masked call is fa2's masked backward (kernels/fa2_masked.py): it needs only q, k, v, out and lse.
+The backward of a masked call is fa3's masked backward (kernels/fa3_bwd.py's masked_gradients: fa3_bwd.cu's
+fa3_bwd_masked) where it applies (head dims up to 128, the longest sequence's K/V blocks no more than the SMs), else
+fa2's masked passes (kernels/fa2_masked.py): either needs only q, k, v, out and lse.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
     """masked.forward on fa3's kernel: (out, lse or None), lse (batch, heads, seqlen_q) or (heads, total_q)."""
     return masked.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, masks=masks,
                           run=_run)
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks):
+    """masked.backward on fa3's masked backward, or fa2's passes where it does not apply: (dq, dk, dv, dsinks or
+    None)."""
+    from . import fa2_masked, fa3_bwd
+    fits = fa3_bwd.masked_grid(q, k, masks) > 0
+    return masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, masks=masks,
+                           gradients=fa3_bwd.masked_gradients if fits else fa2_masked.gradients)
 
 
 def _run(q, k, v, run: masked.Prepared) -> None:

@@ -1,7 +1,7 @@
-"""What the masked forwards share on the host (kernels/fa2_masked.py, kernels/fa3_masked.py): a call's masks as the
+"""What the masked kernels share on the host (kernels/fa2_masked.py, kernels/fa3_masked.py): a call's masks as the
 kernels take them (``Masks``), the arrays as they read them (``launchable``), the outputs and the parameter struct
-MaskedFwdParams (``prepare``), and the call itself around a kernel's launch (``forward``). The backward's struct,
-MaskedBwdParams, shares the mask fields (``mask_fields``)."""
+MaskedFwdParams (``prepare``), and the calls themselves around a kernel's launches (``forward``, ``backward``). The
+backward's struct, MaskedBwdParams, shares the mask fields (``mask_fields``; ``bwd_template`` packs it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +55,92 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
     if not prepared.empty:
         run(q4, k4, v4, prepared)
     return as_given(prepared.out, d, masks.packed), prepared.lse
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks, gradients):
+    """(dq, dk, dv, dsinks or None) for CuPy arrays of forward's layouts (lse (batch, heads, seqlen_q), or (heads,
+    total_q) when packed); dsinks float32 (heads,). A negative scale runs on a negated copy of q (dq negated back).
+    ``gradients(dout, q, k, v, out, lse, causal, scale, masks)``: a kernel's (dq, dk, dv, D or None) on the arrays as
+    launchable gives them, D = rowsum(dO o O) as fa2_bwd.delta lays it out where the kernel computed it so (the
+    sinks' gradient needs it; computed here otherwise). Rows of a packed q, k, v past the last sequence get zero
+    gradients."""
+    import cupy
+    from . import fa2_bwd
+    check_scale(softmax_scale, masks)
+    flip = softmax_scale < 0
+    if flip:
+        q, softmax_scale = negated(q), -softmax_scale
+    packed = masks.packed
+    d = q.shape[-1]
+    dout4, q4, k4, v4, out4 = launchable((dout, q, k, v, out), packed)
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    *grads, dlt = gradients(dout4, q4, k4, v4, out4, lse, causal, softmax_scale, masks)
+    dq, dk, dv = (as_given(g, d, packed) for g in grads)
+    if flip:
+        dq = negated(dq)
+    dsinks = None
+    if masks.sinks is not None:
+        if dlt is None:
+            dlt = fa2_bwd.delta(dout4, out4)   # (1, heads, total_q) when packed: D is per row, whatever its sequence
+        # dsink_h = -sum over rows of P_sink * D, P_sink = exp(sink_h - LSE): rows that saw nothing (LSE -inf,
+        # past the last sequence) add nothing
+        l64 = lse.reshape(lse.shape[-2], -1) if packed else lse.transpose(1, 0, 2).reshape(lse.shape[1], -1)
+        d64 = dlt.reshape(lse.shape[-2], -1) if packed else dlt.transpose(1, 0, 2).reshape(lse.shape[1], -1)
+        sink = masks.sinks.astype(cupy.float64)[:, None]
+        p_sink = cupy.where(cupy.isneginf(l64), 0.0, cupy.exp(sink - l64.astype(cupy.float64)))
+        dsinks = -(p_sink * d64).sum(axis=1)
+    return dq, dk, dv, dsinks
+
+
+@dataclasses.dataclass
+class BwdLaunch:
+    """A masked backward's launch as fa2's and fa3's kernels share it: the gradients (zeros where rows of a packed
+    batch belong to no sequence, else uninitialized), MaskedBwdParams with zero pointers, the sequences and the
+    longest ones' rows, and the device arrays the struct points to (alive until the launches are queued)."""
+    dq: object
+    dk: object
+    dv: object
+    template: bytes
+    batch: int
+    rows_q: int
+    rows_k: int
+    held: list
+
+    @property
+    def empty(self) -> bool:
+        return self.batch == 0 or self.rows_q == 0 or self.rows_k == 0
+
+    def pointers(self, q, k, v, out, dout, lse, delta) -> tuple:
+        """MaskedBwdParams' leading pointers (delta: None where the kernel keeps D elsewhere)."""
+        return tuple(a.data.ptr for a in (q, k, v, out, dout, lse)) + (ptr(delta),) + tuple(
+            a.data.ptr for a in (self.dq, self.dk, self.dv))
+
+
+def bwd_launch(dout, q, k, v, out, causal: bool, softmax_scale: float, masks: Masks) -> BwdLaunch:
+    """The gradients and MaskedBwdParams of a masked backward over launchable arrays (a packed batch's strides 0
+    between sequences, its lengths the longest ones; the LSE's head stride the rows of q)."""
+    import cupy
+    from .params import MASKED_BWD
+    _, nq, h, dp = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    packed = masks.packed
+    batch = masks.cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    fill = cupy.zeros if packed and (masks.total_q < nq or masks.total_k < nk) else cupy.empty
+    dq, dk, dv = fill(q.shape, q.dtype), fill(k.shape, k.dtype), fill(v.shape, v.dtype)
+    rows_q, rows_k = (masks.max_seqlen_q, masks.max_seqlen_k) if packed else (nq, nk)
+    check_grid(h, "heads")
+    check_grid(batch, "batch")
+    strides = {n: elem_strides(a) for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout))}
+    if packed:
+        strides = {n: (0,) + st[1:] for n, st in strides.items()}
+    fields, held = mask_fields(masks, softmax_scale, h)
+    template = MASKED_BWD.pack(
+        q=0, k=0, v=0, o=0, dout=0, lse=0, delta=0, dq=0, dk=0, dv=0,
+        **{f"{n}_{axis}": st[i] for n, st in strides.items() for i, axis in enumerate("bnh")},
+        seqlen_q=rows_q, seqlen_k=rows_k, heads=h, group=h // hkv, head_dim=dp,
+        scale_log2=scale_log2(softmax_scale), scale=softmax_scale, causal=int(bool(causal)),
+        lse_h=nq, **fields)
+    return BwdLaunch(dq, dk, dv, template, batch, rows_q, rows_k, held)
 
 
 def launchable(xs, packed: bool) -> list:

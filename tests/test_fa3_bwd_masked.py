@@ -1,0 +1,87 @@
+"""fa3's masked backward without a GPU: its walk over a packed batch's sequences (kernels/fa3_bwd.py's
+masked_shares, the mirror of bwd_dq_writer.cuh's SequenceWalk) hands every Q block one share from each K/V block
+that sees it, ranked 0 .. count - 1, and the writers, each waiting for its share's rank, all finish (the kernel
+would hang where they do not); and where the launcher runs it."""
+import pytest
+
+from fa_variants.kernels import fa3_bwd
+from fa_variants.reference.masks import Mask
+from fa_variants.tiles import FA3_BWD_TILES
+
+# (seqlens_q, seqlens_k): a packed batch with empty, one-token and long sequences; a dense-looking one; cross
+CASES = [
+    ([1, 0, 37, 1000, 300, 4097], [1, 0, 37, 1000, 300, 4097]),
+    ([640, 640], [640, 640]),
+    ([37, 300, 129], [300, 37, 1000]),
+    ([0, 5], [7, 0]),
+]
+MASKS = [dict(causal=False), dict(causal=True), dict(causal=True, window=(200, 0)),
+         dict(causal=False, window=(100, 300)), dict(causal=False, window=(0, 0)), dict(causal=False, window=(-1, 64))]
+
+
+def _writers_finish(walks) -> dict:
+    """Run the ordered writers: a CTA's next share is added once its Q block's count reaches its rank. Returns the
+    counts; fails where no writer can go on while shares remain (a hang)."""
+    counts, at = {}, [0] * len(walks)
+    left = sum(map(len, walks))
+    while left:
+        moved = False
+        for c, shares in enumerate(walks):
+            while at[c] < len(shares) and counts.get(shares[at[c]][0], 0) == shares[at[c]][1]:
+                block = shares[at[c]][0]
+                counts[block] = counts.get(block, 0) + 1
+                at[c] += 1
+                left -= 1
+                moved = True
+        assert moved, f"the writers wait on each other: {[w[a] for w, a in zip(walks, at) if a < len(w)]}"
+    return counts
+
+
+@pytest.mark.parametrize("seqlens", CASES)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize("d", sorted(FA3_BWD_TILES))
+@pytest.mark.parametrize("heads_kv, group, ctas_per_column", [(2, 2, 1), (1, 3, 2)])
+def test_masked_walk_adds_every_share_once_in_a_fixed_order(seqlens, mask, d, heads_kv, group, ctas_per_column):
+    seqlens_q, seqlens_k = seqlens
+    bm, bn = FA3_BWD_TILES[d].block_q, FA3_BWD_TILES[d].block_k
+    n_kv = -(-max(seqlens_k) // bn)
+    walks = fa3_bwd.masked_shares(seqlens_q, seqlens_k, heads_kv, group, ctas_per_column * n_kv, bm, bn, **mask)
+    counts = _writers_finish(walks)
+    expect = {}
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        m = Mask.of(sq, sk, **mask)
+        for h in range(heads_kv * group):
+            for i in range(-(-sq // bm)):
+                n = len(m.blocks(slice(i * bm, min(i * bm + bm, sq)), bn))
+                if n:
+                    expect[(b, h, i)] = n
+    assert counts == expect
+
+
+def test_masked_grid_where_it_applies():
+    """The launcher's rule: head dims up to 128 and a longest sequence of at most one K/V block an SM (else fa2's
+    masked passes run); no CTAs for an empty batch."""
+    import numpy as np
+    from fa_variants.kernels import fa2_bwd_sm90
+    from fa_variants.kernels.masked import Masks
+
+    class Dev:
+        id = 0
+
+    class Arr:
+        def __init__(self, *shape):
+            self.shape, self.device = shape, Dev()
+
+    fa2_bwd_sm90._SMS[0] = 132
+    try:
+        packed = Masks(cu_seqlens_q=np.array([0, 5, 9]), cu_seqlens_k=np.array([0, 5, 9]), max_seqlen_q=5,
+                       max_seqlen_k=16896, total_q=9, total_k=9)
+        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), packed) == 132
+        too_long = Masks(**{**packed.__dict__, "max_seqlen_k": 16897})
+        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), too_long) == 0
+        assert fa3_bwd.masked_grid(Arr(9, 4, 256), Arr(9, 2, 256), packed) == 0
+        dense = Masks(window=(64, 0))
+        assert fa3_bwd.masked_grid(Arr(3, 1000, 8, 64), Arr(3, 1000, 2, 64), dense) == 6 * 8
+        assert fa3_bwd.masked_grid(Arr(0, 1000, 8, 64), Arr(0, 1000, 2, 64), dense) == 0
+    finally:
+        del fa2_bwd_sm90._SMS[0]
