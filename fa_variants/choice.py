@@ -9,7 +9,8 @@ fp8 variants are never chosen: e4m3 operands are a precision a caller asks for b
 model, which follows the kernel's blocks in O(N) memory.
 
 A call with a window, softcap, sinks, ALiBi or a packed batch (varlen.py) runs a masked kernel: the forward the
-first of ``MASKED_FORWARD`` that runs on the device (``masked_forward``), the backward fa2's masked one.
+first of ``MASKED_FORWARD`` that runs on the device (``masked_forward``), and the backward of the same variant
+(fa3's masked backward runs fa2's masked passes where its own does not apply, as its plain one does).
 
 This module looks at no array: ``dispatch`` hands it the device, dtype and head dim of a call.
 """
@@ -25,7 +26,7 @@ BACKENDS = ("auto", "cuda", "numpy")
 FASTEST_FIRST = ("fa3", "fa2", "fa1", "naive")
 #: The NumPy model auto runs without a GPU.
 NUMPY_MODEL = "fa2"
-#: The variants with a masked GPU forward (kernels/fa3_masked.py, kernels/fa2_masked.py), fastest first.
+#: The variants with a masked GPU forward and backward (kernels/fa3_masked.py, kernels/fa2_masked.py), fastest first.
 MASKED_FORWARD = ("fa3", "fa2")
 
 
