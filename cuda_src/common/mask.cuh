@@ -287,6 +287,14 @@ struct AttnMask {
         const float th = capped / cap;
         return ds * (1.f - th * th);
     }
+    // The same with the reciprocals of scale_log2 and the cap given (fa3's masked backward forms them once a step
+    // rather than dividing twice a score; held across fa2's masked dK/dV loop, they made it spill at d 64 on sm_80)
+    __forceinline__ __device__ float ds_raw_by(float ds, float p, float inv_scale_log2, float inv_cap, float lse2,
+                                               int row, int key) const {
+        if (cap <= 0.f || !(p > 0.f)) return ds;
+        const float th = ((__log2f(p) + lse2) * inv_scale_log2 + slope * fabsf(float(row + diag - key))) * inv_cap;
+        return ds * (1.f - th * th);
+    }
 
     // The sink joins each row's denominator as one more logit without a value: the row's reference point moves to
     // max(m, sink) (O and l rescaled as the online softmax does), and exp2(sink - m) is added once per row (by the

@@ -82,12 +82,14 @@ struct BwdAttnMask : FragmentLane, AttnMask {
     __forceinline__ __device__ void ds_key_rows(float (&ds)[NT][4], const float (&pt)[NT][4], int kw, int m0,
                                                 const float* lse2, float scale_log2) const {
         if (cap <= 0.f) return;
+        const float inv_scale_log2 = 1.f / scale_log2, inv_cap = 1.f / cap;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2;
-                ds[nt][e] = ds_raw(ds[nt][e], pt[nt][e], scale_log2, lse2[col], m0 + col, kw + g + 8 * (e / 2));
+                ds[nt][e] = ds_raw_by(ds[nt][e], pt[nt][e], inv_scale_log2, inv_cap, lse2[col], m0 + col,
+                                      kw + g + 8 * (e / 2));
             }
     }
 };
