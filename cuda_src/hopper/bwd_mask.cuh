@@ -63,16 +63,25 @@ struct BwdAttnMask : FragmentLane, AttnMask {
     // P^T of this warp's 16 keys from kw (rows) and the queries m0 + col (columns), from the raw S^T:
     // exp2(transform(S) scale_log2 - LSE2[col]) where the key sees the query, else 0. The element test runs only
     // where some key of the warp's is hidden from some query of the block (the edge test); the transforms always.
+    // (One loop with the transforms and one without, chosen once: inside one loop their uniform tests would
+    // branch at every score.)
     template <int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
                                                const float* lse2, float scale_log2) const {
         const bool edge = needs_mask<8 * NT, 16>(m0, 0, kw);
+        if (cap > 0.f || slope != 0.f) p_key_rows<true>(pt, st, kw, m0, lse2, scale_log2, edge);
+        else p_key_rows<false>(pt, st, kw, m0, lse2, scale_log2, edge);
+    }
+    template <bool TRANSFORMED, int NT>
+    __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
+                                               const float* lse2, float scale_log2, bool edge) const {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2), query = m0 + col;
-                const float x = exp2f_approx(fmaf(transform(st[nt][e], query, key), scale_log2, -lse2[col]));
+                const float s = TRANSFORMED ? transform(st[nt][e], query, key) : st[nt][e];
+                const float x = exp2f_approx(fmaf(s, scale_log2, -lse2[col]));
                 pt[nt][e] = !edge || visible(query, key) ? x : 0.f;
             }
     }
