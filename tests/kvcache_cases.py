@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from conftest import reference64
+from fa_variants.tolerances import LSE_RTOL
 
 # The model against float64: its partials are stored in fp32 as the kernel stores them (relative 2^-24 each),
 # so with several splits it agrees to about 1e-7; with one split it is float64 throughout.
@@ -128,5 +129,7 @@ def assert_lse(lse, ref_lse, what: str = "") -> None:
     empty = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse), empty), f"{what}: -inf rows differ from the reference's"
     assert not np.isnan(lse).any(), f"{what}: NaN in lse"
-    diff = np.abs(lse[~empty] - ref_lse[~empty])
-    assert diff.size == 0 or diff.max() <= LSE_TOL, f"{what}: lse off by {diff.max():.2e}"
+    # (fp32 loses absolute precision as |lse| grows: the bound widens by LSE_RTOL of it, as tolerances.py's)
+    err = np.abs(lse[~empty] - ref_lse[~empty])
+    over = err - (LSE_TOL + LSE_RTOL * np.abs(ref_lse[~empty]))
+    assert over.size == 0 or over.max() <= 0, f"{what}: lse off by {err[over.argmax()]:.2e}, past its bound"
