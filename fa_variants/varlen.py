@@ -10,10 +10,11 @@ The keywords (reference/masks.py has the conventions, docs/masks.md their source
 
 Every argument is checked (a TypeError or ValueError naming it) before anything runs; inputs are never modified.
 Then the NumPy models run these calls (NumPy arrays, or backend="numpy" on copies of GPU arrays), and on the GPU
-the masked kernels: fa3's on sm_90a (kernels/fa3_masked.py; variant "auto" or "fa3"; its backward falls back to
-fa2's passes for head dims above 128 and sequences longer than 128 keys an SM) and fa2's elsewhere or by name
-(kernels/fa2_masked.py, mma.sync on every sm_80+ GPU); a backward needs only q, k, v, out and lse; the other variants' kernels take no masks and are refused by name. A window that hides nothing a plain call
-would not (a side at least the sequence long, or (-1, 0), which is causal) runs as that plain call, on the GPU too.
+the masked kernels: fa3's on sm_90a (kernels/fa3_masked.py; variant "auto" or "fa3"; its backward runs fa2's passes
+for head dims above 128) and fa2's elsewhere or by name (kernels/fa2_masked.py, mma.sync on every sm_80+ GPU); a
+backward needs only q, k, v, out and lse; the other variants' kernels take no masks and are refused by name. A
+window that hides nothing a plain call would not (a side at least the sequence long, or (-1, 0), which is causal)
+runs as that plain call, on the GPU too.
 """
 from __future__ import annotations
 

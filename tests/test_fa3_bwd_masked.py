@@ -40,12 +40,15 @@ def _writers_finish(walks) -> dict:
 @pytest.mark.parametrize("seqlens", CASES)
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize("d", sorted(FA3_BWD_TILES))
-@pytest.mark.parametrize("heads_kv, group, ctas_per_column", [(2, 2, 1), (1, 3, 2)])
-def test_masked_walk_adds_every_share_once_in_a_fixed_order(seqlens, mask, d, heads_kv, group, ctas_per_column):
+@pytest.mark.parametrize("heads_kv, group, ctas", [(2, 2, "a column each"), (1, 3, "two columns each"), (2, 1, 3)])
+def test_masked_walk_adds_every_share_once_in_a_fixed_order(seqlens, mask, d, heads_kv, group, ctas):
+    """... with one CTA a column of K/V blocks, two, and 3 CTAs (fewer than the longest sequence's blocks: it is
+    walked a chunk of 3 blocks at a time)."""
     seqlens_q, seqlens_k = seqlens
     bm, bn = FA3_BWD_TILES[d].block_q, FA3_BWD_TILES[d].block_k
     n_kv = -(-max(seqlens_k) // bn)
-    walks = fa3_bwd.masked_shares(seqlens_q, seqlens_k, heads_kv, group, ctas_per_column * n_kv, bm, bn, **mask)
+    ctas = {"a column each": n_kv, "two columns each": 2 * n_kv}.get(ctas, ctas)
+    walks = fa3_bwd.masked_shares(seqlens_q, seqlens_k, heads_kv, group, ctas, bm, bn, **mask)
     counts = _writers_finish(walks)
     expect = {}
     for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
@@ -59,8 +62,8 @@ def test_masked_walk_adds_every_share_once_in_a_fixed_order(seqlens, mask, d, he
 
 
 def test_masked_grid_where_it_applies():
-    """The launcher's rule: head dims up to 128 and a longest sequence of at most one K/V block an SM (else fa2's
-    masked passes run); no CTAs for an empty batch."""
+    """The launcher's rule: head dims up to 128 (else fa2's masked passes run); a column of CTAs for each K/V block
+    of the longest sequence, up to the SMs; no CTAs for an empty batch."""
     import numpy as np
     from fa_variants.kernels import fa2_bwd_sm90
     from fa_variants.kernels.masked import Masks
@@ -77,8 +80,8 @@ def test_masked_grid_where_it_applies():
         packed = Masks(cu_seqlens_q=np.array([0, 5, 9]), cu_seqlens_k=np.array([0, 5, 9]), max_seqlen_q=5,
                        max_seqlen_k=16896, total_q=9, total_k=9)
         assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), packed) == 132
-        too_long = Masks(**{**packed.__dict__, "max_seqlen_k": 16897})
-        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), too_long) == 0
+        longer = Masks(**{**packed.__dict__, "max_seqlen_k": 16897})
+        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), longer) == 132
         assert fa3_bwd.masked_grid(Arr(9, 4, 256), Arr(9, 2, 256), packed) == 0
         dense = Masks(window=(64, 0))
         assert fa3_bwd.masked_grid(Arr(3, 1000, 8, 64), Arr(3, 1000, 2, 64), dense) == 6 * 8

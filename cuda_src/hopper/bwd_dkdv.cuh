@@ -85,7 +85,8 @@ struct DkdvConfig {
 struct DqOrder {
     enum Mode { ROTATED, UP, DOWN };
     int mode, j, n_kv, n_q, i_first;
-    int i_lo;  // ROTATED: the first Q block, j n_q / n_kv (divided once, not at every step)
+    int i_lo;    // ROTATED: the first Q block, j n_q / n_kv (divided once, not at every step)
+    int c0, c1;  // (rank_in) the K/V blocks [c0, c1) of j's chunk; 0, 0 for rank
     __forceinline__ __device__ int block(int k) const {  // the Q block of this CTA's k-th step of a query head
         if (mode == UP) return i_first + k;
         if (mode == DOWN) return n_q - 1 - k;
@@ -99,14 +100,20 @@ struct DqOrder {
         const int t = ((i + 1) * n_kv - 1) / n_q - j;
         return t < 0 ? t + n_kv : t;
     }
-    // The same under a mask whose blocks form a band (fa3's masked backward: a window, causal or not): UP and DOWN
-    // count from the K/V blocks [begin, end) Q block i sees; n_q is then one past the last Q block j sees, where
-    // DOWN starts.
+    // fa3's masked backward's: the same in the K/V blocks of one chunk [c0, c1) of a sequence's blocks (a sequence
+    // of more blocks than the grid has columns is walked a chunk at a time, in order), after the shares of the
+    // chunks before it. UP and DOWN count from the blocks Q block i sees, under any mask whose blocks form a band
+    // (a window, causal or not); n_q is then one past the last Q block j sees, where DOWN starts. ROTATED (a full
+    // mask, every block seen) rotates over the chunk's n_kv blocks.
     template <int BM, int BN, class Mask>
     __forceinline__ __device__ int rank_in(int i, const Mask& mask) const {
-        if (mode == ROTATED) return rank<BM, BN>(i, 0, 0);
+        if (mode == ROTATED) {
+            const int t = ((i + 1) * n_kv - 1) / n_q - (j - c0);
+            return c0 + (t < 0 ? t + n_kv : t);
+        }
         const BlockRange seen = mask.template kv_blocks<BM, BN>(i * BM);
-        return mode == UP ? seen.end - 1 - j : j - seen.begin;
+        const int before = max(0, min(seen.end, c0) - seen.begin);
+        return before + (mode == UP ? min(seen.end, c1) - 1 - j : j - max(seen.begin, c0));
     }
 };
 

@@ -42,6 +42,12 @@ struct ItemWalk {
         n_kv = (p.seqlen_k + BN - 1) / BN, heads_kv = p.heads / p.group;
         c = block % n_kv, groups = gridDim.x / n_kv, items = batch * heads_kv, item = block / n_kv, m = 0;
     }
+    // (SequenceWalk's) with n_kv columns of CTAs given
+    __forceinline__ __device__ ItemWalk(const BwdParams& p, int batch, int columns) {
+        const int block = blockIdx.x;
+        n_kv = columns, heads_kv = p.heads / p.group;
+        c = block % n_kv, groups = gridDim.x / n_kv, items = batch * heads_kv, item = block / n_kv, m = 0;
+    }
     __forceinline__ __device__ bool more() const { return item < items; }
     __forceinline__ __device__ void next() { item += groups, ++m; }
     __forceinline__ __device__ FusedItemRole role(const BwdParams& p) const {
@@ -72,42 +78,60 @@ __forceinline__ __device__ int dq_block(const BwdSequence& s, int, int h, int i)
     return (s.q0 / BM + s.seq + i) * s.heads + h;
 }
 
-// fa3's masked backward's walk: ItemWalk's items, each on its sequence (sequence_view), the CTA's column c of K/V
-// blocks moved on by the blocks of the items before it, so that the short sequences of a packed batch spread over
-// the CTAs rather than all landing on the first columns. An item whose column is past its sequence's blocks is
-// skipped (the compute warps and the producer walk alike); its CTAs then are those of the columns it has, all
-// resident. The order's mode alternates with the items walked (m), the same for every CTA of an item; a band (causal
-// or a window) visits Q blocks UP and DOWN, a full mask ROTATED, all in the sequence's own blocks.
+// fa3's masked backward's walk: ItemWalk's items (sequence, kv head), each on its sequence (sequence_view), on a
+// grid of n_kv columns of CTAs, n_kv the longest sequence's K/V blocks or, where those are more than the grid's
+// CTAs, the grid's CTAs (one group): a sequence of more blocks is walked a chunk of n_kv blocks at a time, in
+// order, each chunk an item of its own to the CTAs. CTA c takes column c of a chunk moved on by the columns of the
+// chunks before it, so that the short sequences of a packed batch spread over the CTAs rather than all landing on
+// the first columns; a chunk whose column is past its blocks is skipped (the compute warps and the producer walk
+// alike), its CTAs then are those of its columns, all resident. A chunk's shares of a Q block follow those of the
+// chunks before it (DqOrder::rank_in), which the group's CTAs walked earlier: no cycle. The order's mode alternates
+// with the chunks walked (sub), the same for every CTA of one; a band (causal or a window) visits Q blocks UP and
+// DOWN, a full mask ROTATED.
 template <int BN, int BM>
 struct SequenceWalk : ItemWalk<BN, BM> {
     using W = ItemWalk<BN, BM>;
     const MaskedBwdParams& p;
     BwdSequence seq;
-    int col, n_b, shift, run;  // this CTA's column of the item, the sequence's K/V blocks, the columns moved, runs
+    int n_b, chunk, c0, n_c;  // the sequence's K/V blocks; the chunk, its first block and its columns
+    int col, shift, sub, run;  // this CTA's column of it, the columns moved, the chunks walked and run before it
     __forceinline__ __device__ SequenceWalk(const MaskedBwdParams& p, int batch)
-        : W(p, batch), p(p), seq(sequence_view(p, 0)), col(0), n_b(0), shift(0), run(-1) {
+        : W(p, batch, min((p.seqlen_k + BN - 1) / BN, (int)gridDim.x)), p(p), seq(sequence_view(p, 0)), n_b(0),
+          chunk(0), c0(0), n_c(0), col(0), shift(0), sub(-1), run(-1) {
         find();
     }
+    // From the current (item, chunk) on, the first chunk this CTA has a column in.
     __forceinline__ __device__ void find() {
-        for (; W::more(); W::next()) {
-            seq = sequence_view(p, W::b());
-            n_b = (seq.seqlen_k + BN - 1) / BN;
+        while (W::more()) {
+            if (chunk == 0) {
+                seq = sequence_view(p, W::b());
+                n_b = (seq.seqlen_k + BN - 1) / BN;
+            }
+            c0 = chunk * W::n_kv;
+            if (c0 >= n_b) {
+                W::next();
+                chunk = 0;
+                continue;
+            }
+            n_c = min(W::n_kv, n_b - c0);
             col = W::c - shift < 0 ? W::c - shift + W::n_kv : W::c - shift;
-            shift = (shift + n_b) % W::n_kv;
-            if (col < n_b) {
+            shift = (shift + n_c) % W::n_kv;
+            ++sub;
+            if (col < n_c) {
                 ++run;
                 return;
             }
+            ++chunk;
         }
     }
-    __forceinline__ __device__ void next() { W::next(), find(); }
+    __forceinline__ __device__ void next() { ++chunk, find(); }
     __forceinline__ __device__ FusedItemRole role(const MaskedBwdParams&) const {
         const bool band = p.causal || p.window_left >= 0 || p.window_right >= 0;
-        const bool down = band && (W::m & 1);
-        const int j = down ? n_b - 1 - col : col, n_q = (seq.seqlen_q + BM - 1) / BM;
+        const bool down = band && (sub & 1);
+        const int j = c0 + (down ? n_c - 1 - col : col), n_q = (seq.seqlen_q + BM - 1) / BM;
         const BlockRange seen = BwdAttnMask(seq, 0).q_blocks<BM, BN>(j * BN);
-        return {j, DqOrder{band ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_b,
-                           band ? seen.end : n_q, seen.begin, j * n_q / n_b}};
+        return {j, DqOrder{band ? (down ? DqOrder::DOWN : DqOrder::UP) : DqOrder::ROTATED, j, n_c,
+                           band ? seen.end : n_q, seen.begin, (j - c0) * n_q / n_c, c0, c0 + n_c}};
     }
     __forceinline__ __device__ const BwdSequence& view(const MaskedBwdParams&) const { return seq; }
     __forceinline__ __device__ int view_b() const { return seq.b; }

@@ -1,9 +1,10 @@
-// The Hopper backward's view of the mask policy (fa2_bwd_sm90.cu, fa3_bwd.cu): common/mask.cuh's CausalMask, which answers
-// which blocks a tile visits (q_blocks: the Q blocks a K/V block's CTA steps over; kv_blocks: the K/V blocks a Q
-// block's CTA steps over), and where this thread's elements sit in a 64 x N accumulator fragment, for the test
-// applied to one: a select to exactly 0, never a product with a mask (P = exp2(S - LSE) with LSE = -inf for a query
-// that saw no key must not make a NaN). BwdAttnMask is fa3's masked backward's: AttnMask (a window, softcap, ALiBi)
-// on one sequence of a packed or dense batch, the same questions and the transforms' part of P^T and dS^T.
+// The Hopper backward's view of the mask policy (fa2_bwd_sm90.cu, fa3_bwd.cu): common/mask.cuh's CausalMask,
+// which answers which blocks a tile visits (q_blocks: the Q blocks a K/V block's CTA steps over; kv_blocks: the K/V
+// blocks a Q block's CTA steps over), and where this thread's elements sit in a 64 x N accumulator fragment, for
+// the test applied to one: a select to exactly 0, never a product with a mask (P = exp2(S - LSE) with LSE = -inf
+// for a query that saw no key must not make a NaN). BwdAttnMask is fa3's masked backward's: AttnMask (a window,
+// softcap, ALiBi) on one sequence of a packed or dense batch, the same questions and the transforms' part of P^T
+// and dS^T.
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/sequence.cuh"

@@ -161,12 +161,16 @@ def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block
 _SMS = {}
 
 
+def sms(device: int) -> int:
+    if device not in _SMS:
+        _SMS[device] = sm_count(device)
+    return _SMS[device]
+
+
 def fused_grid(device: int, n_kv: int, items: int) -> int:
     """CTAs of the fused pass: groups x n_kv contributors, every one resident at once (one CTA an SM); 0 where it
     does not apply (a head's contributors could not all run side by side)."""
-    if device not in _SMS:
-        _SMS[device] = sm_count(device)
-    groups = min(_SMS[device] // n_kv, items) if n_kv else 0
+    groups = min(sms(device) // n_kv, items) if n_kv else 0
     return groups * n_kv
 
 

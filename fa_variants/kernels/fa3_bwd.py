@@ -5,13 +5,14 @@ in the layout the producer copies in one piece), ``fa3_bwd`` (the persistent dK/
 compute warpgroups, the fused dQ's writer), and fa2_bwd_sm90.cu's ``fa2_bwd_dq_convert`` (the writer's fp32 dQ sum
 into dq). dQ's shares are added in a fixed order: the result is the same bit for bit on every run.
 
-Where the kernel does not apply, fa2's Hopper backward (kernels/fa2_bwd_sm90.py) runs instead: head dims above
-128 (the fused dQ's tiles hold d 64 and 128; d 256 runs fa2's three passes), and sequences whose K/V blocks a
-head's CTAs cannot all hold at once (seqlen_k > 128 x SMs: fa2_bwd_sm90.fused_grid gives no grid).
+Head dims above 128 run fa2's Hopper backward (kernels/fa2_bwd_sm90.py; the fused dQ's tiles hold d 64 and 128,
+d 256 runs fa2's three passes). Sequences whose K/V blocks a head's CTAs cannot all hold at once (seqlen_k > 128 x
+SMs: fa2_bwd_sm90.fused_grid gives no grid) run the masked kernel with no mask, whose walk takes a sequence a chunk
+of blocks at a time.
 
 ``masked_gradients`` is the same backward under a window, softcap or ALiBi, over a dense or packed batch
 (``fa3_bwd_masked``, ``fa3_bwd_stats_masked``, ``fa3_bwd_dq_convert_masked``; kernels/fa3_masked.py's backward
-calls it where it applies, fa2's masked passes elsewhere).
+calls it at head dims up to 128, fa2's masked passes above).
 """
 from __future__ import annotations
 
@@ -93,10 +94,14 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
     import cupy
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    grid = 0 if d > DIMS[-1] else fa2_bwd_sm90.fused_grid(
-        q.device.id, cdiv(nk, FA3_BWD_TILES[template_dim(d, DIMS)].block_k), b * hkv)
-    if not grid:  # (the module docstring's two cases)
+    if d > DIMS[-1]:
         return fa2_bwd_sm90.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+    grid = fa2_bwd_sm90.fused_grid(q.device.id, cdiv(nk, FA3_BWD_TILES[template_dim(d, DIMS)].block_k), b * hkv)
+    if not grid:  # a head's K/V blocks are more than the SMs
+        from .masked import Masks
+        from . import masked
+        return masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, masks=Masks(),
+                               gradients=masked_gradients)[:3]
     D, (dout, q, k, v, out, lse) = fa2_bwd.prepare("fa3's backward", DIMS, dout, q, k, v, out, lse)
     ctype = CTYPE[q.dtype.name]
     bm, bn = FA3_BWD_TILES[D]
@@ -138,14 +143,17 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
 
 def masked_grid(q, k, masks) -> int:
     """CTAs of the masked backward for q, k as given (dense, or packed (total, heads, d)); 0 where it does not
-    apply: head dims above 128, or more K/V blocks in the longest sequence than SMs."""
+    apply (head dims above 128) or nothing runs. Its columns: the longest sequence's K/V blocks, or the SMs where
+    those are more (bwd_dq_writer.cuh's SequenceWalk then walks a longer sequence a chunk at a time)."""
     d = q.shape[-1]
     if d > DIMS[-1]:
         return 0
     rows_k = masks.max_seqlen_k if masks.packed else k.shape[1]
     items = (masks.cu_seqlens_q.shape[0] - 1 if masks.packed else q.shape[0]) * k.shape[-2]
     n_kv = cdiv(rows_k, FA3_BWD_TILES[template_dim(d, DIMS)].block_k)
-    return fa2_bwd_sm90.fused_grid(q.device.id, n_kv, items) if n_kv and items else 0
+    if not (n_kv and items):
+        return 0
+    return fa2_bwd_sm90.fused_grid(q.device.id, min(n_kv, fa2_bwd_sm90.sms(q.device.id)), items)
 
 
 def masked_blocks(q, masks, bm: int) -> int:
@@ -207,31 +215,40 @@ def masked_shares(seqlens_q, seqlens_k, heads_kv: int, group: int, ctas: int, bm
                   window=(-1, -1)) -> list:
     """The masked backward's walk (bwd_dq_writer.cuh's SequenceWalk and DqOrder's rank_in, on reference/masks.py's
     blocks): for each of ``ctas`` CTAs, the dQ shares it hands its writer, in order, as ((sequence, query head, Q
-    block), rank). Every K/V block of every (sequence, kv head) is one CTA's item; CTA c takes column c of an item
-    moved on by the blocks of the items its group walked before it."""
+    block), rank). The grid's columns are the longest sequence's K/V blocks, or the CTAs where those are more (a
+    longer sequence walked a chunk of that many blocks at a time); every K/V block of every (sequence, kv head) is
+    one CTA's; CTA c takes column c of a chunk moved on by the columns of the chunks its group walked before."""
     from ..reference.masks import Mask
-    n_kv = cdiv(max(seqlens_k), bn)
-    groups, items = ctas // n_kv, len(seqlens_q) * heads_kv
+    cols = min(cdiv(max(seqlens_k), bn), ctas)
+    groups, items = ctas // cols, len(seqlens_q) * heads_kv
     band = causal or tuple(window) != (-1, -1)
     walks = []
     for cta in range(ctas):
-        c, shares, shift = cta % n_kv, [], 0
-        for m, item in enumerate(range(cta // n_kv, items, groups)):
+        c, shares, shift, sub = cta % cols, [], 0, -1
+        for item in range(cta // cols, items, groups):
             b, h_kv = divmod(item, heads_kv)
             sq, sk = seqlens_q[b], seqlens_k[b]
             n_b, n_q = cdiv(sk, bn), cdiv(sq, bm)
-            col, shift = (c - shift) % n_kv, (shift + n_b) % n_kv
-            if col >= n_b:
-                continue
-            down = band and m % 2 == 1
-            j = n_b - 1 - col if down else col
             mask = Mask.of(sq, sk, causal=causal, window=window)
-            seen = [rows.start // bm for rows in mask.q_blocks(slice(j * bn, min(j * bn + bn, sk)), bm)]
-            blocks = (seen[::-1] if down else seen) if band else [(j * n_q // n_b + k) % n_q for k in range(n_q)]
-            for hq in range(group):
-                for i in blocks:
-                    kv = [cols.start // bn for cols in mask.blocks(slice(i * bm, min(i * bm + bm, sq)), bn)]
-                    rank = (j - kv[0] if down else kv[-1] - j) if band else (((i + 1) * n_b - 1) // n_q - j) % n_b
-                    shares.append(((b, h_kv * group + hq, i), rank))
+            for c0 in range(0, n_b, cols):
+                n_c = min(cols, n_b - c0)
+                col, shift, sub = (c - shift) % cols, (shift + n_c) % cols, sub + 1
+                if col >= n_c:
+                    continue
+                down = band and sub % 2 == 1
+                j = c0 + (n_c - 1 - col if down else col)
+                seen = [rows.start // bm for rows in mask.q_blocks(slice(j * bn, min(j * bn + bn, sk)), bm)]
+                blocks = (seen[::-1] if down else seen) if band else \
+                    [((j - c0) * n_q // n_c + k) % n_q for k in range(n_q)]
+                for hq in range(group):
+                    for i in blocks:
+                        kv = [cols_.start // bn for cols_ in mask.blocks(slice(i * bm, min(i * bm + bm, sq)), bn)]
+                        lo, hi = kv[0], kv[-1] + 1
+                        if band:
+                            rank = max(0, min(hi, c0) - lo) + (min(hi, c0 + n_c) - 1 - j if not down else
+                                                               j - max(lo, c0))
+                        else:
+                            rank = c0 + (((i + 1) * n_c - 1) // n_q - (j - c0)) % n_c
+                        shares.append(((b, h_kv * group + hq, i), rank))
         walks.append(shares)
     return walks

@@ -5,8 +5,8 @@ kernel: TMA tensor maps of q, k, v (a packed batch's as one sequence of total ro
 rows), the producer warpgroup and the ping-ponged consumers, one CTA per (Q block, head, sequence) tile.
 
 The backward of a masked call is fa3's masked backward (kernels/fa3_bwd.py's masked_gradients: fa3_bwd.cu's
-fa3_bwd_masked) where it applies (head dims up to 128, the longest sequence's K/V blocks no more than the SMs), else
-fa2's masked passes (kernels/fa2_masked.py): either needs only q, k, v, out and lse.
+fa3_bwd_masked) at head dims up to 128, else fa2's masked passes (kernels/fa2_masked.py): either needs only q, k, v,
+out and lse.
 """
 from __future__ import annotations
 
