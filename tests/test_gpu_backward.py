@@ -31,7 +31,8 @@ BACKWARD_VARIANTS = [v.name for v in registry.variants() if "backward" in v.dire
 SCHEMES = ["separate", "writer", "writer_few_sms"]
 IMPLS = BACKWARD_VARIANTS + (["fa2:mma_sync"] + [f"fa2:{k}" for k in SCHEMES] if "fa2" in BACKWARD_VARIANTS else [])
 # fa3 with dQ's shares added as they come (deterministic=False; the default is its fixed order), and on 8 SMs,
-# where each CTA of its persistent grid takes several heads (causal: both directions)
+# where each CTA of its persistent grid takes several heads (causal: both directions) and a head of more than 8 K/V
+# blocks (seqlen_k > 1024) runs the masked kernel with no mask, its walk a chunk of 8 blocks at a time
 IMPLS += ["fa3:unordered", "fa3:few_sms"] if "fa3" in BACKWARD_VARIANTS else []
 DTYPES = ["float16", "bfloat16"]
 SEED = new_seed()  # one per test run: the inputs (and their float64 gradients) are shared by the implementations

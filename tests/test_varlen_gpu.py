@@ -208,12 +208,16 @@ def _runs(variant, monkeypatch) -> list:
 @pytest.mark.parametrize("d", [64, 128, 72, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("mask", BACKWARD_MASKS)
-@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.parametrize("variant", KERNELS + ["fa3 on 3 SMs"])
 def test_packed_backward_matches_float64(rng, poisoned, monkeypatch, variant, mask, dtype, d):
     """dq, dk, dv (and dsinks) of a packed batch against float64 per sequence, on fa2's masked passes and on fa3's
-    masked backward (d 256: fa2's passes under variant "fa3"); rows of k and v past the last sequence get zero
-    gradients."""
+    masked backward (d 256: fa2's passes under variant "fa3"), also with its grid cut to 3 SMs (the longer
+    sequences walked 3 K/V blocks at a time); rows of k and v past the last sequence get zero gradients."""
     import cupy
+    if variant == "fa3 on 3 SMs":
+        from fa_variants.kernels import fa2_bwd_sm90
+        monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 3)
+        variant = "fa3"
     variant = _kernel(variant)
     calls = _runs(variant, monkeypatch)
     lens_q, lens_k = [1, 0, 37, 300, 200, 5], [1, 5, 37, 777, 200, 0]
