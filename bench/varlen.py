@@ -11,6 +11,7 @@ the host, are not in it), median of --reps after a warm-up. TFLOP/s count the pr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -66,8 +67,11 @@ def causal_flops(lens_q, lens_k) -> float:
     return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
 
 
-# the kernels timed, forward and backward: fa2's, and fa3's where it runs
+# the kernels timed, forward and backward: fa2's, and fa3's where it runs (its backward also with dQ's shares added
+# as they come: "fa3u", deterministic=False)
 FORWARDS = {"fa2": fa2_masked, **({"fa3": fa3_masked} if fav.get("fa3").available()[0] else {})}
+BACKWARDS = {**{n: m.backward for n, m in FORWARDS.items()},
+             **({"fa3u": functools.partial(fa3_masked.backward, deterministic=False)} if "fa3" in FORWARDS else {})}
 
 
 def run_case(name, q, k, v, masks, causal, flops, reps, rng):
@@ -80,9 +84,9 @@ def run_case(name, q, k, v, masks, causal, flops, reps, rng):
         row[f"{kname} fwd ms"], row[f"{kname} fwd TFLOP/s"] = t_f, flops / t_f / 1e9
     out, lse = fa2_masked.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, masks=masks)
     dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(DT))
-    for kname, kernel in FORWARDS.items():
-        def bwd(kernel=kernel):
-            return kernel.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
+    for kname, backward in BACKWARDS.items():
+        def bwd(backward=backward):
+            return backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
         t_b = timed_ms(bwd, reps)
         row[f"{kname} bwd ms"], row[f"{kname} bwd TFLOP/s"] = t_b, 2.5 * flops / t_b / 1e9
     return row
@@ -144,6 +148,7 @@ def main():
         rows.append(r)
 
     keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s")] + \
+        [f"fa3u {c}" for c in ("bwd ms", "bwd TFLOP/s") if "fa3u" in BACKWARDS] + \
         [f"{kn} {c}x dense time" for kn in FORWARDS for c in ("", "bwd ")] + ["ideal"] + \
         [f"{kn} {c} x plain" for kn in FORWARDS for c in ("fwd", "bwd")] + ["flex fwd ms"]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")

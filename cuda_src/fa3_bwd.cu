@@ -152,15 +152,15 @@ fa3_bwd_stats(const fav::BwdParams p, float* stats) {
 
 // ---- the masked backward: the same CTA under AttnMask (a window, softcap, ALiBi; the sinks are in the LSE), over
 // a dense batch or a packed one (MaskedBwdParams; the maps of a packed batch's tensors as one sequence of their
-// rows). Each work item is one sequence's (SequenceWalk); the stats and the dQ sum are numbered by dq_block. The
-// dQ sum is always added in the fixed order. kernels/fa3_bwd.py's masked_backward launches the three.
-template <class T, int D, int BN, int BM>
+// rows). Each work item is one sequence's (SequenceWalk); the stats and the dQ sum are numbered by dq_block.
+// ORDERED as fa3_bwd's. kernels/fa3_bwd.py's masked_gradients launches the three.
+template <class T, int D, int BN, int BM, bool ORDERED = true>
 __global__ void __launch_bounds__(2 * BN + 128, 1)
 fa3_bwd_masked(const __grid_constant__ fav::TmaDesc tq, const __grid_constant__ fav::TmaDesc tdo,
                const __grid_constant__ fav::TmaDesc tk, const __grid_constant__ fav::TmaDesc tv,
                const fav::MaskedBwdParams p, const float* stats, float* dq_acc, int* dq_counts, int batch) {
     using C = fav::DkdvConfig<T, D, BN, BM, true, true, false, false, true, false, fav::BwdSequence>;
-    fav::fa3_bwd_cta<C, true>(tq, tdo, tk, tv, p, stats, dq_acc, dq_counts, batch);
+    fav::fa3_bwd_cta<C, ORDERED>(tq, tdo, tk, tv, p, stats, dq_acc, dq_counts, batch);
 }
 
 // The stats of a masked call: grid (longest sequence's Q blocks x BM / NWARPS, heads, sequences).

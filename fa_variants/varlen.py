@@ -246,11 +246,11 @@ def masked_forward_kernel(variant: str):
 
 
 def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=None, sinks_dtype=None,
-            variant="auto"):
+            variant="auto", deterministic=None):
     """The masked kernels on the checked arrays (host arrays with backend="cuda": on device copies, the results
     copied back), as q's array type: the forward's (out, lse) by ``variant``'s kernel (masked_forward_kernel), or
     with ``saved`` (the backward's dout, out, lse) its gradients (dq, dk, dv, and dsinks in ``sinks_dtype`` where
-    sinks are given)."""
+    sinks are given), dQ's shares in a fixed order unless ``deterministic`` is False."""
     import dataclasses
 
     import cupy
@@ -267,8 +267,9 @@ def _on_gpu(inp, causal, scale: float, return_lse: bool, kernel_masks, saved=Non
             results = results if return_lse else results[:1]
         else:
             dout, out, lse = (arrays.to_cupy(saved[n]) for n in ("dout", "out", "lse"))
-            *results, dsinks = masked_forward_kernel(variant).backward(dout, q, k, v, out, lse, causal=bool(causal),
-                                                                       softmax_scale=scale, masks=kernel_masks)
+            *results, dsinks = masked_forward_kernel(variant).backward(
+                dout, q, k, v, out, lse, causal=bool(causal), softmax_scale=scale, masks=kernel_masks,
+                deterministic=deterministic is not False)
             if dsinks is not None:
                 results.append(dsinks.astype(sinks_dtype))
     back = (lambda a: a) if inp.on_gpu else arrays.to_numpy
@@ -295,8 +296,8 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
                               max_seqlen_q, max_seqlen_k, plain):
     """``attention_backward()`` with mask keywords or the varlen layout (``plain``: attention_backward itself, for
     a window that reduces to a plain call). Returns (dq, dk, dv), and dsinks (heads,) in sinks' dtype where sinks
-    are given. The masked kernels (fa3's on sm_90a, fa2's) and the models sum in a fixed order: ``deterministic``
-    holds either way."""
+    are given. The masked kernels and the models sum in a fixed order, unless ``deterministic`` is False, which lets
+    fa3's masked backward add dQ's shares as they come (fa2's and the models stay deterministic)."""
     backend, scale, window, softcap = _check_scalars(variant, backend, causal, softmax_scale, False, window, softcap)
     arrays.check_flags(check_lse=check_lse)
     arrays.check_flags(deterministic=deterministic, none=True)
@@ -330,7 +331,8 @@ def attention_backward_masked(dout, q, k, v, out, lse, *, variant, causal, softm
         kernel_masks = _gpu_masks(variant, dtype, d, inp, window, softcap, sinks_h, alibi_slopes,
                                   cu=(cu_seqlens_q, cu_seqlens_k) if packed else (None, None), bounds=bounds)
         return _on_gpu(inp, causal, arrays.default_scale(scale, d), False, kernel_masks, saved=saved,
-                       sinks_dtype=None if sinks_h is None else sinks_h.dtype, variant=variant)
+                       sinks_dtype=None if sinks_h is None else sinks_h.dtype, variant=variant,
+                       deterministic=deterministic)
     entry = _model("backward", variant, dtype, d)
     qh, kh, vh = (arrays.to_numpy(a) for a in (inp.q, inp.k, inp.v))
     saved = {n: arrays.to_numpy(a) for n, a in saved.items()}

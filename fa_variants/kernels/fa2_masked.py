@@ -59,8 +59,9 @@ def _run(q, k, v, run: masked.Prepared) -> None:
            cupy.cuda.get_current_stream().ptr, run.template, MASKED_FWD.pointers_format, *run.pointers(q, k, v))
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks):
-    """masked.backward on fa2's passes: (dq, dk, dv, dsinks or None)."""
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks, deterministic: bool = True):
+    """masked.backward on fa2's passes: (dq, dk, dv, dsinks or None), deterministic whatever ``deterministic``
+    says."""
     return masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, masks=masks,
                            gradients=gradients)
 

@@ -17,6 +17,7 @@ calls it at head dims up to 128, fa2's masked passes above).
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 
 from .. import jit
@@ -50,11 +51,12 @@ def instances(ctype: str, d: int) -> tuple:
 
 
 def masked_instances(ctype: str, d: int) -> tuple:
-    """The masked backward's three kernels (one NVRTC module with the plain ones)."""
+    """The masked backward's kernels (one NVRTC module with the plain ones): the main one, its stats, its dQ
+    conversion, and the main one with dQ's shares added as they come."""
     t = FA3_BWD_TILES[d]
-    return (f"fa3_bwd_masked<{ctype}, {d}, {t.block_k}, {t.block_q}>",
-            f"fa3_bwd_stats_masked<{ctype}, {t.block_q}, {STATS_WARPS}>",
-            f"fa3_bwd_dq_convert_masked<{ctype}, {d}, {t.block_k}, {t.block_q}>")
+    main = f"fa3_bwd_masked<{ctype}, {d}, {t.block_k}, {t.block_q}>"
+    return (main, f"fa3_bwd_stats_masked<{ctype}, {t.block_q}, {STATS_WARPS}>",
+            f"fa3_bwd_dq_convert_masked<{ctype}, {d}, {t.block_k}, {t.block_q}>", main.replace(">", ", false>"))
 
 
 def module(ctype: str, d: int) -> tuple:
@@ -101,7 +103,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
         from .masked import Masks
         from . import masked
         return masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, masks=Masks(),
-                               gradients=masked_gradients)[:3]
+                               gradients=functools.partial(masked_gradients, deterministic=deterministic))[:3]
     D, (dout, q, k, v, out, lse) = fa2_bwd.prepare("fa3's backward", DIMS, dout, q, k, v, out, lse)
     ctype = CTYPE[q.dtype.name]
     bm, bn = FA3_BWD_TILES[D]
@@ -165,10 +167,10 @@ def masked_blocks(q, masks, bm: int) -> int:
     return b * h * cdiv(nq, bm)
 
 
-def masked_gradients(dout, q, k, v, out, lse, causal, softmax_scale, masks):
+def masked_gradients(dout, q, k, v, out, lse, causal, softmax_scale, masks, deterministic: bool = True):
     """(dq, dk, dv, None) of launchable arrays (kernels/masked.py's backward): fa3_bwd_stats_masked, the
-    persistent fa3_bwd_masked (dQ's shares in the fixed order), fa3_bwd_dq_convert_masked. The caller checked
-    masked_grid."""
+    persistent fa3_bwd_masked (dQ's shares in the fixed order, or, not ``deterministic``, as they come),
+    fa3_bwd_dq_convert_masked. The caller checked masked_grid."""
     import cupy
     from . import fa3_masked, masked
     from .params import MASKED_BWD
@@ -183,12 +185,13 @@ def masked_gradients(dout, q, k, v, out, lse, causal, softmax_scale, masks):
     if blocks >= 2**31:
         raise ValueError(f"{blocks} Q blocks x heads exceed the backward's 2^31 - 1")
     stats = cupy.empty((blocks, 2, bm), cupy.float32)
-    acc = cupy.empty((blocks, 2, 64 * 64), cupy.float32)
-    counts = cupy.zeros((blocks, 2), cupy.int32)
+    acc = (cupy.empty if deterministic else cupy.zeros)((blocks, 2, 64 * 64), cupy.float32)
+    counts = cupy.zeros((blocks, 2) if deterministic else (1,), cupy.int32)
     ptrs = run.pointers(q, k, v, out, dout, lse, None)
     stream = cupy.cuda.get_current_stream().ptr
     exprs = module(ctype, D)
-    main_k, stats_k, convert_k = masked_instances(ctype, D)
+    main_k, stats_k, convert_k, unordered = masked_instances(ctype, D)
+    main_k = main_k if deterministic else unordered
 
     launch(function_of(jit.kernel(SOURCE, stats_k, exprs), 0), (cdiv(cdiv(run.rows_q, bm) * bm, STATS_WARPS), h,
            run.batch), 32 * STATS_WARPS, 0, stream, run.template, MASKED_BWD.pointers_format, *ptrs,

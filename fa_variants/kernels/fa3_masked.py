@@ -48,13 +48,16 @@ def forward(q, k, v, *, causal: bool, softmax_scale: float, return_lse: bool, ma
                           run=_run)
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks):
+def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, masks: Masks, deterministic: bool = True):
     """masked.backward on fa3's masked backward, or fa2's passes where it does not apply: (dq, dk, dv, dsinks or
-    None)."""
+    None). ``deterministic``: dQ's shares in the fixed order (fa2's passes are deterministic either way)."""
+    import functools
     from . import fa2_masked, fa3_bwd
     fits = fa3_bwd.masked_grid(q, k, masks) > 0
+    gradients = functools.partial(fa3_bwd.masked_gradients, deterministic=deterministic) if fits else \
+        fa2_masked.gradients
     return masked.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, masks=masks,
-                           gradients=fa3_bwd.masked_gradients if fits else fa2_masked.gradients)
+                           gradients=gradients)
 
 
 def _run(q, k, v, run: masked.Prepared) -> None:
