@@ -40,10 +40,12 @@ def _writers_finish(walks) -> dict:
 @pytest.mark.parametrize("seqlens", CASES)
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize("d", sorted(FA3_BWD_TILES))
-@pytest.mark.parametrize("heads_kv, group, ctas", [(2, 2, "a column each"), (1, 3, "two columns each"), (2, 1, 3)])
+@pytest.mark.parametrize("heads_kv, group, ctas", [(2, 2, "a column each"), (1, 3, "two columns each"), (2, 1, 3),
+                                                   (2, 1, 13), (1, 2, 12)])
 def test_masked_walk_adds_every_share_once_in_a_fixed_order(seqlens, mask, d, heads_kv, group, ctas):
-    """... with one CTA a column of K/V blocks, two, and 3 CTAs (fewer than the longest sequence's blocks: it is
-    walked a chunk of 3 blocks at a time)."""
+    """... on grids of one CTA a K/V block of the longest sequence, two, 3 CTAs (fewer than the longest
+    sequence's blocks: it is walked a chunk of 3 blocks at a time), 13 (one group: no divisor holds the blocks)
+    and 12 (groups of 4, 6 or 12)."""
     seqlens_q, seqlens_k = seqlens
     bm, bn = FA3_BWD_TILES[d].block_q, FA3_BWD_TILES[d].block_k
     n_kv = -(-max(seqlens_k) // bn)
@@ -62,8 +64,9 @@ def test_masked_walk_adds_every_share_once_in_a_fixed_order(seqlens, mask, d, he
 
 
 def test_masked_grid_where_it_applies():
-    """The launcher's rule: head dims up to 128 (else fa2's masked passes run); a column of CTAs for each K/V block
-    of the longest sequence, up to the SMs; no CTAs for an empty batch."""
+    """The launcher's rule: head dims up to 128 (else fa2's masked passes run); a CTA for each K/V block of the call
+    (when packed, at most the packed rows' blocks plus one a sequence), up to the SMs; no CTAs for an empty batch;
+    and the walk's groups: the smallest divisor of the CTAs that holds the longest sequence's blocks."""
     import numpy as np
     from fa_variants.kernels import fa2_bwd_sm90
     from fa_variants.kernels.masked import Masks
@@ -79,12 +82,17 @@ def test_masked_grid_where_it_applies():
     try:
         packed = Masks(cu_seqlens_q=np.array([0, 5, 9]), cu_seqlens_k=np.array([0, 5, 9]), max_seqlen_q=5,
                        max_seqlen_k=16896, total_q=9, total_k=9)
-        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), packed) == 132
-        longer = Masks(**{**packed.__dict__, "max_seqlen_k": 16897})
-        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), longer) == 132
+        assert fa3_bwd.masked_grid(Arr(9, 4, 128), Arr(9, 2, 128), packed) == (1 + 2) * 2   # 9 rows' block + 2
+        long = Masks(cu_seqlens_q=np.array([0, 5, 30000]), cu_seqlens_k=np.array([0, 5, 30000]), max_seqlen_q=29995,
+                     max_seqlen_k=29995, total_q=30000, total_k=30000)
+        assert fa3_bwd.masked_grid(Arr(30000, 4, 128), Arr(30000, 2, 128), long) == 132
         assert fa3_bwd.masked_grid(Arr(9, 4, 256), Arr(9, 2, 256), packed) == 0
         dense = Masks(window=(64, 0))
         assert fa3_bwd.masked_grid(Arr(3, 1000, 8, 64), Arr(3, 1000, 2, 64), dense) == 6 * 8
         assert fa3_bwd.masked_grid(Arr(0, 1000, 8, 64), Arr(0, 1000, 2, 64), dense) == 0
+        assert fa3_bwd.masked_grid(Arr(2, 8960, 8, 64), Arr(2, 8960, 8, 64), dense) == 132
+        assert [fa3_bwd.walk_columns(n, 132) for n in (8, 32, 64, 70, 110, 132, 200)] == [11, 33, 66, 132, 132,
+                                                                                          132, 132]
+        assert fa3_bwd.walk_columns(8, 48) == 8 and fa3_bwd.walk_columns(5, 13) == 13
     finally:
         del fa2_bwd_sm90._SMS[0]

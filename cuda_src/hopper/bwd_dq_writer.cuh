@@ -78,10 +78,18 @@ __forceinline__ __device__ int dq_block(const BwdSequence& s, int, int h, int i)
     return (s.q0 / BM + s.seq + i) * s.heads + h;
 }
 
-// fa3's masked backward's walk: ItemWalk's items (sequence, kv head), each on its sequence (sequence_view), on a
-// grid of n_kv columns of CTAs, n_kv the longest sequence's K/V blocks or, where those are more than the grid's
-// CTAs, the grid's CTAs (one group): a sequence of more blocks is walked a chunk of n_kv blocks at a time, in
-// order, each chunk an item of its own to the CTAs. CTA c takes column c of a chunk moved on by the columns of the
+// The columns of SequenceWalk's groups: the smallest divisor of the grid's CTAs that holds the longest sequence's
+// n_kv K/V blocks (all the CTAs, one group, where none does), so that no CTA is left out of a group (a grid of
+// groups x n_kv CTAs would leave SMs % n_kv SMs idle: half of them at 67 blocks on 132 SMs).
+__forceinline__ __device__ int walk_columns(int n_kv, int ctas) {
+    int columns = min(n_kv, ctas);
+    while (ctas % columns) ++columns;
+    return columns;
+}
+
+// fa3's masked backward's walk: ItemWalk's items (sequence, kv head), each on its sequence (sequence_view), on
+// groups of walk_columns CTAs: a sequence of more K/V blocks than a group's columns is walked a chunk of that many
+// blocks at a time, in order, each chunk an item of its own to the CTAs. CTA c takes column c of a chunk moved on by the columns of the
 // chunks before it, so that the short sequences of a packed batch spread over the CTAs rather than all landing on
 // the first columns; a chunk whose column is past its blocks is skipped (the compute warps and the producer walk
 // alike), its CTAs then are those of its columns, all resident. A chunk's shares of a Q block follow those of the
@@ -96,7 +104,7 @@ struct SequenceWalk : ItemWalk<BN, BM> {
     int n_b, chunk, c0, n_c;  // the sequence's K/V blocks; the chunk, its first block and its columns
     int col, shift, sub, run;  // this CTA's column of it, the columns moved, the chunks walked and run before it
     __forceinline__ __device__ SequenceWalk(const MaskedBwdParams& p, int batch)
-        : W(p, batch, min((p.seqlen_k + BN - 1) / BN, (int)gridDim.x)), p(p), seq(sequence_view(p, 0)), n_b(0),
+        : W(p, batch, walk_columns((p.seqlen_k + BN - 1) / BN, gridDim.x)), p(p), seq(sequence_view(p, 0)), n_b(0),
           chunk(0), c0(0), n_c(0), col(0), shift(0), sub(-1), run(-1) {
         find();
     }

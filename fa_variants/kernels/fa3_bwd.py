@@ -145,17 +145,19 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, det
 
 def masked_grid(q, k, masks) -> int:
     """CTAs of the masked backward for q, k as given (dense, or packed (total, heads, d)); 0 where it does not
-    apply (head dims above 128) or nothing runs. Its columns: the longest sequence's K/V blocks, or the SMs where
-    those are more (bwd_dq_writer.cuh's SequenceWalk then walks a longer sequence a chunk at a time)."""
+    apply (head dims above 128) or nothing runs. One a K/V block of the call's (an upper bound when packed: a
+    sequence's blocks from the packed rows' blocks plus one), up to the SMs, all resident at once; the kernel's walk
+    groups them by walk_columns."""
     d = q.shape[-1]
     if d > DIMS[-1]:
         return 0
-    rows_k = masks.max_seqlen_k if masks.packed else k.shape[1]
-    items = (masks.cu_seqlens_q.shape[0] - 1 if masks.packed else q.shape[0]) * k.shape[-2]
-    n_kv = cdiv(rows_k, FA3_BWD_TILES[template_dim(d, DIMS)].block_k)
-    if not (n_kv and items):
-        return 0
-    return fa2_bwd_sm90.fused_grid(q.device.id, min(n_kv, fa2_bwd_sm90.sms(q.device.id)), items)
+    bn = FA3_BWD_TILES[template_dim(d, DIMS)].block_k
+    if masks.packed:
+        batch = masks.cu_seqlens_q.shape[0] - 1
+        blocks = min(cdiv(masks.total_k, bn) + batch, batch * cdiv(masks.max_seqlen_k, bn)) if masks.max_seqlen_k else 0
+    else:
+        blocks = q.shape[0] * cdiv(k.shape[1], bn)
+    return min(blocks * k.shape[-2], fa2_bwd_sm90.sms(q.device.id))
 
 
 def masked_blocks(q, masks, bm: int) -> int:
@@ -214,17 +216,35 @@ def masked_gradients(dout, q, k, v, out, lse, causal, softmax_scale, masks, dete
     return run.dq, run.dk, run.dv, None
 
 
+def walk_columns(n_kv: int, ctas: int) -> int:
+    """bwd_dq_writer.cuh's walk_columns: the smallest divisor of ``ctas`` that holds ``n_kv`` K/V blocks (``ctas``
+    where none does)."""
+    columns = min(n_kv, ctas)
+    while ctas % columns:
+        columns += 1
+    return columns
+
+
 def masked_shares(seqlens_q, seqlens_k, heads_kv: int, group: int, ctas: int, bm: int, bn: int, *, causal: bool,
                   window=(-1, -1)) -> list:
     """The masked backward's walk (bwd_dq_writer.cuh's SequenceWalk and DqOrder's rank_in, on reference/masks.py's
     blocks): for each of ``ctas`` CTAs, the dQ shares it hands its writer, in order, as ((sequence, query head, Q
     block), rank). The grid's columns are the longest sequence's K/V blocks, or the CTAs where those are more (a
     longer sequence walked a chunk of that many blocks at a time); every K/V block of every (sequence, kv head) is
-    one CTA's; CTA c takes column c of a chunk moved on by the columns of the chunks its group walked before."""
+    one CTA's; CTA c takes column c of a chunk moved on by the columns of the chunks its group walked before. The
+    groups are of walk_columns CTAs."""
     from ..reference.masks import Mask
-    cols = min(cdiv(max(seqlens_k), bn), ctas)
+    cols = walk_columns(cdiv(max(seqlens_k), bn), ctas)
     groups, items = ctas // cols, len(seqlens_q) * heads_kv
     band = causal or tuple(window) != (-1, -1)
+    blocks_of = {}   # (sq, sk) -> (the Q blocks each K/V block j sees, the K/V blocks [lo, hi) each Q block i sees)
+    for sq, sk in set(zip(seqlens_q, seqlens_k)):
+        mask = Mask.of(sq, sk, causal=causal, window=window)
+        q_seen = [[r.start // bm for r in mask.q_blocks(slice(j * bn, min(j * bn + bn, sk)), bm)]
+                  for j in range(cdiv(sk, bn))]
+        kv = [[c.start // bn for c in mask.blocks(slice(i * bm, min(i * bm + bm, sq)), bn)]
+              for i in range(cdiv(sq, bm))]
+        blocks_of[sq, sk] = q_seen, [(x[0], x[-1] + 1) if x else (0, 0) for x in kv]
     walks = []
     for cta in range(ctas):
         c, shares, shift, sub = cta % cols, [], 0, -1
@@ -232,7 +252,7 @@ def masked_shares(seqlens_q, seqlens_k, heads_kv: int, group: int, ctas: int, bm
             b, h_kv = divmod(item, heads_kv)
             sq, sk = seqlens_q[b], seqlens_k[b]
             n_b, n_q = cdiv(sk, bn), cdiv(sq, bm)
-            mask = Mask.of(sq, sk, causal=causal, window=window)
+            q_seen, kv_seen = blocks_of[sq, sk]
             for c0 in range(0, n_b, cols):
                 n_c = min(cols, n_b - c0)
                 col, shift, sub = (c - shift) % cols, (shift + n_c) % cols, sub + 1
@@ -240,13 +260,12 @@ def masked_shares(seqlens_q, seqlens_k, heads_kv: int, group: int, ctas: int, bm
                     continue
                 down = band and sub % 2 == 1
                 j = c0 + (n_c - 1 - col if down else col)
-                seen = [rows.start // bm for rows in mask.q_blocks(slice(j * bn, min(j * bn + bn, sk)), bm)]
+                seen = q_seen[j]
                 blocks = (seen[::-1] if down else seen) if band else \
                     [((j - c0) * n_q // n_c + k) % n_q for k in range(n_q)]
                 for hq in range(group):
                     for i in blocks:
-                        kv = [cols_.start // bn for cols_ in mask.blocks(slice(i * bm, min(i * bm + bm, sq)), bn)]
-                        lo, hi = kv[0], kv[-1] + 1
+                        lo, hi = kv_seen[i]
                         if band:
                             rank = max(0, min(hi, c0) - lo) + (min(hi, c0 + n_c) - 1 - j if not down else
                                                                j - max(lo, c0))
