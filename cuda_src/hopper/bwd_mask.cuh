@@ -29,21 +29,28 @@ struct BwdMask : FragmentLane, CausalMask {
 
     // The dK/dV pass's test (keys as rows): this warp's 16 rows of a 64 x 8 NT fragment, keys kw.. (the warp's
     // first), against the queries of the columns, m0.. . Each element becomes value(nt, e, col) where its query
-    // sees its key, else 0; value is computed for every element (no branch). A warp whose 16 keys are all visible
-    // to query m0 (hence to all the later ones) skips the test (edge false). The policy's needs_mask and visible,
-    // called here, compiled to other instructions, so the causal test stays written out on its fields
-    // (docs/kernels/masks.md). The dQ pass (fa2_bwd_dq_sm90, queries as rows) writes the same test out in its loop,
-    // with the roles of rows and columns exchanged: behind a function boundary it compiles to other instructions.
+    // sees its key, else 0. Only a warp some of whose 16 keys are hidden from some query of the block (edge: past
+    // seqlen_k, or right of query m0's diagonal) runs the element test; the others take a loop without it. (As one
+    // loop with `!edge ||` in each element's select, the 8 NT x 4 tests were formed and kept as a bit mask in a
+    // register at every step, whether the warp needed them or not.) The dQ pass (fa2_bwd_dq_sm90, queries as rows)
+    // writes the same test out in its loop, with the roles of rows and columns exchanged.
     template <int NT, class Value>
     __forceinline__ __device__ void apply_key_rows(float (&frag)[NT][4], int kw, int m0, Value value) const {
         const bool edge = kw + 16 > seqlen_k || (causal && kw + 15 > m0 + diag);
+        if (!edge) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) frag[nt][e] = value(nt, e, nt * 8 + 2 * t + e % 2);
+            return;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2);
                 const float x = value(nt, e, col);
-                frag[nt][e] = !edge || (key < seqlen_k && !(causal && key > m0 + col + diag)) ? x : 0.f;
+                frag[nt][e] = key < seqlen_k && !(causal && key > m0 + col + diag) ? x : 0.f;
             }
     }
 };
@@ -64,18 +71,23 @@ struct BwdAttnMask : FragmentLane, AttnMask {
     // P^T of this warp's 16 keys from kw (rows) and the queries m0 + col (columns), from the raw S^T:
     // exp2(transform(S) scale_log2 - LSE2[col]) where the key sees the query, else 0. The element test runs only
     // where some key of the warp's is hidden from some query of the block (the edge test); the transforms always.
-    // (One loop with the transforms and one without, chosen once: inside one loop their uniform tests would
-    // branch at every score.)
+    // (A loop for each of the four cases, chosen once: inside one loop the uniform tests would branch at every
+    // score, or the element tests be formed whether needed or not: BwdMask::apply_key_rows.)
     template <int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
                                                const float* lse2, float scale_log2) const {
-        const bool edge = needs_mask<8 * NT, 16>(m0, 0, kw);
-        if (cap > 0.f || slope != 0.f) p_key_rows<true>(pt, st, kw, m0, lse2, scale_log2, edge);
-        else p_key_rows<false>(pt, st, kw, m0, lse2, scale_log2, edge);
+        const bool edge = needs_mask<8 * NT, 16>(m0, 0, kw), transformed = cap > 0.f || slope != 0.f;
+        if (edge) {
+            if (transformed) p_key_rows<true, true>(pt, st, kw, m0, lse2, scale_log2);
+            else p_key_rows<false, true>(pt, st, kw, m0, lse2, scale_log2);
+        } else {
+            if (transformed) p_key_rows<true, false>(pt, st, kw, m0, lse2, scale_log2);
+            else p_key_rows<false, false>(pt, st, kw, m0, lse2, scale_log2);
+        }
     }
-    template <bool TRANSFORMED, int NT>
+    template <bool TRANSFORMED, bool EDGE, int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
-                                               const float* lse2, float scale_log2, bool edge) const {
+                                               const float* lse2, float scale_log2) const {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -83,7 +95,7 @@ struct BwdAttnMask : FragmentLane, AttnMask {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2), query = m0 + col;
                 const float s = TRANSFORMED ? transform(st[nt][e], query, key) : st[nt][e];
                 const float x = exp2f_approx(fmaf(s, scale_log2, -lse2[col]));
-                pt[nt][e] = !edge || visible(query, key) ? x : 0.f;
+                pt[nt][e] = !EDGE || visible(query, key) ? x : 0.f;
             }
     }
     // dS^T of the raw scores from dS^T of the transformed ones (ds_raw: the softcap's 1 - tanh^2, read back from
