@@ -287,17 +287,24 @@ fa2_bwd_dq_sm90(const fav::BwdParams p) {
         hold_registers(s);
 
         // P in place (rows: queries, LSE per row), visible keys only: the mask's test on its fields, with keys as
-        // columns (written out here, see BwdMask::apply_key_rows)
+        // columns (written out here, see BwdMask::apply_key_rows), only in a warp whose block crosses an edge
         const int qw = m0 + row0, g = mask.g, t = mask.t;
         const bool edge = key0 + BN > seqlen_k || (mask.causal && key0 + BN - 1 > qw + mask.diag);
+        if (edge) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key0 + nt * 8 + 2 * t + e % 2, query = qw + g + 8 * (e / 2);
-                const float x = exp2f_approx(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
-                s[nt][e] = !edge || (key < seqlen_k && !(mask.causal && key > query + mask.diag)) ? x : 0.f;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + nt * 8 + 2 * t + e % 2, query = qw + g + 8 * (e / 2);
+                    const float x = exp2f_approx(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+                    s[nt][e] = key < seqlen_k && !(mask.causal && key > query + mask.diag) ? x : 0.f;
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] = exp2f_approx(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+        }
 
         // dS = P * (dP - D[row]) in place, then dQ_i += dS K_j (K_j read N-major)
         wgmma_wait<0>();
