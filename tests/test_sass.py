@@ -2,19 +2,21 @@
 sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` extra installs it).
 
     wgmma        HGMMA (fp16/bf16) or QGMMA (e4m3) in every wgmma kernel; never HMMA's emulation of e4m3
-    fa3          UTMALDG (TMA loads), USETMAXREG (the producer's registers to the consumers), no LDGSTS (cp.async);
+    fa3          UTMALDG (TMA loads), USETMAXREG (the producer's registers to the consumers), forward and backward;
+                 no LDGSTS (cp.async) in the forward;
                  UTMASTG (TMA stores of O) where the persistent grid pipelines across tiles (16-bit; TMA_OUT)
     spills       no LDL / STL in any of them: a spilled accumulator would serialize the wgmmas
     exp turns    fa3_fp8 at d 128 (fa3_fwd.cu's EXP_TURNS): every turn passed after a softmax (a BAR.ARV whose thread
                  count is read from the row sums) comes after that block's exponentials, not before them
     integer max  fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX): the row maxima by VIMNMX3 (softmax.cuh's row_max_int)
+    mask test    fa3's backward: P^T's exponentials in two loops, with the mask's element test and without
 """
 from __future__ import annotations
 
 import pytest
 
 from fa_variants import jit, registry, sass
-from fa_variants.kernels import fa3, fa3_fp8
+from fa_variants.kernels import fa3, fa3_bwd, fa3_fp8
 from fa_variants.tiles import Fa3Tile
 from fa_variants.sass import cuobjdump_missing, instructions_by_function, sass_by_function
 
@@ -27,9 +29,11 @@ WGMMA_SOURCES = {
     "fa2_fp8_fwd_sm90.cu": ({"QGMMA"}, {"HGMMA", "LDL", "STL"}),
     "fa2_bwd_sm90.cu": ({"HGMMA"}, {"LDL", "STL"}),
     "fa3_fwd.cu": ({"UTMALDG", "USETMAXREG"}, {"LDGSTS", "LDL", "STL"}),
+    "fa3_bwd.cu": ({"HGMMA", "UTMALDG", "USETMAXREG"}, {"LDL", "STL"}),
 }
-# kernels in those sources that are no MMA kernels (they need none of the instructions, and hold none of the forbidden)
-ELEMENTWISE = ("fa2_bwd_dq_convert<",)  # the fused dQ's fp32 sum scaled into the input dtype
+# kernels in those sources that are no MMA kernels (they need none of the instructions, and hold none of the forbidden):
+# the fused dQ's fp32 sum scaled into the input dtype, fa3's backward's LSE / D preprocessing
+ELEMENTWISE = ("fa2_bwd_dq_convert<", "fa3_bwd_dq_convert_masked<", "fa3_bwd_stats")
 # fa3_fwd.cu serves both 16-bit fa3 and fa3_fp8: the FP8 flag picks the MMA (must hold, must not hold)
 FA3_MMA = {False: ("HGMMA", "QGMMA"), True: ("QGMMA", "HGMMA")}
 
@@ -108,6 +112,23 @@ def test_fa3_fp8_row_max_by_three_input_integer_max(expr):
     ins = fa3_instructions(expr)
     bn = int(expr.split(",")[2])
     assert sum(t.startswith("VIMNMX3") for t in ins) >= bn // 8, f"{expr}: too few VIMNMX3 for its row max"
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("expr", [e for d in fa3_bwd.DIMS for e in fa3_bwd.module("fav::BFloat16", d)
+                                  if e.startswith(("fa3_bwd<", "fa3_bwd_masked<"))])
+def test_fa3_backward_tests_the_mask_only_where_a_warp_needs_it(expr):
+    """A compute warp's P^T (BM / 2 elements a thread a step: 64 keys x BM queries over 128 threads) comes from two
+    loops, one with the mask's element test for the warps whose keys cross an edge and one without
+    (hopper/bwd_mask.cuh), so its exponentials stand twice in the machine code; the masked kernel's, twice for each
+    of its two loops (with the softcap / ALiBi transforms and without), the capped ones with the softcap's own
+    exponential. Written as one loop with the edge test in each element's select, ptxas formed every element's test
+    at every step (docs/kernels/fa3_bwd.md, "The mask test"): the exponentials then stood once."""
+    path, lowered = jit.cached_cubin("fa3_bwd.cu", (expr,), "sm_90a")
+    ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+    per_thread = int(expr.split(",")[3].strip(" >")) // 2
+    want = (2 + 2 * 2 if expr.startswith("fa3_bwd_masked<") else 2) * per_thread
+    assert sum("MUFU.EX2" in t for t in ins) == want, f"{expr}: not the two loops' exponentials"
 
 
 def test_a_missing_cuobjdump_says_why_and_how_to_get_it(monkeypatch, tmp_path):
