@@ -542,6 +542,7 @@ for j in 1..T_c:           (a persistent CTA per K/V block; a head's T_c CTAs si
     for each query head of the group, for i over the Q blocks that see block j (in DqOrder's order):
       S^T = K_j Q_i^T, dP^T = V_j dO_i^T                  (issued together: dP^T runs while P^T is computed)
       P^T = exp2(S^T scale log2e - LSE_i) (masked to 0)   dV_j += P^T dO_i
+            (the mask's element test only in a warp whose 16 keys cross the diagonal or the last key)
       dS^T = P^T o (dP^T - D_i)                           dK_j += dS^T Q_i
       dS^T -> shared memory; dQ_i share = dS_ij K_j       (both warpgroups' keys; half of dQ_i's columns or rows each)
   writer warps:            add each share into dQ_i's fp32 sum in a fixed order (rank 0 stores, then bulk adds)
