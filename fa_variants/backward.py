@@ -40,8 +40,9 @@ def attention_backward(dout, q, k, v, out, lse, *, variant: str = "auto", causal
     ``deterministic``: True asks for the same bits on every run, False allows a sum whose order varies, None (the
     default) takes the variant's default. fa3's backward adds each K/V block's share of dQ in a fixed order by
     default (as fast as adding them as they come on a dense batch; on a packed batch, or a sequence of more K/V
-    blocks than the card has SMs, the order costs some speed: docs/kernels/fa3_bwd.md), or as they come with False; naive's, fa2's and the NumPy models' are deterministic either way; fa1's adds dQ atomically and
-    refuses True on the GPU.
+    blocks than the card has SMs, the order costs some speed: docs/kernels/fa3_bwd.md), or as they come with
+    False; naive's, fa2's and the NumPy models' are deterministic either way; fa1's adds dQ atomically and refuses
+    True on the GPU.
 
     ``window``, ``softcap``, ``sinks``, ``alibi_slopes``: the forward's masks (then (dq, dk, dv, dsinks) with
     sinks); ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``: attention_varlen's packed
