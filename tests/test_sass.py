@@ -127,7 +127,8 @@ def test_fa3_backward_tests_the_mask_only_where_a_warp_needs_it(expr):
     path, lowered = jit.cached_cubin("fa3_bwd.cu", (expr,), "sm_90a")
     ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
     per_thread = int(expr.split(",")[3].strip(" >")) // 2
-    want = (2 + 2 * 2 if expr.startswith("fa3_bwd_masked<") else 2) * per_thread
+    exps_per_element = 1 + 2 if expr.startswith("fa3_bwd_masked<") else 1  # (the masked: plain loop, capped loop)
+    want = 2 * exps_per_element * per_thread  # each loop with the element test and without
     assert sum("MUFU.EX2" in t for t in ins) == want, f"{expr}: not the two loops' exponentials"
 
 
