@@ -387,7 +387,6 @@ decode_split(const fav::DecodeParams p) {
     const Sequence seq = Sequence::of(p, b);
     const CacheRows<PAGED> rows = CacheRows<PAGED>::of(p, b);
     const float k_scale = p.k_descale ? p.k_descale[b * p.heads_kv + g] : 1.f;
-    const float v_scale = p.v_descale ? p.v_descale[b * p.heads_kv + g] : 1.f;
     const float scale_log2 = p.scale_log2 * k_scale;
     const PackedMask<MT> mask =
         PackedMask<MT>::template of<SPLIT_N>(p, seq.seqlen_k, seq.fits, b, g, r0, s, p.inv_scale / k_scale);
@@ -398,7 +397,7 @@ decode_split(const fav::DecodeParams p) {
     const unsigned char* vc = static_cast<const unsigned char*>(p.v) + g * p.v_h * KV::BYTES;
     const i64 k_stride[2] = {p.k_b * KV::BYTES, p.k_n * KV::BYTES}, v_stride[2] = {p.v_b * KV::BYTES, p.v_n * KV::BYTES};
     const int row_bytes = p.head_dim * KV::BYTES;
-    bool pages_ok = true;
+    bool in_bounds = seq.fits;  // the sequence fits its cache, and every page index is in range (the loads clear it)
     BlockCopies<D, KV, PAGED> next;  // the next block to load, located
     auto locate = [&](int j) {
         if (j < n_blocks) next.locate(rows, keys.x + j * BN, keys.y, row_bytes);
@@ -406,7 +405,7 @@ decode_split(const fav::DecodeParams p) {
     auto load = [&](int j) {  // block j into its stage, one cp.async group (empty past the last block); j + 1 located
         if (j < n_blocks)
             next.load(L::k_raw(base, j % NSTAGE), L::v_raw(base, j % NSTAGE), kc, vc, k_stride, v_stride, rows,
-                      keys.y, row_bytes, pages_ok);
+                      keys.y, row_bytes, in_bounds);
         cp_async_commit();
         locate(j + 1);
     };
@@ -456,6 +455,7 @@ decode_split(const fav::DecodeParams p) {
     }
     griddep_launch_dependents();  // merge_states' CTAs may take the SMs as this grid's last ones finish
     cp_async_wait<0>();
-    const bool bad = __syncthreads_or(!pages_ok) || !seq.fits;  // also: every warp is done with the ring
+    const bool bad = __syncthreads_or(!in_bounds);  // also: every warp is done with the ring
+    const float v_scale = p.v_descale ? p.v_descale[b * p.heads_kv + g] : 1.f;
     merge_warps_and_store<T, D, MT, L>(o, m, l, scale_log2, v_scale, bad, smem, p, b, g, s, r0);
 }

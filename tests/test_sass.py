@@ -10,13 +10,14 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
                  count is read from the row sums) comes after that block's exponentials, not before them
     integer max  fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX): the row maxima by VIMNMX3 (softmax.cuh's row_max_int)
     mask test    fa3's backward: P^T's exponentials in two loops, with the mask's element test and without
+    softcap      the masked forwards cap a score with one MUFU.TANH, and no reciprocal a score
 """
 from __future__ import annotations
 
 import pytest
 
 from fa_variants import jit, registry, sass
-from fa_variants.kernels import fa3, fa3_bwd, fa3_fp8
+from fa_variants.kernels import fa2_masked, fa3, fa3_bwd, fa3_fp8, fa3_masked
 from fa_variants.tiles import Fa3Tile
 from fa_variants.sass import cuobjdump_missing, instructions_by_function, sass_by_function
 
@@ -121,15 +122,31 @@ def test_fa3_backward_tests_the_mask_only_where_a_warp_needs_it(expr):
     """A compute warp's P^T (BM / 2 elements a thread a step: 64 keys x BM queries over 128 threads) comes from two
     loops, one with the mask's element test for the warps whose keys cross an edge and one without
     (hopper/bwd_mask.cuh), so its exponentials stand twice in the machine code; the masked kernel's, twice for each
-    of its two loops (with the softcap / ALiBi transforms and without), the capped ones with the softcap's own
-    exponential. Written as one loop with the edge test in each element's select, ptxas formed every element's test
-    at every step (docs/kernels/fa3_bwd.md, "The mask test"): the exponentials then stood once."""
+    of its two loops (with the softcap / ALiBi transforms and without), the capped ones with the softcap's tanh, one
+    MUFU.TANH (mask.cuh's capped). Written as one loop with the edge test in each element's select, ptxas formed
+    every element's test at every step (docs/kernels/fa3_bwd.md, "The mask test"): the exponentials then stood once."""
     path, lowered = jit.cached_cubin("fa3_bwd.cu", (expr,), "sm_90a")
     ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
     per_thread = int(expr.split(",")[3].strip(" >")) // 2
-    exps_per_element = 1 + 2 if expr.startswith("fa3_bwd_masked<") else 1  # (the masked: plain loop, capped loop)
-    want = 2 * exps_per_element * per_thread  # each loop with the element test and without
+    loops = 2 if expr.startswith("fa3_bwd_masked<") else 1  # the masked kernel's: plain, capped
+    want = 2 * loops * per_thread  # each loop with the element test and without
     assert sum("MUFU.EX2" in t for t in ins) == want, f"{expr}: not the two loops' exponentials"
+    want_tanh = 2 * per_thread if loops == 2 else 0
+    assert sum("MUFU.TANH" in t for t in ins) == want_tanh, f"{expr}: not one tanh a capped score"
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("module", [fa2_masked, fa3_masked], ids=["fa2_masked", "fa3_masked"])
+def test_masked_forwards_cap_a_score_with_one_tanh(module):
+    """mask.cuh's capped: cap tanh(s / cap) on the SFU's tanh, one MUFU a score beside the softmax's exponential. The
+    form through e^(2s / cap) took an exponential and a reciprocal a score: a MUFU.RCP for each capped score, beside
+    the few of the epilogue's 1 / l."""
+    for expr in (e for e in module.specializations() if "BFloat16" in e):
+        path, lowered = jit.cached_cubin(module.SOURCE, (expr,), "sm_90a")
+        ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+        tanh, rcp = sum("MUFU.TANH" in t for t in ins), sum("MUFU.RCP" in t for t in ins)
+        assert tanh > 0, f"{expr}: no MUFU.TANH"
+        assert rcp < tanh, f"{expr}: {rcp} MUFU.RCP beside {tanh} MUFU.TANH"
 
 
 def test_a_missing_cuobjdump_says_why_and_how_to_get_it(monkeypatch, tmp_path):

@@ -151,9 +151,10 @@ struct CausalMask {
 // The scores arrive raw (Q K^T, softmax_scale applied later in the exponent), so the transforms work in raw units:
 // cap / scale for the cap, slope / scale for the bias.
 // The sinks a kernel's parameters carry (the forward's; the backward needs none: its LSE holds them).
-// A raw score capped, cap tanh(x / cap) = cap (1 - 2 / (e^(2x / cap) + 1)): two MUFU operations, exact at +-inf.
+// A raw score capped, cap tanh(x / cap): one MUFU operation beside the softmax's exponential (the form through
+// e^(2x / cap) takes two, an exponential and a reciprocal, and leaves the special-function unit the bound).
 __forceinline__ __device__ float capped(float x, float cap) {
-    return cap * (1.f - __fdividef(2.f, exp2f_approx(x * (2.885390081777927f / cap)) + 1.f));
+    return cap * tanhf_approx(x * (1.f / cap));
 }
 __forceinline__ __device__ const float* sinks_of(const MaskedFwdParams& p) { return p.sinks; }
 __forceinline__ __device__ const float* sinks_of(const MaskedBwdParams&) { return nullptr; }

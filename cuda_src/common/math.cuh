@@ -39,6 +39,14 @@ __forceinline__ __device__ float exp2f_approx(float x) {
     return y;
 }
 
+// Hyperbolic tangent on the special-function unit (sm_75+): one MUFU operation, relative error about 2^-11 (the
+// PTX ISA's bound), what a 16-bit input's rounding puts into the score it multiplies; tanh(+-inf) = +-1.
+__forceinline__ __device__ float tanhf_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Base-2 exponential on the FMA units, for a share of a softmax's exponentials where the special-function unit is
 // what limits (FA4's idea): 2^x = 2^k p(x - k), k = round(x), p a degree-2 fit of 2^f on [-1/2, 1/2] (relative
 // error 1.7e-3: for P that is rounded to e4m3, whose step is 2^-4, only). x is clamped at -127, where 2^k is built
