@@ -91,12 +91,30 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
 # --------------------------------------------------------------------------------------------------------------
 # Device memory: every GPU test gives back what it allocated, so that a whole suite fits where each file does.
-def release_device_memory() -> None:
+# A full garbage collection, with torch and JAX loaded, costs more than most GPU tests' own work, and arrays kept
+# alive by reference cycles are rare: after a test it runs only where the device's free memory has fallen more than
+# _SLACK below what it was after the last one (docs/tools.md).
+_SLACK = 1 << 30
+_after_last_collection: list = []  # the device's free bytes after the last full collection
+
+
+def _empty_pools() -> None:
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def release_device_memory(full: bool = True) -> None:
     """Free what finished work left on the current device: the library's cached launch plans (a plan can hold
     buffers, taken from whichever pool was current when it was made, a test's poisoned pool included, which that
-    buffer then keeps alive whole), arrays kept by reference cycles or by the last failed test's traceback, then
-    CuPy's default and pinned pools and torch's caching allocator. What stays is small and bounded: loaded
-    modules, and the per-stream buffers of kernels/fa3.py (the largest split tail asked for, and a tile counter)."""
+    buffer then keeps alive whole), arrays kept by the last failed test's traceback, then CuPy's default and pinned
+    pools and torch's caching allocator; and arrays kept by reference cycles (a full collection) where ``full``, or
+    where the free memory has not come back within _SLACK. What stays is small and bounded: loaded modules, and the
+    per-stream buffers of kernels/fa3.py (the largest split tail asked for, and a tile counter)."""
     import cupy
     import fa_variants
 
@@ -105,13 +123,11 @@ def release_device_memory() -> None:
     tb = getattr(sys, "last_traceback", None)
     if tb is not None:  # pytest keeps the last failure here (for post-mortem debugging): its frames hold arrays
         traceback.clear_frames(tb)
-    gc.collect()
-    cupy.get_default_memory_pool().free_all_blocks()
-    cupy.get_default_pinned_memory_pool().free_all_blocks()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    _empty_pools()
+    if full or not _after_last_collection or device_free_bytes() < _after_last_collection[-1] - _SLACK:
+        gc.collect()
+        _empty_pools()
+        _after_last_collection[:] = [device_free_bytes()]
 
 
 def device_free_bytes() -> int:
@@ -124,7 +140,7 @@ def device_free_bytes() -> int:
 def _release_device_memory_after_gpu_tests(request):
     yield
     if request.node.get_closest_marker("gpu") is not None and has_gpu():
-        release_device_memory()
+        release_device_memory(full=False)
 
 
 # --------------------------------------------------------------------------------------------------------------
