@@ -124,6 +124,7 @@ def test_fused_pass_sizes():
 
 def test_fused_grid_needs_a_head_resident(monkeypatch):
     """Groups of a head's n_kv CTAs, as many as fit the SMs (at most one per item); 0 where one head does not fit."""
-    monkeypatch.setitem(k._SMS, 99, 132)
+    from fa_variants.kernels import common
+    monkeypatch.setitem(common.SMS, 99, 132)
     assert k.fused_grid(99, 8, 1000) == 16 * 8 and k.fused_grid(99, 8, 3) == 3 * 8
     assert k.fused_grid(99, 132, 5) == 132 and k.fused_grid(99, 133, 5) == 0 and k.fused_grid(99, 0, 5) == 0

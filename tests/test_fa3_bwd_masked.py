@@ -68,7 +68,7 @@ def test_masked_grid_where_it_applies():
     (when packed, at most the packed rows' blocks plus one a sequence), up to the SMs; no CTAs for an empty batch;
     and the walk's groups: the smallest divisor of the CTAs that holds the longest sequence's blocks."""
     import numpy as np
-    from fa_variants.kernels import fa2_bwd_sm90
+    from fa_variants.kernels import common
     from fa_variants.kernels.masked import Masks
 
     class Dev:
@@ -78,7 +78,7 @@ def test_masked_grid_where_it_applies():
         def __init__(self, *shape):
             self.shape, self.device = shape, Dev()
 
-    fa2_bwd_sm90._SMS[0] = 132
+    common.SMS[0] = 132
     try:
         packed = Masks(cu_seqlens_q=np.array([0, 5, 9]), cu_seqlens_k=np.array([0, 5, 9]), max_seqlen_q=5,
                        max_seqlen_k=16896, total_q=9, total_k=9)
@@ -95,4 +95,4 @@ def test_masked_grid_where_it_applies():
                                                                                           132, 132]
         assert fa3_bwd.walk_columns(8, 48) == 8 and fa3_bwd.walk_columns(5, 13) == 13
     finally:
-        del fa2_bwd_sm90._SMS[0]
+        del common.SMS[0]

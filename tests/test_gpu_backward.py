@@ -76,8 +76,8 @@ def _variant(impl: str, monkeypatch) -> str:
             return name
         if kernel == "few_sms":  # fa3's grid cut to 8 SMs (its launcher sizes it as fa2's fused dQ does)
             import cupy
-            from fa_variants.kernels import fa2_bwd_sm90
-            monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 8)
+            from fa_variants.kernels import common
+            monkeypatch.setitem(common.SMS, cupy.cuda.Device().id, 8)
             return name
         if kernel not in SCHEMES:  # mma_sync: the kernel fa2's plan and backward take where the device has no wgmma
             from fa_variants.kernels import fa2
@@ -89,7 +89,8 @@ def _variant(impl: str, monkeypatch) -> str:
                             else "separate")
         if few:  # 8 SMs
             import cupy
-            monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 8)
+            from fa_variants.kernels import common
+            monkeypatch.setitem(common.SMS, cupy.cuda.Device().id, 8)
     return name
 
 

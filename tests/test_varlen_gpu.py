@@ -217,8 +217,8 @@ def test_packed_backward_matches_float64(rng, poisoned, monkeypatch, variant, ma
     import cupy
     ordered = variant != "fa3 unordered"
     if variant == "fa3 on 3 SMs":
-        from fa_variants.kernels import fa2_bwd_sm90
-        monkeypatch.setitem(fa2_bwd_sm90._SMS, cupy.cuda.Device().id, 3)
+        from fa_variants.kernels import common
+        monkeypatch.setitem(common.SMS, cupy.cuda.Device().id, 3)
     variant = variant.split()[0]
     variant = _kernel(variant)
     calls = _runs(variant, monkeypatch)

@@ -147,10 +147,18 @@ SM90_SMEM = 227 * 1024  # opt-in shared memory per block: sm_90 227 KB, sm_80 16
 SMEM_BY_CC = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: SM90_SMEM}
 
 
+# device -> its streaming multiprocessors, asked once per device (Device.attributes queries every attribute the
+# device has, hundreds of microseconds); the tests cut a device's count here to run a grid on fewer SMs
+SMS: dict = {}
+
+
 def sm_count(device: int | None = None) -> int:
     """Streaming multiprocessors of ``device`` (default: the current one): what persistent grids are sized to."""
     import cupy
-    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    device = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    if device not in SMS:
+        SMS[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    return SMS[device]
 
 
 KERNELS = ("wgmma", "mma_sync")  # fa2's and fa2_fp8's two kernels: Hopper's, and the one every sm_80+ GPU runs

@@ -238,7 +238,6 @@ def merge_launch(parts: DevArray, lses: DevArray, out: DevArray, axes: tuple, af
                      o_h=out.strides[2], states=states, batch=batch, seqlen=seqlen, heads=heads, head_dim=d)
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device: int) -> int:
     from .common import sm_count
     return sm_count(device)

@@ -157,20 +157,10 @@ def dq_order(causal: bool, odd: bool, j: int, n_kv: int, n_q: int, first_q_block
     return blocks, {i: kv_blocks_seen(i) - 1 - j for i in blocks}
 
 
-# device -> its SMs: the fused pass holds one CTA an SM at d 64 and 128
-_SMS = {}
-
-
-def sms(device: int) -> int:
-    if device not in _SMS:
-        _SMS[device] = sm_count(device)
-    return _SMS[device]
-
-
 def fused_grid(device: int, n_kv: int, items: int) -> int:
     """CTAs of the fused pass: groups x n_kv contributors, every one resident at once (one CTA an SM); 0 where it
     does not apply (a head's contributors could not all run side by side)."""
-    groups = min(sms(device) // n_kv, items) if n_kv else 0
+    groups = min(sm_count(device) // n_kv, items) if n_kv else 0
     return groups * n_kv
 
 

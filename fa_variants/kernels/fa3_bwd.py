@@ -23,7 +23,7 @@ import struct
 from .. import jit
 from ..tiles import FA3_BWD_TILES, template_dim
 from . import fa2_bwd, fa2_bwd_sm90
-from .common import CTYPE, cdiv
+from .common import CTYPE, cdiv, sm_count
 from .launch import function_of, launch, launch_argv
 from .params import BWD
 from . import tma
@@ -157,7 +157,7 @@ def masked_grid(q, k, masks) -> int:
         blocks = min(cdiv(masks.total_k, bn) + batch, batch * cdiv(masks.max_seqlen_k, bn)) if masks.max_seqlen_k else 0
     else:
         blocks = q.shape[0] * cdiv(k.shape[1], bn)
-    return min(blocks * k.shape[-2], fa2_bwd_sm90.sms(q.device.id))
+    return min(blocks * k.shape[-2], sm_count(q.device.id))
 
 
 def masked_blocks(q, masks, bm: int) -> int:
