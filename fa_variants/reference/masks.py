@@ -300,11 +300,14 @@ class Mask:
     def blocks_and_masks(self, rows: slice, block_k: int) -> list[tuple[slice, bool]]:
         """``blocks``, each with ``needs_mask``: (cols, needs the elementwise mask), ascending."""
         first, last = self.key_range(rows)
-        lo, hi = self._span(first, last)
-        if hi < 0:
-            return []
-        cuts = [slice(j * block_k, min((j + 1) * block_k, self.seqlen_k)) for j in range(lo // block_k, hi // block_k + 1)]
+        cuts = [slice(j * block_k, min((j + 1) * block_k, self.seqlen_k))
+                for j in self._block_indices(first, last, block_k)]
         return [(cols, self._hides(first, last, cols)) for cols in cuts]
+
+    def _block_indices(self, first, last, block_k: int) -> range:
+        """The indices of the K/V blocks that hold a key some row of a ``key_range`` sees: consecutive."""
+        lo, hi = self._span(first, last)
+        return range(0) if hi < 0 else range(lo // block_k, hi // block_k + 1)
 
     @staticmethod
     def _hides(first, last, cols: slice) -> bool:
@@ -332,8 +335,10 @@ class Mask:
         return self._hides(*self.key_range(rows), cols)
 
     def pairs(self, block_q: int, block_k: int) -> int:
-        """The (Q block, K block) pairs a blocked model visits over this sequence."""
-        return sum(len(self.blocks(rows, block_k)) for rows in block_slices(self.seqlen_q, block_q))
+        """The (Q block, K block) pairs a blocked model visits over this sequence (counted from each Q block's range
+        of K/V blocks, without the blocks' mask tests: a model's progress bar asks it before the run)."""
+        return sum(len(self._block_indices(*self.key_range(rows), block_k))
+                   for rows in block_slices(self.seqlen_q, block_q))
 
     # -------------------------------------------------------------------- the scores
 
