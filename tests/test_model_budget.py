@@ -18,10 +18,13 @@ def _qkv(rng, n, d=8, heads=1):
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_naive_at_a_huge_seqlen_names_the_memory_it_needs(direction, rng):
-    """N = 2M: S alone would be 32 TiB in float64. Refused before anything that size is allocated, as a MemoryError
-    and a ValueError, with the GiB it needs and what to run instead."""
+def test_naive_at_a_huge_seqlen_names_the_memory_it_needs(direction, rng, monkeypatch):
+    """N = 2M: S alone would be 32 TiB in float64. Refused before anything that size is allocated (the inputs'
+    float64 copies included: at head_dim 128 those alone would be 6 GiB), as a MemoryError and a ValueError, with
+    the GiB it needs and what to run instead."""
+    from fa_variants.reference import common
     q, k, v = _qkv(rng, 2_000_000)
+    monkeypatch.setattr(common, "to_float64", lambda x: pytest.fail("float64 copies made before the refusal"))
     with pytest.raises(budget.ModelTooLarge) as info:
         if direction == "forward":
             fav.attention(q, k, v, variant="naive", backend="numpy")

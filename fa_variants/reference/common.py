@@ -113,12 +113,14 @@ def check_block(name: str, b):
     return int(b)
 
 
-def validate(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
+def validate(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None, check_size=None):
     """Every model's argument check, before any arithmetic: (q, k, v widened to float64, softmax scale).
 
     The scalars and the shapes go through attention()'s own checks (arrays.check_scalars, arrays.check_dims), so
     a misuse reads the same from either entry point; the layout rules (strides, alignment) are the kernels'
-    needs, and the models take any NumPy array.
+    needs, and the models take any NumPy array. ``check_size(q_shape, k_shape)``, where given, runs once the
+    shapes are checked and before the float64 copies: a model too large for this host is refused before those
+    are made (naive's N_q x N_k matrices).
     """
     check_scalars(causal, softmax_scale, False)  # as attention(): the scalars first, the arrays after
     for name, b in (("block_q", block_q), ("block_k", block_k)):
@@ -130,6 +132,8 @@ def validate(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
                             f"float8_*), got {a.dtype}")
     check_dims(q, k, v)
     scale = check_scalars(causal, softmax_scale, False, head_dim=q.shape[3])
+    if check_size is not None:
+        check_size(q.shape, k.shape)
     return to_float64(q), to_float64(k), to_float64(v), scale
 
 
@@ -149,10 +153,10 @@ def heads_major(q: np.ndarray, k: np.ndarray, v: np.ndarray):
             to_float64(v)[:, :, kv].transpose(0, 2, 1, 3))
 
 
-def prepare(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None):
+def prepare(q, k, v, *, causal, softmax_scale, block_q=None, block_k=None, check_size=None):
     """(Q, K, V, scale): ``validate``, then ``heads_major``. The one entry of the naive, fa1 and fa2 models."""
     q, k, v, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
-                              block_k=block_k)
+                              block_k=block_k, check_size=check_size)
     return (*heads_major(q, k, v), scale)
 
 
@@ -161,7 +165,8 @@ def to_flash_layout(O: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(O.transpose(0, 2, 1, 3))
 
 
-def validate_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=None, block_k=None):
+def validate_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=None, block_k=None,
+                      check_size=None):
     """Every backward model's argument check, before any arithmetic: (dout, q, k, v, out, lse widened to
     float64, softmax scale).
 
@@ -169,7 +174,7 @@ def validate_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q
     forward's results handed back: dout and out must have q's shape, lse flash-attn's (batch, heads, seqlen_q).
     """
     q, k, v, scale = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
-                              block_k=block_k)
+                              block_k=block_k, check_size=check_size)
     dout, out, lse = (np.asarray(x) for x in (dout, out, lse))
     for name, a in (("dout", dout), ("out", out), ("lse", lse)):
         if not is_float_dtype(a.dtype):
@@ -185,13 +190,14 @@ def validate_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q
     return to_float64(dout), q, k, v, to_float64(out), to_float64(lse), scale
 
 
-def prepare_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=None, block_k=None):
+def prepare_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=None, block_k=None,
+                     check_size=None):
     """(dO, Q, K, V, O, LSE, scale, heads_kv): ``validate_backward``, then heads-major like ``prepare`` (K, V
     expanded to one per query head: every (batch, query head) program reads its kv head's blocks itself and
     writes its own dK, dV, which ``sum_over_groups`` then reduces). The one entry of the backward models."""
     dO, q, k, v, O, lse, scale = validate_backward(dout, q, k, v, out, lse, causal=causal,
                                                    softmax_scale=softmax_scale, block_q=block_q,
-                                                   block_k=block_k)
+                                                   block_k=block_k, check_size=check_size)
     Q, K, V = heads_major(q, k, v)
     return dO.transpose(0, 2, 1, 3), Q, K, V, O.transpose(0, 2, 1, 3), lse, scale, k.shape[2]
 

@@ -29,18 +29,23 @@ dQ = dS K * scale          read dS, K; write dQ
 dK = dS^T Q * scale        read dS, Q; write dK"""
 
 
+def _fits(matrices: int, direction: str):
+    """prepare's size check: ``matrices`` float64 N_q x N_k matrices a (batch, query head), from the flash-layout
+    shapes q (batch, seqlen_q, heads, d) and k (batch, seqlen_k, heads_kv, d)."""
+    return lambda q_shape, k_shape: check_naive(q_shape[0], q_shape[2], q_shape[1], k_shape[1], matrices, direction)
+
+
 def forward(q, k, v, *, causal=False, softmax_scale=None, block_q=None, block_k=None, sram=None, window=(-1, -1),
             softcap=0.0, sinks=None, alibi_slopes=None) -> ModelResult:
     """softmax(q k^T * scale) v, the direct way. Block sizes (checked like the tiled models') and ``sram``
     are accepted and unused: there is no tiling. ``window``, ``softcap``, ``sinks``, ``alibi_slopes``:
     reference/masks.py."""
-    Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              block_q=block_q, block_k=block_k)
+    Q, K, V, scale = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, block_q=block_q,
+                              block_k=block_k, check_size=_fits(NAIVE_MATRICES, "forward"))
     mask = Mask.of_arrays(Q, K, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           sinks=sinks)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
-    check_naive(batch, heads, n_q, n_k, NAIVE_MATRICES, "forward")
     programs = batch * heads  # one per (batch, query head); K, V counted per query head (see prepare)
     hbm = AccessCounter()
 
@@ -84,14 +89,13 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block
     dk, dv are summed over each group of query heads (``sum_over_groups``). Softcap: dS through the cap's
     derivative (``Mask.chain``); sinks: their gradient -sum_i e^(sink - LSE_i) D_i from pass 3's D (``dsinks``).
     """
-    dO, Q, K, V, O, LSE, scale, heads_kv = prepare_backward(dout, q, k, v, out, lse, causal=causal,
-                                                            softmax_scale=softmax_scale, block_q=block_q,
-                                                            block_k=block_k)
+    dO, Q, K, V, O, LSE, scale, heads_kv = prepare_backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
+        check_size=_fits(NAIVE_BACKWARD_MATRICES, "backward"))
     mask = Mask.of_arrays(Q, K, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           sinks=sinks)
     batch, heads, n_q, d = Q.shape
     n_k = K.shape[2]
-    check_naive(batch, heads, n_q, n_k, NAIVE_BACKWARD_MATRICES, "backward")
     programs = batch * heads  # one per (batch, query head); K, V counted per query head (see prepare)
     hbm = AccessCounter()
     everything = slice(0, n_q), slice(0, n_k)
