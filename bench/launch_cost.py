@@ -1,6 +1,7 @@
 """Per-call host cost: how long one ``fav.attention`` call takes when the GPU work is negligible.
 
     PYTHONPATH=$PWD python3 bench/launch_cost.py [--repeats 7] [--calls 2000] [--json out.json] [--no-kernels]
+        [--backward] [--profile VARIANT:INPUTS]
 
 A tiny problem (batch 1, seqlen 16, heads 2, head_dim 64, fp16, not causal) is called ``--calls`` times back to
 back with one device synchronization at the end; time per call = wall time / calls, and the number reported is
@@ -18,14 +19,22 @@ memsets and copies are counted apart.
 Prints a table (targets: 15 us with CuPy arrays, 25 us with torch tensors, for fa1, fa2 and pre-quantized
 fa2_fp8) and writes the rows as JSON. A variant that cannot run here gets a row saying why; one whose call raises
 gets a row with the error. Progress goes to stderr.
+
+``--backward``: the same for the backward call alone, ``fav.attention_backward(dout, q, k, v, out, lse,
+check_lse=False)`` as the torch op makes it, every variant with a backward (no targets), beside torch SDPA's backward
+alone (``torch.autograd.grad`` of one forward's output, kept). ``--profile VARIANT:INPUTS`` (e.g. fa3:torch): then
+cProfile that row's calls and print the 25 functions with the most time of their own.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
+import io
 import json
 import platform
+import pstats
 import sys
 import time
 
@@ -54,6 +63,7 @@ class Row:
     note: str = ""                        # why it did not run, or the error it raised
     kernels: float | None = None          # kernel launches per call (torch profiler)
     memops: float | None = None           # memsets and memory copies per call
+    direction: str = "forward"            # or "backward": the backward call alone (no targets)
 
     @property
     def median_us(self) -> float | None:
@@ -65,13 +75,13 @@ def per_call_us(wall_s: float, calls: int) -> float:
     return wall_s / calls * 1e6
 
 
-def target_us(variant: str, inputs: str) -> float | None:
-    return TARGET_US[inputs] if variant in TARGETED else None
+def target_us(variant: str, inputs: str, direction: str = "forward") -> float | None:
+    return TARGET_US[inputs] if variant in TARGETED and direction == "forward" else None
 
 
 def verdict(row: Row) -> str:
     """'yes' / 'no' against the row's target, '' where it has none or did not run."""
-    target, med = target_us(row.variant, row.inputs), row.median_us
+    target, med = target_us(row.variant, row.inputs, row.direction), row.median_us
     if target is None or med is None:
         return ""
     return "yes" if med <= target else "no"
@@ -88,7 +98,7 @@ def table(rows) -> tuple[list[str], list[list[str]]]:
     headers = ["variant", "inputs", "us/call", "min..max", "target us", "meets", "kernels/call", "note"]
     body = []
     for r in rows:
-        med, target = r.median_us, target_us(r.variant, r.inputs)
+        med, target = r.median_us, target_us(r.variant, r.inputs, r.direction)
         spread = f"{min(r.us):.1f}..{max(r.us):.1f}" if r.us else ""
         body.append([r.variant, r.inputs, "" if med is None else f"{med:.1f}", spread,
                      "" if target is None else f"{target:g}", verdict(r), _count_text(r), r.note])
@@ -98,7 +108,7 @@ def table(rows) -> tuple[list[str], list[list[str]]]:
 def report(rows, meta: dict) -> dict:
     """The JSON document: the run's parameters and one entry per row."""
     return {**meta, "rows": [{**dataclasses.asdict(r), "median_us": r.median_us,
-                              "target_us": target_us(r.variant, r.inputs), "meets": verdict(r) or None}
+                              "target_us": target_us(r.variant, r.inputs, r.direction), "meets": verdict(r) or None}
                              for r in rows]}
 
 
@@ -124,6 +134,23 @@ def _prequant(q, k, v):
     return lambda: fav.fp8.attention(qz, causal=SHAPE.causal)
 
 
+def _ours_backward(variant: str, q, k, v):
+    """The backward call alone, on one forward's out and lse (the forward's variant: the same name)."""
+    import fa_variants as fav
+    out, lse = fav.attention(q, k, v, variant=variant, causal=SHAPE.causal, return_lse=True)
+    dout = out * 0.5 + q   # any array of out's shape, dtype and library
+    return lambda: fav.attention_backward(dout, q, k, v, out, lse, variant=variant, causal=SHAPE.causal,
+                                          check_lse=False)
+
+
+def _sdpa_backward(torch, q, k, v):
+    """torch SDPA's backward alone: autograd through one forward's output, the graph kept between calls."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = _sdpa(torch, q, k, v)()
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
 def _sdpa(torch, q, k, v):
     F = torch.nn.functional
     return lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -146,24 +173,35 @@ def _unavailable(variant: str) -> str:
     return ""
 
 
-def cases(torch, torch_why: str):
+def cases(torch, torch_why: str, backward: bool = False):
     """(variant, inputs, why not or '', build) for every row; ``build()`` -> (zero-argument call, context the
-    timed loop runs in). Inputs are made inside ``build`` so that a failure there becomes that row's error."""
-    ours = [v.name for v in registry.variants()] + [PREQUANT]
+    timed loop runs in). Inputs are made inside ``build`` so that a failure there becomes that row's error.
+    ``backward``: the backward calls, of every variant that has one."""
+    if backward:
+        ours = [v.name for v in registry.variants() if "backward" in v.directions]
+    else:
+        ours = [v.name for v in registry.variants()] + [PREQUANT]
     for inputs in ("cupy", "torch"):
         for name in ours:
             why = _unavailable(name) or (torch_why if inputs == "torch" else "")
 
             def build(name=name, inputs=inputs):
                 qkv = _cupy_inputs() if inputs == "cupy" else _torch_inputs(torch)
+                if backward:
+                    return _ours_backward(name, *qkv), contextlib.nullcontext()
                 call = _prequant(*qkv) if name == PREQUANT else _ours(name, *qkv)
                 return call, contextlib.nullcontext()
 
             yield name, inputs, why, build
     for name in (SDPA, SDPA_FLASH):
         def build(name=name):
-            call = _sdpa(torch, *_torch_inputs(torch))
-            return call, (_flash_context() if name == SDPA_FLASH else contextlib.nullcontext())
+            # entered before the forward too: the backward runs the kernel the forward chose
+            ctx = _flash_context() if name == SDPA_FLASH else contextlib.nullcontext()
+            if backward:
+                with ctx:
+                    call = _sdpa_backward(torch, *_torch_inputs(torch))
+                return call, contextlib.nullcontext()
+            return _sdpa(torch, *_torch_inputs(torch)), ctx
 
         yield name, "torch", torch_why, build
 
@@ -202,11 +240,11 @@ def count_gpu_ops(torch, call, n: int = KERNEL_COUNT_CALLS) -> tuple[float, floa
     return (len(gpu) - mem) / n, mem / n
 
 
-def measure(rows_in, calls: int, repeats: int) -> list[tuple[Row, object]]:
+def measure(rows_in, calls: int, repeats: int, direction: str = "forward") -> list[tuple[Row, object]]:
     """Time each case; (row, build) pairs, so that kernels can be counted afterwards."""
     out = []
     for i, (name, inputs, why, build) in enumerate(rows_in):
-        row = Row(name, inputs)
+        row = Row(name, inputs, direction=direction)
         print(f"[{i + 1}] {name} ({inputs})", file=sys.stderr, flush=True)
         if why:
             row.note = f"skipped: {why}"
@@ -240,13 +278,38 @@ def count_kernels(torch, measured):
             print(f"[count] {row.variant} ({row.inputs}): {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
 
 
+def profile_row(measured, which: str, calls: int) -> str:
+    """cProfile of ``calls`` calls of the row ``which`` ('variant:inputs'), its 25 functions with the most time of
+    their own; or why there is none."""
+    for row, build in measured:
+        if f"{row.variant}:{row.inputs}" != which:
+            continue
+        if not row.us:
+            return f"--profile {which}: the row did not run ({row.note})"
+        call, ctx = build()
+        with ctx:
+            call()
+            _sync()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                call()
+            prof.disable()
+            _sync()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        return f"--profile {which}, {calls} calls:\n{text.getvalue()}"
+    return f"--profile {which}: no such row (variant:inputs, e.g. fa3:torch)"
+
+
 def _meta(args) -> dict:
     import cupy
     from fa_variants import gpu
     torch, _ = torch_status()
     return {"shape": SHAPE.id, "calls": args.calls, "repeats": args.repeats, "warmup_calls": WARMUP_CALLS,
             "device": gpu.probe().name, "python": platform.python_version(), "cupy": cupy.__version__,
-            "torch": getattr(torch, "__version__", None), "timer": "wall clock / calls, one sync per repeat"}
+            "torch": getattr(torch, "__version__", None), "timer": "wall clock / calls, one sync per repeat",
+            "direction": "backward" if args.backward else "forward"}
 
 
 def _write(path: str | None, rows, meta: dict):
@@ -261,22 +324,28 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--no-kernels", action="store_true", help="do not count kernels per call")
+    ap.add_argument("--backward", action="store_true", help="the backward call alone, every variant that has one")
+    ap.add_argument("--profile", default=None, metavar="VARIANT:INPUTS",
+                    help="then cProfile that row's calls (e.g. fa3:torch)")
     args = ap.parse_args(argv)
     from fa_variants import gpu
     if not gpu.available():
         sys.exit(f"launch_cost needs a CUDA GPU: {gpu.reason()}")
     torch, torch_why = torch_status()
     meta = _meta(args)
-    measured = measure(list(cases(torch, torch_why)), args.calls, args.repeats)
+    direction = "backward" if args.backward else "forward"
+    measured = measure(list(cases(torch, torch_why, args.backward)), args.calls, args.repeats, direction)
     rows = [r for r, _ in measured]
     _write(args.json, rows, meta)        # the times are safe on disk before the profiler starts
     if torch is not None and not args.no_kernels:
         count_kernels(torch, measured)
         _write(args.json, rows, meta)
     headers, body = table(rows)
-    print(f"per-call host cost, {SHAPE.id}: median of {args.repeats} x {args.calls} back-to-back calls, "
-          f"one sync each ({meta['device']})")
+    print(f"per-call host cost of the {direction}, {SHAPE.id}: median of {args.repeats} x {args.calls} back-to-back "
+          f"calls, one sync each ({meta['device']})")
     print(tabulate(body, headers=headers, tablefmt="github", disable_numparse=True))
+    if args.profile:
+        print(profile_row(measured, args.profile, min(args.calls, 500)))
 
 
 if __name__ == "__main__":

@@ -253,6 +253,29 @@ def test_launch_cost_cases_without_torch():
     assert all(why for n, i, why, _ in cases if i == "torch")
 
 
+def test_launch_cost_backward_cases_and_rows():
+    """--backward: the variants with a backward, both input types, and the two SDPA rows; no targets."""
+    from fa_variants import registry
+    cases = list(launch_cost.cases(None, "torch is not importable", backward=True))
+    ours = [v.name for v in registry.variants() if "backward" in v.directions]
+    assert [(n, i) for n, i, _, _ in cases] == [(n, "cupy") for n in ours] + [(n, "torch") for n in ours] + [
+        ("torch-sdpa", "torch"), ("torch-sdpa-flash", "torch")]
+    rows = [launch_cost.Row("fa2", "cupy", [40.0], direction="backward")]
+    assert launch_cost.table(rows)[1][0][4:6] == ["", ""]
+    assert launch_cost.report(rows, {})["rows"][0]["target_us"] is None
+
+
+def test_launch_cost_profile_names_its_row(monkeypatch):
+    """--profile VARIANT:INPUTS profiles that row's calls; a row that did not run, or no such row, says so."""
+    monkeypatch.setattr(launch_cost, "_sync", lambda: None)
+    measured = [(launch_cost.Row("fa2", "cupy", [1.0]), lambda: (lambda: sum(range(10)), contextlib.nullcontext())),
+                (launch_cost.Row("fa1", "torch", note="skipped: no torch"), None)]
+    text = launch_cost.profile_row(measured, "fa2:cupy", 20)
+    assert text.startswith("--profile fa2:cupy, 20 calls:") and "tottime" in text
+    assert "did not run" in launch_cost.profile_row(measured, "fa1:torch", 20)
+    assert "no such row" in launch_cost.profile_row(measured, "fa3:torch", 20)
+
+
 def test_launch_cost_measure_keeps_going(monkeypatch):
     """A case whose build or call raises becomes an error row; the others are timed (host-only stand-ins)."""
     monkeypatch.setattr(launch_cost, "_sync", lambda: None)
