@@ -49,9 +49,9 @@ def fa3_stores_o_by_tma(expr: str) -> bool:
     return fa3.stores_o_by_tma(int(d), cfg, overlap == "true", itemsize=1 if fp8 == ["true"] else 2)
 
 
-def fa3_instructions(expr: str) -> list[str]:
-    """The SASS instructions of one fa3_fwd.cu instance, in order (its sm_90a cubin from the kernel cache)."""
-    path, lowered = jit.cached_cubin("fa3_fwd.cu", (expr,), "sm_90a")
+def instructions(source: str, expr: str) -> list[str]:
+    """The SASS instructions of one instance of ``source``, in order (its sm_90a cubin from the kernel cache)."""
+    path, lowered = jit.cached_cubin(source, (expr,), "sm_90a")
     return [t for _, t in instructions_by_function(path)[lowered[expr]]]
 
 
@@ -91,7 +91,7 @@ def test_fa3_fp8_turns_bracket_the_exponentials(expr):
     turn then passes at once and the consumers' exponentials interleave again, which is slower). Between
     each such BAR.ARV and the BAR.SYNC before it lie at least a narrow tail block's exponentials (64 rows x 128 keys
     over 128 threads): MUFU.EX2s, and those on the FMA units (EXP_FMA), each marked by its FMNMX.NAN clamp."""
-    ins = fa3_instructions(expr)
+    ins = instructions("fa3_fwd.cu", expr)
     since_sync, passes = None, []
     for t in ins:
         if t.startswith("BAR.SYNC"):
@@ -110,7 +110,7 @@ def test_fa3_fp8_row_max_by_three_input_integer_max(expr):
     """fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX: FP8 && D <= 128) takes a mask-free block's row maxima as an
     integer max of the scores' bit patterns, three at a time (faster than float max): VIMNMX3 in the machine code, at
     least one row's worth (a thread holds BN / 4 scores of a row: BN / 8 three-input maxima reduce them)."""
-    ins = fa3_instructions(expr)
+    ins = instructions("fa3_fwd.cu", expr)
     bn = int(expr.split(",")[2])
     assert sum(t.startswith("VIMNMX3") for t in ins) >= bn // 8, f"{expr}: too few VIMNMX3 for its row max"
 
@@ -125,8 +125,7 @@ def test_fa3_backward_tests_the_mask_only_where_a_warp_needs_it(expr):
     of its two loops (with the softcap / ALiBi transforms and without), the capped ones with the softcap's tanh, one
     MUFU.TANH (mask.cuh's capped). Written as one loop with the edge test in each element's select, ptxas formed
     every element's test at every step (docs/kernels/fa3_bwd.md, "The mask test"): the exponentials then stood once."""
-    path, lowered = jit.cached_cubin("fa3_bwd.cu", (expr,), "sm_90a")
-    ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+    ins = instructions("fa3_bwd.cu", expr)
     per_thread = int(expr.split(",")[3].strip(" >")) // 2
     loops = 2 if expr.startswith("fa3_bwd_masked<") else 1  # the masked kernel's: plain, capped
     want = 2 * loops * per_thread  # each loop with the element test and without
@@ -142,8 +141,7 @@ def test_masked_forwards_cap_a_score_with_one_tanh(module):
     form through e^(2s / cap) took an exponential and a reciprocal a score: a MUFU.RCP for each capped score, beside
     the few of the epilogue's 1 / l."""
     for expr in (e for e in module.specializations() if "BFloat16" in e):
-        path, lowered = jit.cached_cubin(module.SOURCE, (expr,), "sm_90a")
-        ins = [t for _, t in instructions_by_function(path)[lowered[expr]]]
+        ins = instructions(module.SOURCE, expr)
         tanh, rcp = sum("MUFU.TANH" in t for t in ins), sum("MUFU.RCP" in t for t in ins)
         assert tanh > 0, f"{expr}: no MUFU.TANH"
         assert rcp < tanh, f"{expr}: {rcp} MUFU.RCP beside {tanh} MUFU.TANH"
