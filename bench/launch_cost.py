@@ -333,7 +333,7 @@ def main(argv=None):
         sys.exit(f"launch_cost needs a CUDA GPU: {gpu.reason()}")
     torch, torch_why = torch_status()
     meta = _meta(args)
-    direction = "backward" if args.backward else "forward"
+    direction = meta["direction"]
     measured = measure(list(cases(torch, torch_why, args.backward)), args.calls, args.repeats, direction)
     rows = [r for r, _ in measured]
     _write(args.json, rows, meta)        # the times are safe on disk before the profiler starts
