@@ -1,6 +1,7 @@
 """Real batches on the GPU: the masked kernels on a packed batch of documents, a sliding window, and each logit
 transform, forward and backward (fa2's, kernels/fa2_masked.py, and on sm_90a fa3's, kernels/fa3_masked.py), against
-the same kernels on a plain problem, in one run.
+the same kernels on a plain problem, in one run; FlashAttention-4 (flash_attn.cute) on the same arrays and masks
+where it is installed, and FlexAttention on the window.
 
     python bench/varlen.py [--quick] [--json FILE]
 
@@ -63,6 +64,40 @@ def flex_window_ms(n: int, w: int, reps: int) -> float | None:
     return timed_ms(lambda: flex(q, k, v, block_mask=mask, scale=D ** -0.5), reps)
 
 
+def fa4_times(q, k, v, masks, causal, dout, reps) -> dict:
+    """FlashAttention-4 (flash-attn-4, flash_attn.cute) on the same CuPy arrays, zero-copy through DLPack, with the
+    same mask: {"fa4 fwd ms", "fa4 bwd ms"} (the backward alone, the forward's graph kept), or {} where it is not
+    installed or refuses the case (said so)."""
+    try:
+        import torch
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError as e:
+        print(f"  fa4: not run ({e})")
+        return {}
+    if masks.alibi_slopes is not None:
+        return {}
+    qt, kt, vt = (torch.from_dlpack(x).requires_grad_() for x in (q, k, v))
+    kw = dict(softmax_scale=D ** -0.5, causal=causal, softcap=masks.softcap,
+              window_size=tuple(None if s < 0 else s for s in masks.window),
+              learnable_sink=None if masks.sinks is None else torch.from_dlpack(masks.sinks))
+    if masks.packed:
+        cu_q, cu_k = torch.from_dlpack(masks.cu_seqlens_q), torch.from_dlpack(masks.cu_seqlens_k)
+        fwd = functools.partial(flash_attn_varlen_func, qt, kt, vt, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                max_seqlen_q=masks.max_seqlen_q, max_seqlen_k=masks.max_seqlen_k, **kw)
+    else:
+        fwd = functools.partial(flash_attn_func, qt, kt, vt, **kw)
+    row = {}
+    try:
+        row["fa4 fwd ms"] = timed_ms(fwd, reps)
+        out = fwd()
+        out = out[0] if isinstance(out, tuple) else out
+        dout_t = torch.from_dlpack(dout)
+        row["fa4 bwd ms"] = timed_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), dout_t, retain_graph=True), reps)
+    except Exception as e:  # noqa: BLE001 - a case FA4 refuses is left out of its column, said so
+        print(f"  fa4: {type(e).__name__}: {str(e)[:160]}")
+    return row
+
+
 def causal_flops(lens_q, lens_k) -> float:
     return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
 
@@ -89,6 +124,10 @@ def run_case(name, q, k, v, masks, causal, flops, reps, rng):
             return backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
         t_b = timed_ms(bwd, reps)
         row[f"{kname} bwd ms"], row[f"{kname} bwd TFLOP/s"] = t_b, 2.5 * flops / t_b / 1e9
+    row.update(fa4_times(q, k, v, masks, causal, dout, reps))
+    for c in ("fwd", "bwd"):
+        if f"fa4 {c} ms" in row and "fa3" in FORWARDS:
+            row[f"fa3 {c} x fa4 speed"] = row[f"fa4 {c} ms"] / row[f"fa3 {c} ms"]
     return row
 
 
@@ -150,7 +189,8 @@ def main():
     keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s")] + \
         [f"fa3u {c}" for c in ("bwd ms", "bwd TFLOP/s") if "fa3u" in BACKWARDS] + \
         [f"{kn} {c}x dense time" for kn in FORWARDS for c in ("", "bwd ")] + ["ideal"] + \
-        [f"{kn} {c} x plain" for kn in FORWARDS for c in ("fwd", "bwd")] + ["flex fwd ms"]
+        [f"{kn} {c} x plain" for kn in FORWARDS for c in ("fwd", "bwd")] + ["flex fwd ms"] + \
+        [f"fa4 {c} ms" for c in ("fwd", "bwd")] + [f"fa3 {c} x fa4 speed" for c in ("fwd", "bwd")]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")
     print(tabulate([[r.get(k2, "") if not isinstance(r.get(k2), float) else f"{r[k2]:.3g}" for k2 in keys]
                     for r in rows], headers=keys))
