@@ -11,8 +11,12 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
     integer max  fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX): the row maxima by VIMNMX3 (softmax.cuh's row_max_int)
     mask test    fa3's backward: P^T's exponentials in two loops, with the mask's element test and without
     softcap      the masked forwards cap a score with one MUFU.TANH, and no reciprocal a score
+    bare loop    fa3's masked forward has a mask-free loop without the transforms' instructions, for the calls whose
+                 mask has none (a window, a packed batch)
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -145,6 +149,33 @@ def test_masked_forwards_cap_a_score_with_one_tanh(module):
         tanh, rcp = sum("MUFU.TANH" in t for t in ins), sum("MUFU.RCP" in t for t in ins)
         assert tanh > 0, f"{expr}: no MUFU.TANH"
         assert rcp < tanh, f"{expr}: {rcp} MUFU.RCP beside {tanh} MUFU.TANH"
+
+
+def loops(ins: list[str]) -> list[list[str]]:
+    """The bodies of the loops in one function's instructions: each backward branch's span (SASS instructions are
+    16 bytes, so a branch target's address is an index)."""
+    out = []
+    for i, t in enumerate(ins):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) // 16 < i:
+            out.append(ins[int(m.group(1), 16) // 16:i + 1])
+    return out
+
+
+@needs_cuobjdump
+def test_fa3_masked_forward_has_a_bare_mask_free_loop():
+    """hopper/mainloop.cuh's blocks_after_first: the mask-free blocks run in one of two loops, with the softcap and
+    ALiBi or bare. The transforms' tests are uniform but predicated into every score (a branch there would complete
+    the P V wgmma in flight), so one loop for both issued them at every block: 879 instructions a block against the
+    unmasked kernel's 492 at d 128 (docs/masks.md). Some loop of steps (a block's S and P V wgmmas) must hold
+    neither the tanh nor the ALiBi distance (I2FP). (Up to d 128: at d 256 the second copy made ptxas spill.)"""
+    for expr in (e for e in fa3_masked.specializations() if "BFloat16" in e and int(e.split(",")[1]) <= 128):
+        d, bn = (int(a) for a in expr.split(",")[1:3])
+        ins = instructions(fa3_masked.SOURCE, expr)
+        steps = [body for body in loops(ins) if sum("HGMMA" in t for t in body) == d // 16 + bn // 16]  # S, P V
+        assert steps, f"{expr}: no loop of main-loop steps found"
+        bare = [body for body in steps if not any(op in t for t in body for op in ("MUFU.TANH", "I2FP"))]
+        assert bare, f"{expr}: every loop of main-loop steps holds the transforms"
 
 
 def test_a_missing_cuobjdump_says_why_and_how_to_get_it(monkeypatch, tmp_path):

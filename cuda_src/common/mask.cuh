@@ -197,6 +197,9 @@ struct AttnMask {
         return x;
     }
 
+    // whether apply<false> changes a score: a softcap or ALiBi
+    __forceinline__ __device__ bool transforms() const { return cap > 0.f || slope != 0.f; }
+
     __forceinline__ __device__ int first_key(int query) const { return max(0, query + diag - left); }
     __forceinline__ __device__ int last_key(int query) const { return min(seqlen_k - 1, query + diag + right); }
 
@@ -272,7 +275,7 @@ struct AttnMask {
         bool masked = false;
         if_needs_mask<16 * MT, 8 * NT>(m0, row0, key0, [&] { masked = true; });
         if (masked) apply<true>(s, m0 + row0, key0);
-        else if (cap > 0.f || slope != 0.f) apply<false>(s, m0 + row0, key0);
+        else if (transforms()) apply<false>(s, m0 + row0, key0);
     }
 
     // ---- the backward's: P of a recomputed raw score from the row's LSE (log2 units), exactly 0 where hidden (a

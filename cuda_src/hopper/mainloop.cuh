@@ -260,8 +260,9 @@ struct Mainloop {
     // of the warp moved its reference (before, O is still 0). The softmax runs into (mx, lx): (m, l), or at a CROSS
     // boundary (u = 0, PREV: the P V in flight is the previous tile's last) the next tile's fresh pair, while m and
     // l are still the previous tile's, for its epilogue. S_KEYS, PV_KEYS: the width of S_u and of the P V in
-    // flight, BN but at a narrow tail (TAIL_BN).
-    template <bool MASKED, bool PREV, int S_KEYS, int PV_KEYS>
+    // flight, BN but at a narrow tail (TAIL_BN). BARE: a block without the element test under a mask that does not
+    // transform the scores (Mask::transforms()), whose scores go to the softmax as they come.
+    template <bool MASKED, bool PREV, int S_KEYS, int PV_KEYS, bool BARE = false>
     __device__ void step(const TileWork& x, int u, float (&mx)[1][2], float (&lx)[1][2]) {
         const int j = x.w.blocks.end - 1 - u;
         float s[1][S_KEYS / 8][4];
@@ -275,7 +276,7 @@ struct Mainloop {
         hold_registers(s[0]);
         mbar_arrive_if(L.k_empty(stage_of(x, u)), leader);
         mbar_arrive_if(L.q_empty(x.q), leader && u == x.n - 1);
-        mask.template apply<MASKED>(s, x.w.m0 + row0, j * BN);
+        if constexpr (!BARE) mask.template apply<MASKED>(s, x.w.m0 + row0, j * BN);
         float alpha[1][2];
         const bool moved = softmax<MASKED>(x, s, j, mx, lx, alpha);
         // O is still 0 at the first visited block, and at a CROSS boundary (u = 0, PREV) O is the previous tile's,
@@ -338,8 +339,18 @@ struct Mainloop {
     // The blocks after the first: those that need a mask come first (j from end - 1 down), a loop of their own,
     // so that the mask-free loop has no branch (written as one loop, ptxas kept both steps in it). Between the
     // two loops nothing is in flight (a branch is free there): the epilogue releases the previous tile's O buffer.
-    // Under a window the blocks below j_low need the mask again: a third loop.
+    // Under a window the blocks below j_low need the mask again: a third loop. A mask that can transform the scores
+    // (softcap, ALiBi) has two copies of these loops, chosen once per tile: with the transforms, or BARE where the
+    // call has none (their tests would otherwise be predicated into every score of the mask-free loop, issued
+    // whether they apply or not). Not at d 256, whose wider O leaves no registers for the second copy (ptxas
+    // spills), and whose products outweigh the softmax's issue slots more than at d 128.
     template <class Epilogue>
+    __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
+        if constexpr (Mask::TRANSFORMS && D <= 128)
+            if (!mask.transforms()) return blocks_after_first<true>(x, epi);
+        blocks_after_first<false>(x, epi);
+    }
+    template <bool BARE, class Epilogue>
     __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
         int u = x.z + 1;
         if constexpr (TAIL_BN > 0)  // block 0's narrow P V beside S_1 (block 1 needs no mask: x.narrow)
@@ -347,10 +358,10 @@ struct Mainloop {
         for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_mask; ++u) step<true, OVERLAP, BN, BN>(x, u, m, l);
         epi.release_o();
         if constexpr (Mask::LOW_EDGE) {
-            for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_low; ++u) step<false, OVERLAP, BN, BN>(x, u, m, l);
+            for (; u < x.n && x.w.blocks.end - 1 - u >= x.j_low; ++u) step<false, OVERLAP, BN, BN, BARE>(x, u, m, l);
             for (; u < x.n; ++u) step<true, OVERLAP, BN, BN>(x, u, m, l);
         } else {
-            for (; u < x.n; ++u) step<false, OVERLAP, BN, BN>(x, u, m, l);
+            for (; u < x.n; ++u) step<false, OVERLAP, BN, BN, BARE>(x, u, m, l);
         }
     }
     // A tile's rows once its last block is in: what the mask adds at a row's end (the sinks; nothing for most).
