@@ -4,6 +4,7 @@ the same kernels on a plain problem, in one run; FlashAttention-4 (flash_attn.cu
 where it is installed, and FlexAttention on the window.
 
     python bench/varlen.py [--quick] [--json FILE]
+    python bench/varlen.py --report FILE       # the tables of a saved run, on any machine
 
 Kernel time: CUDA events around the launcher's call (the public API's host checks, which read cu_seqlens back to
 the host, are not in it), median of --reps after a warm-up. TFLOP/s count the products a causal problem needs:
@@ -131,12 +132,38 @@ def run_case(name, q, k, v, masks, causal, flops, reps, rng):
     return row
 
 
+def report(rows: list) -> str:
+    """The forward's table, then the backward's: a row a case, a column for each kernel's time (and TFLOP/s), then
+    the ratios the case has (against dense, against the plain kernel, fa3's speed against FA4's); the columns no
+    case has are left out."""
+    def table(direction: str) -> str:
+        short = "fwd" if direction == "forward" else "bwd"
+        kernels = [k for k in ("fa2", "fa3", "fa3u", "fa4") if any(f"{k} {short} ms" in r for r in rows)]
+        cols = [(f"{k} {short} ms", f"{k} ms") for k in kernels]
+        cols += [(f"{k} {short} TFLOP/s", f"{k} TFLOP/s") for k in kernels if any(f"{k} {short} TFLOP/s" in r
+                                                                                  for r in rows)]
+        dense = "x dense time" if short == "fwd" else "bwd x dense time"
+        cols += [(f"{k} {dense}", f"{k} x dense") for k in kernels] + [("ideal", "ideal (w/N)")]
+        cols += [(f"{k} {short} x plain", f"{k} x plain") for k in kernels]
+        cols += [(f"fa3 {short} x fa4 speed", "fa3 speed / fa4")]
+        if short == "fwd":
+            cols += [("flex fwd ms", "flex ms")]
+        cols = [(key, head) for key, head in cols if any(key in r for r in rows)]
+        body = [[r["case"]] + [f"{r[key]:.3g}" if key in r else "" for key, _ in cols] for r in rows]
+        return f"{direction}\n" + tabulate(body, headers=["case"] + [head for _, head in cols])
+    return table("forward") + "\n\n" + table("backward")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of a run saved by --json (no GPU needed)")
     args = ap.parse_args()
+    if args.report:
+        print(report(json.load(open(args.report))))
+        return
     rng = np.random.default_rng(0)
     rows = []
 
@@ -186,14 +213,8 @@ def main():
             r[f"{kname} bwd x plain"] = r[f"{kname} bwd ms"] / plain[f"{kname} bwd ms"]
         rows.append(r)
 
-    keys = ["case"] + [f"{kn} {c}" for kn in FORWARDS for c in ("fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s")] + \
-        [f"fa3u {c}" for c in ("bwd ms", "bwd TFLOP/s") if "fa3u" in BACKWARDS] + \
-        [f"{kn} {c}x dense time" for kn in FORWARDS for c in ("", "bwd ")] + ["ideal"] + \
-        [f"{kn} {c} x plain" for kn in FORWARDS for c in ("fwd", "bwd")] + ["flex fwd ms"] + \
-        [f"fa4 {c} ms" for c in ("fwd", "bwd")] + [f"fa3 {c} x fa4 speed" for c in ("fwd", "bwd")]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, heads {H}, d {D}")
-    print(tabulate([[r.get(k2, "") if not isinstance(r.get(k2), float) else f"{r[k2]:.3g}" for k2 in keys]
-                    for r in rows], headers=keys))
+    print(report(rows))
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 
