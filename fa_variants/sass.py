@@ -1,5 +1,6 @@
 """The machine code (SASS) of a cubin, read by cuobjdump: no GPU needed. Serves the Hopper kernels' instruction
-checks (tests/test_sass.py) and bench/sass_diff.py (the same kernels in two trees, instruction for instruction).
+checks (tests/test_sass.py), bench/sass_diff.py (the same kernels in two trees, instruction for instruction) and
+bench/sass_loops.py (a kernel's loops and what they issue).
 cuobjdump comes with the ``test`` extra (nvidia-cuda-cuobjdump; it calls nvdisasm, which comes beside it), or with a
 CUDA toolkit on PATH."""
 from __future__ import annotations
@@ -78,3 +79,14 @@ def comparable(text: str) -> str:
     """An instruction with its immediates and addresses masked (branch targets and constant offsets move when
     code before them changes length; the instruction stays the same)."""
     return re.sub(r"0x[0-9a-f]+", "X", text)
+
+
+def loops(instructions: list[str]) -> list[tuple[int, int]]:
+    """The loops of one function, as (first, last) instruction indices: the span of each backward branch, innermost
+    and outermost alike (a SASS instruction is 16 bytes, so a branch target's address is an index)."""
+    out = []
+    for i, text in enumerate(instructions):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) // 16 < i:
+            out.append((int(m.group(1), 16) // 16, i))
+    return out

@@ -16,8 +16,6 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
 """
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from fa_variants import jit, registry, sass
@@ -151,17 +149,6 @@ def test_masked_forwards_cap_a_score_with_one_tanh(module):
         assert rcp < tanh, f"{expr}: {rcp} MUFU.RCP beside {tanh} MUFU.TANH"
 
 
-def loops(ins: list[str]) -> list[list[str]]:
-    """The bodies of the loops in one function's instructions: each backward branch's span (SASS instructions are
-    16 bytes, so a branch target's address is an index)."""
-    out = []
-    for i, t in enumerate(ins):
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
-        if m and int(m.group(1), 16) // 16 < i:
-            out.append(ins[int(m.group(1), 16) // 16:i + 1])
-    return out
-
-
 @needs_cuobjdump
 def test_fa3_masked_forward_has_a_bare_mask_free_loop():
     """hopper/mainloop.cuh's blocks_after_first: the mask-free blocks run in one of two loops, with the softcap and
@@ -172,7 +159,8 @@ def test_fa3_masked_forward_has_a_bare_mask_free_loop():
     for expr in (e for e in fa3_masked.specializations() if "BFloat16" in e and int(e.split(",")[1]) <= 128):
         d, bn = (int(a) for a in expr.split(",")[1:3])
         ins = instructions(fa3_masked.SOURCE, expr)
-        steps = [body for body in loops(ins) if sum("HGMMA" in t for t in body) == d // 16 + bn // 16]  # S, P V
+        bodies = [ins[first:last + 1] for first, last in sass.loops(ins)]
+        steps = [body for body in bodies if sum("HGMMA" in t for t in body) == d // 16 + bn // 16]  # S, P V
         assert steps, f"{expr}: no loop of main-loop steps found"
         bare = [body for body in steps if not any(op in t for t in body for op in ("MUFU.TANH", "I2FP"))]
         assert bare, f"{expr}: every loop of main-loop steps holds the transforms"
