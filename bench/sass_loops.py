@@ -1,6 +1,6 @@
 """The loops of kernels in this tree and what each issues (no GPU): per loop, its instructions, its MMAs (HGMMA,
 QGMMA, HMMA), its special-function operations (MUFU) and its most frequent opcodes. A main loop's instructions a
-block against another kernel's are where an issue-bound step shows (docs/masks.md, "a bare mask-free loop").
+block against another kernel's are where an issue-bound step shows (docs/masks.md, "bare and softcap-only loops").
 
     python3 bench/sass_loops.py fa3_fwd.cu "fa3_fwd_masked<fav::BFloat16, 128, 128, 2, true, 2>"
     python3 bench/sass_loops.py --mma 16 --arch sm_90a fa3_bwd.cu "fa3_bwd<fav::BFloat16, 128, 128, 64>"

@@ -11,8 +11,8 @@ sm_90a cubins NVRTC makes here (no GPU needed), with cuobjdump (the ``test`` ext
     integer max  fa3_fp8 at d 64 and 128 (fa3_fwd.cu's INT_MAX): the row maxima by VIMNMX3 (softmax.cuh's row_max_int)
     mask test    fa3's backward: P^T's exponentials in two loops, with the mask's element test and without
     softcap      the masked forwards cap a score with one MUFU.TANH, and no reciprocal a score
-    bare loop    fa3's masked forward has a mask-free loop without the transforms' instructions, for the calls whose
-                 mask has none (a window, a packed batch)
+    bare loop    fa3's masked forward has loops without the transforms' instructions, for the calls whose mask has
+                 none (a window, a packed batch), and loops with the softcap's alone
 """
 from __future__ import annotations
 
@@ -150,20 +150,30 @@ def test_masked_forwards_cap_a_score_with_one_tanh(module):
 
 
 @needs_cuobjdump
-def test_fa3_masked_forward_has_a_bare_mask_free_loop():
-    """hopper/mainloop.cuh's blocks_after_first: the mask-free blocks run in one of two loops, with the softcap and
-    ALiBi or bare. The transforms' tests are uniform but predicated into every score (a branch there would complete
-    the P V wgmma in flight), so one loop for both issued them at every block: 879 instructions a block against the
-    unmasked kernel's 492 at d 128 (docs/masks.md). Some loop of steps (a block's S and P V wgmmas) must hold
-    neither the tanh nor the ALiBi distance (I2FP). (Up to d 128: at d 256 the second copy made ptxas spill.)"""
+def test_fa3_masked_forward_has_bare_and_softcap_only_loops():
+    """hopper/mainloop.cuh's blocks_after_first: the blocks after a tile's first run in one of three copies of the
+    loops, chosen once per tile: bare, the softcap alone, or the softcap and ALiBi. The transforms' tests are uniform
+    but predicated into every score (a branch there would complete the P V wgmma in flight), so one loop for all
+    issued them at every block: 879 instructions a block at d 128 against the unmasked kernel's 492
+    (docs/masks.md). Some loop of steps (a block's S and P V wgmmas) must hold neither the tanh nor the ALiBi
+    distance (I2FP), and some the tanh without the distance or a branch around the tanh. (Up to d 128: at d 256 the
+    copies made ptxas spill.)"""
     for expr in (e for e in fa3_masked.specializations() if "BFloat16" in e and int(e.split(",")[1]) <= 128):
         d, bn = (int(a) for a in expr.split(",")[1:3])
         ins = instructions(fa3_masked.SOURCE, expr)
         bodies = [ins[first:last + 1] for first, last in sass.loops(ins)]
         steps = [body for body in bodies if sum("HGMMA" in t for t in body) == d // 16 + bn // 16]  # S, P V
         assert steps, f"{expr}: no loop of main-loop steps found"
-        bare = [body for body in steps if not any(op in t for t in body for op in ("MUFU.TANH", "I2FP"))]
-        assert bare, f"{expr}: every loop of main-loop steps holds the transforms"
+
+        def holds(body, op):
+            return any(op in t for t in body)
+
+        assert any(not holds(b, "MUFU.TANH") and not holds(b, "I2FP") for b in steps), \
+            f"{expr}: every loop of steps holds the transforms"
+        def count(body, op):
+            return sum(op in t for t in body)
+        assert any(holds(b, "MUFU.TANH") and not holds(b, "I2FP") and count(b, "BRA") < count(b, "MUFU.TANH") // 4
+                   for b in steps), f"{expr}: no loop of steps with the softcap alone, unbranched"
 
 
 def test_a_missing_cuobjdump_says_why_and_how_to_get_it(monkeypatch, tmp_path):

@@ -340,17 +340,21 @@ struct Mainloop {
     // so that the mask-free loop has no branch (written as one loop, ptxas kept both steps in it). Between the
     // two loops nothing is in flight (a branch is free there): the epilogue releases the previous tile's O buffer.
     // Under a window the blocks below j_low need the mask again: a third loop. A mask that can transform the scores
-    // (softcap, ALiBi) has two copies of these loops, chosen once per tile: with the transforms, or BARE where the
-    // call has none (their tests would otherwise be predicated into every score of the mask-free loop, issued
-    // whether they apply or not). Not at d 256, whose wider O leaves no registers for the second copy (ptxas
-    // spills), and whose products outweigh the softmax's issue slots more than at d 128.
+    // (softcap, ALiBi) has three copies of these loops, chosen once per tile: BARE where the call has neither, one
+    // where it has the softcap alone (CAP_ONLY: a copy of its own, in which ptxas, knowing the cap on and the
+    // slope 0, drops the ALiBi and the cap's test), and one with both tests. Otherwise the tests are predicated
+    // into every score of every loop, issued whether they apply or not (a branch there would complete the P V
+    // wgmma in flight). Not at d 256, whose wider O leaves no registers for more copies (ptxas spills), and whose
+    // products outweigh the softmax's issue slots more than at d 128.
     template <class Epilogue>
     __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
-        if constexpr (Mask::TRANSFORMS && D <= 128)
+        if constexpr (Mask::TRANSFORMS && D <= 128) {
             if (!mask.transforms()) return blocks_after_first<true>(x, epi);
+            if (mask.cap > 0.f && mask.slope == 0.f) return blocks_after_first<false, true>(x, epi);
+        }
         blocks_after_first<false>(x, epi);
     }
-    template <bool BARE, class Epilogue>
+    template <bool BARE, bool CAP_ONLY = false, class Epilogue>
     __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
         int u = x.z + 1;
         if constexpr (TAIL_BN > 0)  // block 0's narrow P V beside S_1 (block 1 needs no mask: x.narrow)
