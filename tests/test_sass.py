@@ -124,16 +124,21 @@ def test_fa3_backward_tests_the_mask_only_where_a_warp_needs_it(expr):
     """A compute warp's P^T (BM / 2 elements a thread a step: 64 keys x BM queries over 128 threads) comes from two
     loops, one with the mask's element test for the warps whose keys cross an edge and one without
     (hopper/bwd_mask.cuh), so its exponentials stand twice in the machine code; the masked kernel's, twice for each
-    of its two loops (with the softcap / ALiBi transforms and without), the capped ones with the softcap's tanh, one
-    MUFU.TANH (mask.cuh's capped). Written as one loop with the edge test in each element's select, ptxas formed
-    every element's test at every step (docs/kernels/fa3_bwd.md, "The mask test"): the exponentials then stood once."""
+    of its three kinds of scores (raw, capped alone, capped and biased), the capped ones with the softcap's tanh,
+    one MUFU.TANH (mask.cuh's capped). Written as one loop with the edge test in each element's select, ptxas formed
+    every element's test at every step (docs/kernels/fa3_bwd.md, "The mask test"): the exponentials then stood once.
+    The softcap's chain rule reads tanh back with one MUFU.LG2 a score, in a loop with the ALiBi bias and one
+    without."""
     ins = instructions("fa3_bwd.cu", expr)
     per_thread = int(expr.split(",")[3].strip(" >")) // 2
-    loops = 2 if expr.startswith("fa3_bwd_masked<") else 1  # the masked kernel's: plain, capped
-    want = 2 * loops * per_thread  # each loop with the element test and without
-    assert sum("MUFU.EX2" in t for t in ins) == want, f"{expr}: not the two loops' exponentials"
-    want_tanh = 2 * per_thread if loops == 2 else 0
+    masked = expr.startswith("fa3_bwd_masked<")
+    kinds = 3 if masked else 1  # the masked kernel's: raw, capped, capped and biased
+    want = 2 * kinds * per_thread  # each loop with the element test and without
+    assert sum("MUFU.EX2" in t for t in ins) == want, f"{expr}: not the loops' exponentials"
+    want_tanh = 2 * 2 * per_thread if masked else 0
     assert sum("MUFU.TANH" in t for t in ins) == want_tanh, f"{expr}: not one tanh a capped score"
+    want_lg2 = 2 * per_thread if masked else 0
+    assert sum("MUFU.LG2" in t for t in ins) == want_lg2, f"{expr}: not one read-back a capped score"
 
 
 @needs_cuobjdump

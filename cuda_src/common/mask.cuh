@@ -292,11 +292,14 @@ struct AttnMask {
         return ds * (1.f - th * th);
     }
     // The same with the reciprocals of scale_log2 and the cap given (fa3's masked backward forms them once a step
-    // rather than dividing twice a score; held across fa2's masked dK/dV loop, they made it spill at d 64 on sm_80)
+    // rather than dividing twice a score; held across fa2's masked dK/dV loop, they made it spill at d 64 on sm_80).
+    // BIASED = false: the caller knows the ALiBi slope is 0 (no bias to add back).
+    template <bool BIASED = true>
     __forceinline__ __device__ float ds_raw_by(float ds, float p, float inv_scale_log2, float inv_cap, float lse2,
                                                int row, int key) const {
         if (cap <= 0.f || !(p > 0.f)) return ds;
-        const float th = ((__log2f(p) + lse2) * inv_scale_log2 + slope * fabsf(float(row + diag - key))) * inv_cap;
+        const float bias = BIASED ? slope * fabsf(float(row + diag - key)) : 0.f;
+        const float th = ((__log2f(p) + lse2) * inv_scale_log2 + bias) * inv_cap;
         return ds * (1.f - th * th);
     }
 

@@ -71,21 +71,25 @@ struct BwdAttnMask : FragmentLane, AttnMask {
     // P^T of this warp's 16 keys from kw (rows) and the queries m0 + col (columns), from the raw S^T:
     // exp2(transform(S) scale_log2 - LSE2[col]) where the key sees the query, else 0. The element test runs only
     // where some key of the warp's is hidden from some query of the block (the edge test); the transforms always.
-    // (A loop for each of the four cases, chosen once: inside one loop the uniform tests would branch at every
-    // score, or the element tests be formed whether needed or not: BwdMask::apply_key_rows.)
+    // (A loop for each case, chosen once: with the element test or without, and the scores raw, capped alone, or
+    // capped and biased. Inside one loop the uniform tests would branch at every score, or the element tests and
+    // the transforms' be formed whether needed or not: BwdMask::apply_key_rows.)
+    enum Scores { RAW, CAPPED, TRANSFORMED };
     template <int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
                                                const float* lse2, float scale_log2) const {
-        const bool edge = needs_mask<8 * NT, 16>(m0, 0, kw), transformed = cap > 0.f || slope != 0.f;
-        if (edge) {
-            if (transformed) p_key_rows<true, true>(pt, st, kw, m0, lse2, scale_log2);
-            else p_key_rows<false, true>(pt, st, kw, m0, lse2, scale_log2);
-        } else {
-            if (transformed) p_key_rows<true, false>(pt, st, kw, m0, lse2, scale_log2);
-            else p_key_rows<false, false>(pt, st, kw, m0, lse2, scale_log2);
-        }
+        const Scores how = slope != 0.f ? TRANSFORMED : cap > 0.f ? CAPPED : RAW;
+        if (needs_mask<8 * NT, 16>(m0, 0, kw)) p_key_rows<true>(how, pt, st, kw, m0, lse2, scale_log2);
+        else p_key_rows<false>(how, pt, st, kw, m0, lse2, scale_log2);
     }
-    template <bool TRANSFORMED, bool EDGE, int NT>
+    template <bool EDGE, int NT>
+    __forceinline__ __device__ void p_key_rows(Scores how, float (&pt)[NT][4], const float (&st)[NT][4], int kw,
+                                               int m0, const float* lse2, float scale_log2) const {
+        if (how == RAW) p_key_rows<RAW, EDGE>(pt, st, kw, m0, lse2, scale_log2);
+        else if (how == CAPPED) p_key_rows<CAPPED, EDGE>(pt, st, kw, m0, lse2, scale_log2);
+        else p_key_rows<TRANSFORMED, EDGE>(pt, st, kw, m0, lse2, scale_log2);
+    }
+    template <Scores HOW, bool EDGE, int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
                                                const float* lse2, float scale_log2) const {
 #pragma unroll
@@ -93,25 +97,32 @@ struct BwdAttnMask : FragmentLane, AttnMask {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2), query = m0 + col;
-                const float s = TRANSFORMED ? transform(st[nt][e], query, key) : st[nt][e];
+                const float s = HOW == RAW ? st[nt][e] : HOW == CAPPED ? capped(st[nt][e], cap)
+                                                                       : transform(st[nt][e], query, key);
                 const float x = exp2f_approx(fmaf(s, scale_log2, -lse2[col]));
                 pt[nt][e] = !EDGE || visible(query, key) ? x : 0.f;
             }
     }
     // dS^T of the raw scores from dS^T of the transformed ones (ds_raw: the softcap's 1 - tanh^2, read back from
-    // P^T); nothing to do without a softcap.
+    // P^T); nothing to do without a softcap, no ALiBi bias to add back without a slope.
     template <int NT>
     __forceinline__ __device__ void ds_key_rows(float (&ds)[NT][4], const float (&pt)[NT][4], int kw, int m0,
                                                 const float* lse2, float scale_log2) const {
         if (cap <= 0.f) return;
+        if (slope == 0.f) ds_key_rows<false>(ds, pt, kw, m0, lse2, scale_log2);
+        else ds_key_rows<true>(ds, pt, kw, m0, lse2, scale_log2);
+    }
+    template <bool BIASED, int NT>
+    __forceinline__ __device__ void ds_key_rows(float (&ds)[NT][4], const float (&pt)[NT][4], int kw, int m0,
+                                                const float* lse2, float scale_log2) const {
         const float inv_scale_log2 = 1.f / scale_log2, inv_cap = 1.f / cap;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2;
-                ds[nt][e] = ds_raw_by(ds[nt][e], pt[nt][e], inv_scale_log2, inv_cap, lse2[col], m0 + col,
-                                      kw + g + 8 * (e / 2));
+                ds[nt][e] = ds_raw_by<BIASED>(ds[nt][e], pt[nt][e], inv_scale_log2, inv_cap, lse2[col], m0 + col,
+                                              kw + g + 8 * (e / 2));
             }
     }
 };
