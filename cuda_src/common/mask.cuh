@@ -151,6 +151,11 @@ struct CausalMask {
 // The scores arrive raw (Q K^T, softmax_scale applied later in the exponent), so the transforms work in raw units:
 // cap / scale for the cap, slope / scale for the bias.
 // The sinks a kernel's parameters carry (the forward's; the backward needs none: its LSE holds them).
+// What AttnMask::apply<false> does to a call's scores: nothing (RAW), the softcap alone (CAPPED), or the softcap and
+// the ALiBi bias, either of them maybe off (TRANSFORMED: every test made). A kernel that runs a loop of its own for
+// each (fa3's forward and backward) takes the class from the policy (AttnMask::scores): where the loops branch,
+// ptxas knows what holds in each.
+enum class Scores { RAW, CAPPED, TRANSFORMED };
 // A raw score capped, cap tanh(x / cap): one MUFU operation beside the softmax's exponential (the form through
 // e^(2x / cap) takes two, an exponential and a reciprocal, and leaves the special-function unit the bound).
 __forceinline__ __device__ float capped(float x, float cap) {
@@ -197,7 +202,10 @@ struct AttnMask {
         return x;
     }
 
-    // whether apply<false> changes a score: a softcap or ALiBi
+    // what apply<false> does to a score, and whether it changes one
+    __forceinline__ __device__ Scores scores() const {
+        return !transforms() ? Scores::RAW : cap > 0.f && slope == 0.f ? Scores::CAPPED : Scores::TRANSFORMED;
+    }
     __forceinline__ __device__ bool transforms() const { return cap > 0.f || slope != 0.f; }
 
     __forceinline__ __device__ int first_key(int query) const { return max(0, query + diag - left); }

@@ -74,20 +74,19 @@ struct BwdAttnMask : FragmentLane, AttnMask {
     // (A loop for each case, chosen once: with the element test or without, and the scores raw, capped alone, or
     // capped and biased. Inside one loop the uniform tests would branch at every score, or the element tests and
     // the transforms' be formed whether needed or not: BwdMask::apply_key_rows.)
-    enum Scores { RAW, CAPPED, TRANSFORMED };
     template <int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
                                                const float* lse2, float scale_log2) const {
-        const Scores how = slope != 0.f ? TRANSFORMED : cap > 0.f ? CAPPED : RAW;
+        const Scores how = scores();
         if (needs_mask<8 * NT, 16>(m0, 0, kw)) p_key_rows<true>(how, pt, st, kw, m0, lse2, scale_log2);
         else p_key_rows<false>(how, pt, st, kw, m0, lse2, scale_log2);
     }
     template <bool EDGE, int NT>
     __forceinline__ __device__ void p_key_rows(Scores how, float (&pt)[NT][4], const float (&st)[NT][4], int kw,
                                                int m0, const float* lse2, float scale_log2) const {
-        if (how == RAW) p_key_rows<RAW, EDGE>(pt, st, kw, m0, lse2, scale_log2);
-        else if (how == CAPPED) p_key_rows<CAPPED, EDGE>(pt, st, kw, m0, lse2, scale_log2);
-        else p_key_rows<TRANSFORMED, EDGE>(pt, st, kw, m0, lse2, scale_log2);
+        if (how == Scores::RAW) p_key_rows<Scores::RAW, EDGE>(pt, st, kw, m0, lse2, scale_log2);
+        else if (how == Scores::CAPPED) p_key_rows<Scores::CAPPED, EDGE>(pt, st, kw, m0, lse2, scale_log2);
+        else p_key_rows<Scores::TRANSFORMED, EDGE>(pt, st, kw, m0, lse2, scale_log2);
     }
     template <Scores HOW, bool EDGE, int NT>
     __forceinline__ __device__ void p_key_rows(float (&pt)[NT][4], const float (&st)[NT][4], int kw, int m0,
@@ -97,8 +96,9 @@ struct BwdAttnMask : FragmentLane, AttnMask {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + e % 2, key = kw + g + 8 * (e / 2), query = m0 + col;
-                const float s = HOW == RAW ? st[nt][e] : HOW == CAPPED ? capped(st[nt][e], cap)
-                                                                       : transform(st[nt][e], query, key);
+                const float s = HOW == Scores::RAW      ? st[nt][e]
+                                : HOW == Scores::CAPPED ? capped(st[nt][e], cap)
+                                                        : transform(st[nt][e], query, key);
                 const float x = exp2f_approx(fmaf(s, scale_log2, -lse2[col]));
                 pt[nt][e] = !EDGE || visible(query, key) ? x : 0.f;
             }

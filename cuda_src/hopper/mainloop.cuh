@@ -261,7 +261,7 @@ struct Mainloop {
     // boundary (u = 0, PREV: the P V in flight is the previous tile's last) the next tile's fresh pair, while m and
     // l are still the previous tile's, for its epilogue. S_KEYS, PV_KEYS: the width of S_u and of the P V in
     // flight, BN but at a narrow tail (TAIL_BN). BARE: a block without the element test under a mask that does not
-    // transform the scores (Mask::transforms()), whose scores go to the softmax as they come.
+    // transform the scores (AttnMask::scores() RAW), whose scores go to the softmax as they come.
     template <bool MASKED, bool PREV, int S_KEYS, int PV_KEYS, bool BARE = false>
     __device__ void step(const TileWork& x, int u, float (&mx)[1][2], float (&lx)[1][2]) {
         const int j = x.w.blocks.end - 1 - u;
@@ -340,22 +340,25 @@ struct Mainloop {
     // so that the mask-free loop has no branch (written as one loop, ptxas kept both steps in it). Between the
     // two loops nothing is in flight (a branch is free there): the epilogue releases the previous tile's O buffer.
     // Under a window the blocks below j_low need the mask again: a third loop. A mask that can transform the scores
-    // (softcap, ALiBi) has three copies of these loops, chosen once per tile: BARE where the call has neither, one
-    // where it has the softcap alone (CAP_ONLY: a copy of its own, in which ptxas, knowing the cap on and the
-    // slope 0, drops the ALiBi and the cap's test), and one with both tests. Otherwise the tests are predicated
-    // into every score of every loop, issued whether they apply or not (a branch there would complete the P V
-    // wgmma in flight). Not at d 256, whose wider O leaves no registers for more copies (ptxas spills), and whose
-    // products outweigh the softmax's issue slots more than at d 128.
+    // (softcap, ALiBi) has a copy of these loops for each class of its scores (common/mask.cuh's Scores), chosen
+    // once per tile: RAW, whose mask-free blocks leave the scores as they come (BARE); CAPPED, a copy of its own in
+    // which ptxas, knowing the cap on and the slope 0, drops the ALiBi and the cap's test; TRANSFORMED, every test
+    // made (also a mask that transforms nothing: CausalMask). Otherwise the tests are predicated into every score of
+    // every loop, issued whether they apply or not (a branch there would complete the P V wgmma in flight). Not at
+    // d 256, whose wider O leaves no registers for more copies (ptxas spills), and whose products outweigh the
+    // softmax's issue slots more than at d 128.
     template <class Epilogue>
     __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
         if constexpr (Mask::TRANSFORMS && D <= 128) {
-            if (!mask.transforms()) return blocks_after_first<true>(x, epi);
-            if (mask.cap > 0.f && mask.slope == 0.f) return blocks_after_first<false, true>(x, epi);
+            const Scores how = mask.scores();
+            if (how == Scores::RAW) return blocks_after_first<Scores::RAW>(x, epi);
+            if (how == Scores::CAPPED) return blocks_after_first<Scores::CAPPED>(x, epi);
         }
-        blocks_after_first<false>(x, epi);
+        blocks_after_first<Scores::TRANSFORMED>(x, epi);
     }
-    template <bool BARE, bool CAP_ONLY = false, class Epilogue>
+    template <Scores HOW, class Epilogue>
     __device__ void blocks_after_first(const TileWork& x, Epilogue& epi) {
+        constexpr bool BARE = HOW == Scores::RAW;
         int u = x.z + 1;
         if constexpr (TAIL_BN > 0)  // block 0's narrow P V beside S_1 (block 1 needs no mask: x.narrow)
             if (x.narrow) step<false, OVERLAP, BN, TAIL_BN>(x, u++, m, l);
