@@ -202,7 +202,8 @@ struct AttnMask {
         return x;
     }
 
-    // what apply<false> does to a score, and whether it changes one
+    // what apply<false> does to a score, and whether it changes one. (Written in this order, the tests a copy's
+    // branch implies are the ones ptxas drops from it; written from the slope first, fa3's forward kept them all.)
     __forceinline__ __device__ Scores scores() const {
         return !transforms() ? Scores::RAW : cap > 0.f && slope == 0.f ? Scores::CAPPED : Scores::TRANSFORMED;
     }
