@@ -23,8 +23,9 @@ import numpy as np
 from tabulate import tabulate
 
 import fa_variants as fav
-from fa_variants.kernels import fa2_masked, fa3_masked
+from fa_variants.kernels import fa2_masked, fa3, fa3_masked
 from fa_variants.kernels.masked import Masks
+from fa_variants.varlen import is_plain
 
 H, D = 16, 128
 DT = ml_dtypes.bfloat16
@@ -99,6 +100,17 @@ def fa4_times(q, k, v, masks, causal, dout, reps) -> dict:
     return row
 
 
+def unmasked_times(q, k, v, causal, dout, reps) -> dict:
+    """fa3's kernels without the mask machinery (what `attention()` runs on a plain problem) on the same arrays:
+    what the masked kernels' varlen addressing and mask tests cost where they have nothing to do."""
+    scale = D ** -0.5
+    out, lse = fa3.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    return {"fa3 plain-kernel fwd ms": timed_ms(lambda: fa3.forward(q, k, v, causal=causal, softmax_scale=scale,
+                                                                      return_lse=True), reps),
+            "fa3 plain-kernel bwd ms": timed_ms(lambda: fa3.backward(dout, q, k, v, out, lse, causal=causal,
+                                                                       softmax_scale=scale), reps)}
+
+
 def causal_flops(lens_q, lens_k) -> float:
     return sum(4.0 * nq * nk * D * H * (0.5 if nq == nk else 1.0) for nq, nk in zip(lens_q, lens_k))
 
@@ -125,6 +137,9 @@ def run_case(name, q, k, v, masks, causal, flops, reps, rng):
             return backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, masks=masks)
         t_b = timed_ms(bwd, reps)
         row[f"{kname} bwd ms"], row[f"{kname} bwd TFLOP/s"] = t_b, 2.5 * flops / t_b / 1e9
+    if "fa3" in FORWARDS and is_plain(masks.window, masks.softcap, masks.sinks, masks.alibi_slopes,
+                                      cu_seqlens_q=masks.cu_seqlens_q, cu_seqlens_k=masks.cu_seqlens_k):
+        row.update(unmasked_times(q, k, v, causal, dout, reps))
     row.update(fa4_times(q, k, v, masks, causal, dout, reps))
     for c in ("fwd", "bwd"):
         if f"fa4 {c} ms" in row and "fa3" in FORWARDS:
@@ -138,7 +153,8 @@ def report(rows: list) -> str:
     case has are left out."""
     def table(direction: str) -> str:
         short = "fwd" if direction == "forward" else "bwd"
-        kernels = [k for k in ("fa2", "fa3", "fa3u", "fa4") if any(f"{k} {short} ms" in r for r in rows)]
+        kernels = [k for k in ("fa2", "fa3", "fa3u", "fa3 plain-kernel", "fa4") if any(f"{k} {short} ms" in r
+                                                                                      for r in rows)]
         cols = [(f"{k} {short} ms", f"{k} ms") for k in kernels]
         cols += [(f"{k} {short} TFLOP/s", f"{k} TFLOP/s") for k in kernels if any(f"{k} {short} TFLOP/s" in r
                                                                                   for r in rows)]
