@@ -1,8 +1,10 @@
 """The tolerances every check of a kernel against float64 (and against its own NumPy model) uses: the GPU tests
 (tests/conftest.py re-exports them) and bench/devcheck.py's quick check. One place, so that a bench and a test
 never disagree about what "correct" means."""
-# Relative error ||out - ref|| / ||ref|| against the float64 reference, per input dtype.
-TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float8_e4m3fn": 6e-2}
+# Relative error ||out - ref|| / ||ref|| against the float64 reference, per input dtype. e4m3's is the format's
+# error on Q, K, V and P, about 5 % on N(0, 1) inputs with a spread from seed to seed (docs/design.md, "Accuracy"):
+# its bound stands well clear of that spread, and the tight check of the fp8 kernels is against their own model.
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float8_e4m3fn": 8e-2}
 # Log-sum-exp, in natural-log units, where the reference is finite. e4m3 operands carry their rounding into the
 # scores: q and k each off by up to 2^-4 relative per element gives a score error of std ~0.05 for N(0,1) inputs,
 # and a row with few keys inherits it whole, so the fp8 bound is 5 sigma. (Against its own model, fa2_fp8's LSE
