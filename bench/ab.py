@@ -3,6 +3,12 @@ then `bench/devcheck.py` run from each tree in turn, ROUNDS times (alternating, 
 alike for all), and one table of every tree's TFLOP/s per round with its ratio to the first tree's.
 
     python3 bench/ab.py base=/path/to/old-tree new=. --rounds 2 -- --time short --variants fa3 --no-peers
+    python3 bench/ab.py base=/path/to/old-tree new=. --varlen --rounds 3 -- --quick
+
+--varlen: the masked kernels instead, through this checkout's bench/varlen.py run on each tree's library (its
+kernel modules, fa_variants.kernels.fa2_masked and fa3_masked, as of 2026-12-06 and since): per case and
+--columns (default fa3's forward and backward times), the milliseconds of each round and each tree's speed against
+the first tree's (the ratio of the rounds' sums).
 
 A tree is a checkout of this repository (`git worktree add --detach ../old HEAD~3`; on the device, carry it).
 The column compared is devcheck's first number on each shape row (the first variant's TFLOP/s), or the one
@@ -13,10 +19,12 @@ columns stand side by side: by position, one off is the other). Without --varian
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,6 +49,22 @@ def devcheck(tree: Path, cache: Path, args: list[str]) -> str:
         last = (run.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         print(f"devcheck in {tree} failed (rc {run.returncode}): {last}", file=sys.stderr, flush=True)
     return run.stdout
+
+
+def varlen_times(tree: Path, cache: Path, args: list[str], columns: list[str]) -> dict[str, float]:
+    """{"case: column": milliseconds} of one run of this checkout's bench/varlen.py on ``tree``'s library; a failed
+    run is said on stderr and gives {}."""
+    env = dict(os.environ, PYTHONPATH=str(tree), FA_VARIANTS_CACHE=str(cache))
+    with tempfile.TemporaryDirectory() as d:
+        rows_json = Path(d) / "rows.json"
+        run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "varlen.py"), "--json",
+                              str(rows_json), *args], cwd=tree, env=env, capture_output=True, text=True)
+        if run.returncode != 0 or not rows_json.exists():
+            last = (run.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+            print(f"varlen.py on {tree} failed (rc {run.returncode}): {last}", file=sys.stderr, flush=True)
+            return {}
+        rows = json.loads(rows_json.read_text())
+    return {f"{r['case']}: {c}": r[c] for r in rows for c in columns if c in r}
 
 
 def numbers(out: str, column: int | str) -> dict[str, float]:
@@ -70,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--column", type=lambda c: int(c) if c.isdigit() else c, default=1,
                     help="which number of a shape row to compare: a position (default 1) or a header's start")
     ap.add_argument("--cache-root", default="/tmp/fav-ab")
+    ap.add_argument("--varlen", action="store_true", help="time the masked kernels by bench/varlen.py")
+    ap.add_argument("--columns", default="fa3 fwd ms,fa3 bwd ms", help="--varlen: its JSON's columns to compare")
     a = ap.parse_args(ours)
     trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in a.trees)]
     variants = devcheck_args[devcheck_args.index("--variants") + 1] if "--variants" in devcheck_args else None
@@ -83,7 +109,13 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for n, path in trees:
             print(f"round {r + 1}: {n}", file=sys.stderr, flush=True)
-            runs[n].append(numbers(devcheck(path, caches[n], devcheck_args), a.column))
+            if a.varlen:
+                runs[n].append(varlen_times(path, caches[n], devcheck_args, a.columns.split(",")))
+            else:
+                runs[n].append(numbers(devcheck(path, caches[n], devcheck_args), a.column))
+    # varlen.py gives times (lower is faster), devcheck TFLOP/s: either way the ratio is a speed against the first
+    speed = (lambda mine, base: sum(base) / sum(mine)) if a.varlen else (lambda mine, base: sum(mine) / sum(base))
+    shown = "{:.3g}" if a.varlen else "{:.1f}"
     ref = trees[0][0]
     rows = []
     # every shape any tree measured, in the order first seen: a tree whose run failed shows "-", not an empty table
@@ -91,14 +123,15 @@ def main(argv=None) -> int:
         row = [shape]
         for n, _ in trees:
             vals = [run.get(shape) for run in runs[n]]
-            row.append(" / ".join("-" if v is None else f"{v:.1f}" for v in vals))
+            row.append(" / ".join("-" if v is None else shown.format(v) for v in vals))
         for n, _ in trees[1:]:
             mine = [run.get(shape) for run in runs[n]]
             base = [run.get(shape) for run in runs[ref]]
             ok = None not in mine and None not in base
-            row.append(f"{sum(mine) / sum(base):.3f}" if ok else "-")
+            row.append(f"{speed(mine, base):.3f}" if ok else "-")
         rows.append(row)
-    heads = ["shape"] + [f"{n} (per round)" for n, _ in trees] + [f"{n} / {ref}" for n, _ in trees[1:]]
+    heads = (["case: ms" if a.varlen else "shape"] + [f"{n} (per round)" for n, _ in trees]
+             + [f"{n} / {ref} speed" if a.varlen else f"{n} / {ref}" for n, _ in trees[1:]])
     print(tabulate(rows, headers=heads, disable_numparse=True))
     return 0
 

@@ -65,3 +65,44 @@ def test_devcheck_says_when_a_run_fails(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(ab.subprocess, "run", lambda *a, **k: Failed())
     assert ab.devcheck(tmp_path, tmp_path / "c", ["--time", "causal"]) == ""
     assert "failed (rc 2): KeyError: 'causal'" in capsys.readouterr().err
+
+
+def test_varlen_mode_compares_times_as_speeds(monkeypatch, capsys, tmp_path):
+    """--varlen: bench/varlen.py's milliseconds per case and column; the ratio is the first tree's time over the
+    other's, so a faster tree reads above 1."""
+    ms = {"old": 2.0, "new": 1.6}
+    monkeypatch.setattr(ab, "build", lambda tree, cache, variants, jobs: 0)
+    seen = []
+
+    def fake_varlen(tree, cache, args, columns):
+        seen.append((cache.name, args, columns))
+        return {f"packed 2 docs: {c}": ms[cache.name] for c in columns}
+    monkeypatch.setattr(ab, "varlen_times", fake_varlen)
+    assert ab.main([f"old={tmp_path}", f"new={tmp_path}", "--varlen", "--rounds", "2", "--cache-root", str(tmp_path),
+                    "--", "--quick"]) == 0
+    assert [n for n, _, _ in seen] == ["old", "new", "old", "new"]
+    assert seen[0][1] == ["--quick"] and seen[0][2] == ["fa3 fwd ms", "fa3 bwd ms"]
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("packed 2 docs: fa3 fwd ms")]
+    assert row and row[0].split()[-1] == "1.250" and "1.6 / 1.6" in row[0]
+    assert "new / old speed" in out
+
+
+def test_varlen_times_reads_the_runs_json_and_says_a_failure(monkeypatch, capsys, tmp_path):
+    class Done:
+        returncode, stderr = 0, ""
+
+    def fake_run(cmd, **kw):
+        path = cmd[cmd.index("--json") + 1]
+        Path(path).write_text('[{"case": "dense 2 x 8192", "fa3 fwd ms": 1.06, "fa2 fwd ms": 2.0}]')
+        assert kw["env"]["PYTHONPATH"] == str(tmp_path) and cmd[-1] == "--quick"
+        return Done()
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    assert ab.varlen_times(tmp_path, tmp_path / "c", ["--quick"], ["fa3 fwd ms", "fa3 bwd ms"]) == \
+        {"dense 2 x 8192: fa3 fwd ms": 1.06}
+
+    class Failed:
+        returncode, stderr = 1, "Traceback ...\nImportError: cannot import name 'fa3_masked'\n"
+    monkeypatch.setattr(ab.subprocess, "run", lambda cmd, **kw: Failed())
+    assert ab.varlen_times(tmp_path, tmp_path / "c", [], ["fa3 fwd ms"]) == {}
+    assert "failed (rc 1): ImportError" in capsys.readouterr().err
