@@ -87,7 +87,7 @@ def numbers(out: str, column: int | str) -> dict[str, float]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ours, devcheck_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, script_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", help="NAME=PATH, the first one the reference")
     ap.add_argument("--rounds", type=int, default=2)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--columns", default="fa3 fwd ms,fa3 bwd ms", help="--varlen: its JSON's columns to compare")
     a = ap.parse_args(ours)
     trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in a.trees)]
-    variants = devcheck_args[devcheck_args.index("--variants") + 1] if "--variants" in devcheck_args else None
+    variants = script_args[script_args.index("--variants") + 1] if "--variants" in script_args else None
     caches = {n: Path(a.cache_root) / n for n, _ in trees}
     jobs = max(1, (os.cpu_count() or 1) // len(trees))
     with ThreadPoolExecutor(len(trees)) as pool:  # each build runs its own threads; the trees build side by side
@@ -110,9 +110,9 @@ def main(argv=None) -> int:
         for n, path in trees:
             print(f"round {r + 1}: {n}", file=sys.stderr, flush=True)
             if a.varlen:
-                runs[n].append(varlen_times(path, caches[n], devcheck_args, a.columns.split(",")))
+                runs[n].append(varlen_times(path, caches[n], script_args, a.columns.split(",")))
             else:
-                runs[n].append(numbers(devcheck(path, caches[n], devcheck_args), a.column))
+                runs[n].append(numbers(devcheck(path, caches[n], script_args), a.column))
     # varlen.py gives times (lower is faster), devcheck TFLOP/s: either way the ratio is a speed against the first
     speed = (lambda mine, base: sum(base) / sum(mine)) if a.varlen else (lambda mine, base: sum(mine) / sum(base))
     shown = "{:.3g}" if a.varlen else "{:.1f}"
