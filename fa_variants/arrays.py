@@ -123,7 +123,8 @@ def refuse_masked(name: str, x) -> None:
 def torch_op_needed(*xs, autograd: bool = True) -> bool:
     """Whether the torch tensors among ``xs`` must go through the torch custom ops (integrations/torch.py): Dynamo
     is tracing them (it cannot follow the DLPack hand-over), or, with ``autograd``, one of them requires grad."""
-    tensors = [x for x in xs if type(x).__module__.split(".")[0] == "torch"]
+    # (None first: Dynamo (torch 2.11) cannot read NoneType's __module__)
+    tensors = [x for x in xs if x is not None and type(x).__module__.split(".")[0] == "torch"]
     if not tensors:
         return False
     import torch   # imported already: its tensors came in (an import Dynamo traces, unlike a sys.modules lookup)

@@ -17,6 +17,7 @@ from . import arrays, dispatch, plans
 OWNER = plans.Owner("attention")   # the first element of every key this module keeps
 PLANS = plans.PLANS
 _KEYERS: dict = {}                 # array type -> function giving its part of a signature (None: not cached)
+_torch_compiling = None            # torch.compiler.is_compiling, bound once a torch tensor type is seen
 
 
 # ------------------------------------------------------------------------------------------------ signatures
@@ -36,6 +37,10 @@ def _keyer(t):
     except KeyError:
         root = t.__module__.split(".")[0]
         fn = _cupy_key if root == "cupy" and t.__name__ == "ndarray" else _torch_key if root == "torch" else None
+        if fn is _torch_key:
+            global _torch_compiling
+            import torch   # imported already: its tensors came in
+            _torch_compiling = torch.compiler.is_compiling
         _KEYERS[t] = fn
         return fn
 
@@ -62,6 +67,8 @@ def signature(q, k, v, variant, causal, softmax_scale, return_lse, backend):
     kq = _KEYERS.get(tq) or _keyer(tq)
     if kq is None or type(k) is not tq or type(v) is not tq:
         return None
+    if kq is _torch_key and _torch_compiling():   # traced by Dynamo, which cannot read data_ptr(): no plan; the
+        return None                               # call goes through the torch ops (api.attention)
     return (OWNER, variant, backend, type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse),
             return_lse, tq, kq(q), kq(k), kq(v), _current_device())
 

@@ -73,6 +73,9 @@ __all__ = ["register", "Unsupported", "attention_function", "mask_function"]
 
 _log = logging.getLogger(__name__)
 _warned: set = set()
+# transformers.masking_utils, bound by register(): mask_function runs inside the model's forward, which torch.compile
+# traces, and Dynamo (torch 2.11) cannot trace an import through transformers' lazy module
+_masking_utils = None
 
 
 class Unsupported(NotImplementedError):
@@ -100,11 +103,13 @@ def register(name: str = "fa_variants", variant: str = "auto", *, backend: str =
                          "'paged|' prefix or a hub kernel 'org/repo'): choose another")
     dispatch.check_variant(variant)  # an unknown variant raises here, naming the known ones
     dispatch.check_backend(backend)
-    from transformers.masking_utils import AttentionMaskInterface
+    global _masking_utils
+    from transformers import masking_utils
     from transformers.modeling_utils import AttentionInterface
 
+    _masking_utils = masking_utils
     AttentionInterface.register(name, attention_function(variant, backend))
-    AttentionMaskInterface.register(name, mask_function)
+    masking_utils.AttentionMaskInterface.register(name, mask_function)
     return name
 
 
@@ -122,8 +127,9 @@ def mask_function(batch_size: int, q_length: int | None = None, kv_length: int |
     The signature is that of ``masking_utils.flash_attention_mask`` (transformers 5.x); transformers 4.5x passed
     ``cache_position`` instead of ``q_offset``, which is read when it comes.
     """
-    from transformers import masking_utils as mu
-
+    mu = _masking_utils
+    if mu is None:   # called before any register()
+        from transformers import masking_utils as mu
     if _is_cache_seqlens(attention_mask):   # made by this function for generate(), handed back by the model
         return attention_mask
     cache_position = kwargs.get("cache_position")
