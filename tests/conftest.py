@@ -57,6 +57,11 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = "logical"
     if config.option.dist == "no":
         config.option.dist = "loadgroup"
+    if config.option.numprocesses not in (0, "0"):
+        # A worker per CPU, each with a BLAS and OpenMP pool as wide as the machine (NumPy's models, torch), would
+        # put CPUs x CPUs threads on the CPUs: the workers inherit one thread each unless the caller chose.
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
 
 
 def pytest_configure(config):
