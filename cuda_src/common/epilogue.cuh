@@ -120,8 +120,8 @@ struct NormalizedOut {
 // (fa3's persistent grid). Same rule as NormalizedOut; rows past seqlen_q and columns past head_dim not stored.
 template <class T, int D>
 struct DirectOut {
-    template <int MT, int DT>
-    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const FwdParams& p, u16* = nullptr) {
+    template <int MT, int DT, class Params>
+    __forceinline__ __device__ static void store(const WarpRows<MT, DT>& r, const Params& p, u16* = nullptr) {
         const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -129,7 +129,7 @@ struct DirectOut {
             for (int h2 = 0; h2 < 2; ++h2) {
                 const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale);
                 const int row = r.row0 + mt * 16 + g + 8 * h2;
-                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, row, e.lse);
+                if (t == 0) store_row_lse(p, r.b, r.h, row, e.lse);
                 if (row >= p.seqlen_q) continue;
                 u16* dst = p.o + r.b * p.o_b + (i64)row * p.o_n + r.h * p.o_h;
 #pragma unroll
@@ -164,7 +164,7 @@ struct SwizzledOut {
             for (int h2 = 0; h2 < 2; ++h2) {
                 const RowEnd e = finish_row(quad_sum(r.l[mt][h2]), r.m[mt][h2] * r.m_scale - lse_log2);
                 const int row = mt * 16 + g + 8 * h2;
-                if (t == 0) store_lse(p.lse, r.b, r.h, p.heads, p.seqlen_q, r.row0 + row, e.lse);
+                if (t == 0) store_row_lse(p, r.b, r.h, r.row0 + row, e.lse);
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     const int c = dt * 8 + 2 * t;
