@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -26,17 +27,16 @@ TENSORS = ("Q", "K", "V", "O", "S", "P", "l", "m", "LSE", "dO", "dQ", "dK", "dV"
 
 
 @dataclasses.dataclass
-class AccessCounter:
-    """HBM element accesses by tensor, summed over the whole call (every batch and query head).
-
-    Counts are elements, not bytes: ``iomodel.hbm_bytes`` applies the element sizes.
-    """
+class Ledger:
+    """Reads and writes by tensor over a whole call, in the units the subclass counts; ``NAMES``: the tensors it
+    may count, so that a misspelt name raises instead of opening a new tensor and breaking the totals."""
+    NAMES: ClassVar[tuple] = ()
     reads: dict = dataclasses.field(default_factory=dict)
     writes: dict = dataclasses.field(default_factory=dict)
 
     def _add(self, book: dict, name: str, n: int) -> None:
-        if name not in TENSORS:  # a typo would otherwise silently open a new tensor and break the totals
-            raise ValueError(f"tensor must be one of {TENSORS}, got {name!r}")
+        if name not in self.NAMES:
+            raise ValueError(f"tensor must be one of {self.NAMES}, got {name!r}")
         book[name] = book.get(name, 0) + int(n)
 
     def read(self, name: str, n: int) -> None:
@@ -48,6 +48,14 @@ class AccessCounter:
     @property
     def total(self) -> int:
         return sum(self.reads.values()) + sum(self.writes.values())
+
+
+class AccessCounter(Ledger):
+    """HBM element accesses by tensor, summed over the whole call (every batch and query head).
+
+    Counts are elements, not bytes: ``iomodel.hbm_bytes`` applies the element sizes.
+    """
+    NAMES = TENSORS
 
     def by_tensor(self) -> dict:
         """tensor -> reads + writes, in ``TENSORS`` order, for the tensors that were touched."""

@@ -32,7 +32,7 @@ from ..arrays import check_scalars
 from ..kvcache import CacheCall, append, check_call
 from .budget import Progress
 from . import masks
-from .common import exp_shift, logsumexp_from, normalize, online_softmax_step
+from .common import Ledger, exp_shift, logsumexp_from, normalize, online_softmax_step
 
 LOOPS = """\
 append:                    for b: write k[b], v[b] into the cache at cache_seqlens[b] .. + seqlen_new (in place)
@@ -178,26 +178,9 @@ def merge(outs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ------------------------------------------------------------------------------------------------ traffic
-@dataclasses.dataclass
-class Traffic:
+class Traffic(Ledger):
     """Bytes read and written by tensor over a whole call (append, splits and merge)."""
-    reads: dict = dataclasses.field(default_factory=dict)
-    writes: dict = dataclasses.field(default_factory=dict)
-
-    def _add(self, book: dict, name: str, n: int) -> None:
-        if name not in TENSORS:  # a typo would otherwise open a new tensor and break the totals
-            raise ValueError(f"tensor must be one of {TENSORS}, got {name!r}")
-        book[name] = book.get(name, 0) + int(n)
-
-    def read(self, name: str, n: int) -> None:
-        self._add(self.reads, name, n)
-
-    def write(self, name: str, n: int) -> None:
-        self._add(self.writes, name, n)
-
-    @property
-    def total(self) -> int:
-        return sum(self.reads.values()) + sum(self.writes.values())
+    NAMES = TENSORS
 
     def rows(self) -> dict:
         """{(tensor, "read"/"write"): bytes} of the tensors moved, in TENSORS order."""
