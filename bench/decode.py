@@ -2,6 +2,8 @@
 FlashAttention-4 (where installed), on the same torch tensors, in one run.
 
     python bench/decode.py [--quick] [--fp16] [--json FILE]
+    python bench/decode.py --splits 4,8,16,32,64    # the step's time against its split count, per shape
+    python bench/decode.py --host                   # the host's cost of a warm call, ours and cuDNN's, and a profile
 
 GB/s counts K and V read once (the bytes a decoding step cannot avoid; with a window, the window's). Kernel time:
 CUDA events around one call, the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden
@@ -13,8 +15,12 @@ sinks) have no peer here: SDPA takes neither.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
+import time
 
 import torch
 from tabulate import tabulate
@@ -101,7 +107,7 @@ def paged_copy(x, page_size: int, order):
 
 
 def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False, dtype="bfloat16",
-              window=None):
+              window=None, num_splits=0, user_times=True):
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=getattr(torch, dtype))
     k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=getattr(torch, dtype))
@@ -120,7 +126,7 @@ def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=
 
     def ours():
         return fav.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=kd,
-                                          v_descale=vd, causal=True, **masks)
+                                          v_descale=vd, causal=True, num_splits=num_splits, **masks)
     rows = {}
     fns = {"fa-variants": ours}
     if with_peers and seqlen_q == 1 and not paged and not fp8 and dtype == "bfloat16" and window is None:
@@ -129,9 +135,62 @@ def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=
     for name, fn in fns.items():
         fn()
         ms = kernel_ms(fn, reps, flush)
-        rows[name] = dict(ms=ms, gbps=kv_bytes / ms / 1e6, do_bench_ms=do_bench(fn, warmup=25, rep=100),
-                          graph_ms=graph_ms(fn, 50) if name != "fa4" else float("nan"))
+        rows[name] = dict(ms=ms, gbps=kv_bytes / ms / 1e6, graph_ms=graph_ms(fn, 50) if name != "fa4" else float("nan"),
+                          do_bench_ms=do_bench(fn, warmup=25, rep=100) if user_times else float("nan"))
     return rows
+
+
+def split_sweep(shapes, splits, reps, flush):
+    """Per shape (contiguous cache, seqlen_q 1): the step's kernel and graph time at each split count, the rule's
+    own choice (0) first, cuDNN's beside."""
+    from fa_variants.kernels import decode as kd
+    from fa_variants.reference.decode import choose_num_splits
+    table = []
+    for batch, n in shapes:
+        auto = choose_num_splits(batch, HEADS_KV, n, kd.num_sms(torch.cuda.current_device()), kd.SPLIT_N)
+        for i, count in enumerate((0, *splits)):
+            if count > n // kd.SPLIT_N:
+                continue
+            rows = run_shape(batch, n, 1, reps, flush, with_peers=i == 0, num_splits=count, user_times=False)
+            ours, peer = rows["fa-variants"], rows.get("cudnn")
+            table.append([batch, n, f"{auto} (rule)" if count == 0 else count, f"{ours['gbps']:.0f}",
+                          f"{ours['ms'] * 1e3:.1f}", f"{ours['graph_ms'] * 1e3:.1f}",
+                          f"{peer['gbps']:.0f}" if peer else "", f"{peer['ms'] * 1e3:.1f}" if peer else ""])
+            print(table[-1], flush=True)
+    print(tabulate(table, headers=["batch", "KV tokens", "splits", "GB/s", "us kernel", "us graph", "cuDNN GB/s",
+                                   "cuDNN us kernel"]))
+
+
+def host_cost(calls: int) -> None:
+    """The host's cost of a warm call (1 x 2K, seqlen_q 1): back-to-back calls with no synchronization, timed on
+    the host (the GPU's work is shorter than the host's here, so the host is what is timed), ours and SDPA's with
+    cuDNN; then the top of a cProfile of ours."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2048, HEADS_KV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    seqlens = torch.full((1,), 2048, dtype=torch.int32, device="cuda")
+    ours = lambda: fav.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)  # noqa: E731
+    calls_of = {"fa-variants": ours, **{n: f for n, f in peers(q, k, v).items() if n == "cudnn"}}
+    for name, fn in calls_of.items():
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        enqueue = (time.perf_counter() - t) / calls
+        torch.cuda.synchronize()
+        print(f"{name}: {enqueue * 1e6:.1f} us a call on the host (1 x 2K, {calls} calls)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        ours()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue())
 
 
 def main():
@@ -141,9 +200,18 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--fp16", action="store_true", help="also fp16 q over a 16-bit and an fp8 cache (the fp8 cache's "
                     "conversion differs with q's format)")
+    ap.add_argument("--splits", help="comma-separated split counts: the sweep instead of the table")
+    ap.add_argument("--host", action="store_true", help="the host's cost of a warm call instead of the table")
+    ap.add_argument("--calls", type=int, default=3000, help="--host: calls timed")
     args = ap.parse_args()
     flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     flush = lambda: flush_l2(flush_buf)  # noqa: E731
+    if args.host:
+        host_cost(args.calls)
+        return
+    if args.splits:
+        split_sweep(SHAPES[:3] if args.quick else SHAPES, [int(x) for x in args.splits.split(",")], args.reps, flush)
+        return
     card = torch.cuda.get_device_name()
     table, record = [], []
     shapes = SHAPES[:3] if args.quick else SHAPES
