@@ -204,11 +204,11 @@ def main():
     ap.add_argument("--host", action="store_true", help="the host's cost of a warm call instead of the table")
     ap.add_argument("--calls", type=int, default=3000, help="--host: calls timed")
     args = ap.parse_args()
-    flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    flush = lambda: flush_l2(flush_buf)  # noqa: E731
     if args.host:
         host_cost(args.calls)
         return
+    flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = lambda: flush_l2(flush_buf)  # noqa: E731
     if args.splits:
         split_sweep(SHAPES[:3] if args.quick else SHAPES, [int(x) for x in args.splits.split(",")], args.reps, flush)
         return
