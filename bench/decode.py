@@ -4,6 +4,7 @@ FlashAttention-4 (where installed), on the same torch tensors, in one run.
     python bench/decode.py [--quick] [--fp16] [--json FILE]
     python bench/decode.py --splits 4,8,16,32,64    # the step's time against its split count, per shape
     python bench/decode.py --host                   # the host's cost of a warm call, ours and cuDNN's, and a profile
+    python bench/decode.py --trace                  # a graphed step kernel by kernel: durations and gaps (CUPTI)
 
 GB/s counts K and V read once (the bytes a decoding step cannot avoid; with a window, the window's). Kernel time:
 CUDA events around one call, the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden
@@ -161,6 +162,46 @@ def split_sweep(shapes, splits, reps, flush):
                                    "cuDNN us kernel"]))
 
 
+def trace(shapes, steps: int = 20) -> None:
+    """Where a graphed step's time goes, kernel by kernel (CUPTI through torch.profiler): per shape, ``steps``
+    replays of a graph of one step, ours and cuDNN's, and for each kernel its median duration and the median gap
+    between the previous kernel's end and its start (for the first kernel of a step: the previous step's last)."""
+    from torch.profiler import ProfilerActivity, profile
+    table = []
+    for batch, n in shapes:
+        torch.manual_seed(0)
+        q = torch.randn(batch, 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        ours = lambda: fav.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)  # noqa: E731
+        cudnn = {who: fn for who, fn in peers(q, k, v).items() if who == "cudnn"}
+        for name, fn in {"fa-variants": ours, **cudnn}.items():
+            graph_ms(fn, 5)   # warm, and the graph capture works
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            g.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    g.replay()
+                torch.cuda.synchronize()
+            kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                             key=lambda e: e.time_range.start)
+            per_step = len(kernels) // steps
+            for i in range(per_step):
+                at = range(i, per_step * steps, per_step)
+                gaps = [kernels[j].time_range.start - kernels[j - 1].time_range.end for j in at if j > 0]
+                table.append([batch, n, name, kernels[i].name[:60],
+                              f"{statistics.median(kernels[j].time_range.elapsed_us() for j in at):.1f}",
+                              f"{statistics.median(gaps):.1f}" if gaps else "-"])
+            step_us = (kernels[-1].time_range.end - kernels[0].time_range.start) / steps
+            table.append([batch, n, name, "(the step, first start to last end / steps)", f"{step_us:.1f}", ""])
+            print(table[-1], flush=True)
+    print(tabulate(table, headers=["batch", "KV tokens", "who", "kernel", "us median", "us gap before"]))
+
+
 def host_cost(calls: int) -> None:
     """The host's cost of a warm call (1 x 2K, seqlen_q 1): back-to-back calls with no synchronization, timed on
     the host (the GPU's work is shorter than the host's here, so the host is what is timed), ours and SDPA's with
@@ -203,9 +244,14 @@ def main():
     ap.add_argument("--splits", help="comma-separated split counts: the sweep instead of the table")
     ap.add_argument("--host", action="store_true", help="the host's cost of a warm call instead of the table")
     ap.add_argument("--calls", type=int, default=3000, help="--host: calls timed")
+    ap.add_argument("--trace", action="store_true", help="each kernel of a graphed step, its duration and the gap "
+                    "before it (CUPTI), ours and cuDNN's, instead of the table")
     args = ap.parse_args()
     if args.host:
         host_cost(args.calls)
+        return
+    if args.trace:
+        trace(SHAPES[:3] if args.quick else SHAPES)
         return
     flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     flush = lambda: flush_l2(flush_buf)  # noqa: E731
