@@ -5,6 +5,7 @@ FlashAttention-4 (where installed), on the same torch tensors, in one run.
     python bench/decode.py --splits 4,8,16,32,64    # the step's time against its split count, per shape
     python bench/decode.py --host                   # the host's cost of a warm call, ours and cuDNN's, and a profile
     python bench/decode.py --trace                  # a graphed step kernel by kernel: durations and gaps (CUPTI)
+    python bench/decode.py --compare a.json b.json  # runs saved with --json, case by case (an A/B of two trees)
 
 GB/s counts K and V read once (the bytes a decoding step cannot avoid; with a window, the window's). Kernel time:
 CUDA events around one call, the L2 flushed before each (a 1 x 8K cache fits in L2) and the host's cost hidden
@@ -234,6 +235,23 @@ def host_cost(calls: int) -> None:
     print(text.getvalue())
 
 
+def compare(paths: list[str]) -> None:
+    """Our kernel time per case across runs saved with --json (trees or rounds of an A/B): each run's microseconds
+    and its speed against the first run's; no GPU needed."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append({json.dumps({k: v for k, v in r.items() if k != "rows"}, sort_keys=True): r["rows"]
+                         for r in json.load(f)["record"]})
+    table = []
+    for case in runs[0]:
+        first = runs[0][case]["fa-variants"]["ms"]
+        times = [run[case]["fa-variants"]["ms"] if case in run else float("nan") for run in runs]
+        table.append([", ".join(f"{k} {v}" for k, v in json.loads(case).items() if v is not None),
+                      *(f"{t * 1e3:.1f}" for t in times), *(f"{first / t:.3f}" for t in times[1:])])
+    print(tabulate(table, headers=["case", *(f"us {p}" for p in paths), *(f"speed {p}" for p in paths[1:])]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -246,7 +264,12 @@ def main():
     ap.add_argument("--calls", type=int, default=3000, help="--host: calls timed")
     ap.add_argument("--trace", action="store_true", help="each kernel of a graphed step, its duration and the gap "
                     "before it (CUPTI), ours and cuDNN's, instead of the table")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="our kernel times of runs saved with --json, "
+                    "side by side with their speed against the first (no GPU)")
     args = ap.parse_args()
+    if args.compare:
+        compare(args.compare)
+        return
     if args.host:
         host_cost(args.calls)
         return
