@@ -56,7 +56,8 @@ def kernel_ms(fn, reps: int, flush) -> float:
     return statistics.median(times)
 
 
-def graph_ms(fn, reps: int) -> float:
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of fn, warmed up on a side stream first (torch's rule), replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -67,6 +68,11 @@ def graph_ms(fn, reps: int) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_ms(fn, reps: int) -> float:
+    g = capture(fn)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
@@ -99,6 +105,20 @@ def peers(q, k, v):
     return out
 
 
+def cudnn(q, k, v) -> dict:
+    """{"cudnn": fn}, SDPA's cuDNN backend alone of the peers (empty where it refuses the shape)."""
+    return {name: fn for name, fn in peers(q, k, v).items() if name == "cudnn"}
+
+
+def step_inputs(batch: int, n: int, seqlen_q: int = 1, dtype: str = "bfloat16"):
+    """q (batch, seqlen_q, HEADS, D) and contiguous caches k, v (batch, n, HEADS_KV, D), full: cache_seqlens n."""
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=getattr(torch, dtype))
+    k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=getattr(torch, dtype))
+    v = torch.randn_like(k)
+    return q, k, v, torch.full((batch,), n, dtype=torch.int32, device="cuda")
+
+
 def paged_copy(x, page_size: int, order):
     """x (B, N, Hkv, d) as pages of page_size tokens: logical page i of the B * N / page_size lands on page order[i]
     (a shuffle), so sequence b's page table row is order[b * N / page_size:][:N / page_size]."""
@@ -110,11 +130,7 @@ def paged_copy(x, page_size: int, order):
 
 def run_shape(batch, n, seqlen_q, reps, flush, with_peers=True, paged=None, fp8=False, dtype="bfloat16",
               window=None, num_splits=0, user_times=True):
-    torch.manual_seed(0)
-    q = torch.randn(batch, seqlen_q, HEADS, D, device="cuda", dtype=getattr(torch, dtype))
-    k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=getattr(torch, dtype))
-    v = torch.randn_like(k)
-    seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    q, k, v, seqlens = step_inputs(batch, n, seqlen_q, dtype)
     kc, vc, table, kd, vd = k, v, None, None, None
     if fp8:   # per (sequence, KV head) scales from the amax: e4m3 has no infinity, past 448 is NaN
         kd, vd = (x.abs().amax(dim=(1, 3)).float() / 448 for x in (k, v))
@@ -170,20 +186,10 @@ def trace(shapes, steps: int = 20) -> None:
     from torch.profiler import ProfilerActivity, profile
     table = []
     for batch, n in shapes:
-        torch.manual_seed(0)
-        q = torch.randn(batch, 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(batch, n, HEADS_KV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        q, k, v, seqlens = step_inputs(batch, n)
         ours = lambda: fav.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)  # noqa: E731
-        cudnn = {who: fn for who, fn in peers(q, k, v).items() if who == "cudnn"}
-        for name, fn in {"fa-variants": ours, **cudnn}.items():
-            graph_ms(fn, 5)   # warm, and the graph capture works
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            g.replay()
-            torch.cuda.synchronize()
+        for name, fn in {"fa-variants": ours, **cudnn(q, k, v)}.items():
+            g = capture(fn)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     g.replay()
@@ -207,14 +213,9 @@ def host_cost(calls: int) -> None:
     """The host's cost of a warm call (1 x 2K, seqlen_q 1): back-to-back calls with no synchronization, timed on
     the host (the GPU's work is shorter than the host's here, so the host is what is timed), ours and SDPA's with
     cuDNN; then the top of a cProfile of ours."""
-    torch.manual_seed(0)
-    q = torch.randn(1, 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 2048, HEADS_KV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    seqlens = torch.full((1,), 2048, dtype=torch.int32, device="cuda")
+    q, k, v, seqlens = step_inputs(1, 2048)
     ours = lambda: fav.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)  # noqa: E731
-    calls_of = {"fa-variants": ours, **{n: f for n, f in peers(q, k, v).items() if n == "cudnn"}}
-    for name, fn in calls_of.items():
+    for name, fn in {"fa-variants": ours, **cudnn(q, k, v)}.items():
         for _ in range(200):
             fn()
         torch.cuda.synchronize()
